@@ -1,0 +1,70 @@
+"""Configuration read from ``DYNJAX_*`` environment variables, validated once at import.
+
+| variable              | values                 | effect |
+|-----------------------|------------------------|--------|
+| DYNJAX_CACHE_DIR      | a directory path       | persistent XLA compilation cache for bucket executables |
+| DYNJAX_LOG_COMPILES   | 0 / 1                  | log every bucket compile through ``logging`` (logger "dynjax") |
+| DYNJAX_CHECK          | 0 / 1                  | ``check=True`` on every ``dynjax.jit`` function |
+| DYNJAX_CHECK_EVERY    | integer >= 1           | with check: compare one call in N against the exact function (default 1) |
+| DYNJAX_PROGRESS       | 0 / 1                  | progress bar in ``warmup`` (default 1 when stderr is a terminal) |
+
+Nothing here changes compiled output, so none of it is part of the executable cache key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+from dynjax._errors import SpecError
+
+_BOOLS = {"0": False, "1": True, "false": False, "true": True, "no": False, "yes": True,
+          "off": False, "on": True, "": False}
+
+
+def _bool(name: str, default: bool) -> bool:
+  raw = os.environ.get(name)
+  if raw is None:
+    return default
+  try:
+    return _BOOLS[raw.strip().lower()]
+  except KeyError:
+    raise SpecError(
+        f"environment variable {name}={raw!r} is not a boolean; "
+        f"use one of {sorted(k for k in _BOOLS if k)}") from None
+
+
+def _int(name: str, default: int, minimum: int) -> int:
+  raw = os.environ.get(name)
+  if raw is None or raw.strip() == "":
+    return default
+  try:
+    value = int(raw)
+  except ValueError:
+    value = minimum - 1
+  if value < minimum:
+    raise SpecError(f"environment variable {name}={raw!r} must be an integer >= {minimum}")
+  return value
+
+
+@dataclasses.dataclass
+class Config:
+  cache_dir: str | None
+  log_compiles: bool
+  check: bool
+  check_every: int
+  progress: bool
+
+  @classmethod
+  def from_env(cls) -> Config:
+    return cls(
+        cache_dir=os.environ.get("DYNJAX_CACHE_DIR") or None,
+        log_compiles=_bool("DYNJAX_LOG_COMPILES", False),
+        check=_bool("DYNJAX_CHECK", False),
+        check_every=_int("DYNJAX_CHECK_EVERY", 1, 1),
+        progress=_bool("DYNJAX_PROGRESS", sys.stderr.isatty()),
+    )
+
+
+config = Config.from_env()

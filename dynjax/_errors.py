@@ -1,0 +1,58 @@
+"""The dynjax exception hierarchy.
+
+Every error derives from :class:`DynjaxError` and from the builtin that matches it, so
+``except ValueError`` keeps working for callers that do not know dynjax.  Messages say what was
+expected, what came, where (the argument keypath) and how to fix it, and list every mismatch
+rather than the first one.
+"""
+
+from __future__ import annotations
+
+
+class DynjaxError(Exception):
+  """Base class of every error raised by dynjax."""
+
+
+class SpecError(DynjaxError, ValueError):
+  """A ``dims``/``buckets``/option given to ``dynjax.jit`` is malformed."""
+
+
+class PolicyError(DynjaxError, ValueError):
+  """A bucket policy was built with invalid arguments."""
+
+
+class ShapeMismatchError(DynjaxError, ValueError):
+  """Call arguments do not match the declared symbolic shapes (rank, static dim, variable)."""
+
+
+class DtypeMismatchError(DynjaxError, TypeError):
+  """A call argument changed dtype from the one the function was traced with."""
+
+
+class OutOfBucketsError(DynjaxError, ValueError):
+  """A dimension is larger than the largest bucket and ``overflow="error"``."""
+
+
+class PaddingMismatchError(DynjaxError, AssertionError):
+  """``check=True``: the padded executable disagreed with the exact-shape function."""
+
+
+class PaddingUnsupportedError(DynjaxError, NotImplementedError):
+  """The padding pass has no exact rule for an equation (internal: triggers exact fallback)."""
+
+
+class ControlFlowError(DynjaxError, ValueError):
+  """A ``while_loop``/``cond``/``recursive`` program cannot be built or run as written."""
+
+
+class RoutingError(DynjaxError, ValueError):
+  """A router, gate or path was given inputs it cannot route."""
+
+
+class ShardingError(DynjaxError, ValueError):
+  """A sharding does not fit the function's shapes or the mesh."""
+
+
+def format_list(lines: list[str], indent: str = "  ") -> str:
+  """Joins mismatch lines into the indented block used by every multi-line message."""
+  return "\n".join(indent + line for line in lines)

@@ -1,0 +1,10 @@
+"""Bucketing: policies (which padded size serves a true size) and the padding pass."""
+
+from dynjax.bucketing._policies import BucketPolicy as BucketPolicy
+from dynjax.bucketing._policies import auto as auto
+from dynjax.bucketing._policies import explicit as explicit
+from dynjax.bucketing._policies import geometric as geometric
+from dynjax.bucketing._policies import linear as linear
+from dynjax.bucketing._policies import pow2 as pow2
+
+__all__ = ["BucketPolicy", "auto", "explicit", "geometric", "linear", "pow2"]

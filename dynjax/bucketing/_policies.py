@@ -1,0 +1,474 @@
+"""Bucket policies: which padded size serves a true size.
+
+A policy is a plain object, testable without JAX.  The dispatcher asks ``bucket(n)`` on every
+call (hot path: a bisect over a precomputed tuple, ~0.3 us), ``sizes()`` for warm-up, and
+``observe(n)`` so that the profile-guided :func:`auto` policy can re-plan.
+
+Every policy has a ``min`` and a ``max`` (``None``: unbounded).  ``bucket(n)`` returns ``None``
+when ``n > max``; what happens then is the function's ``overflow`` option, and ``grow(n)``
+gives the bucket the policy's own rule would pick past ``max``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import threading
+from collections import Counter
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from dynjax._errors import PolicyError
+
+
+def _check_int(name: str, value, minimum: int, policy: str) -> int:
+  if isinstance(value, bool) or not isinstance(value, int | np.integer):
+    raise PolicyError(
+        f"dynjax.buckets.{policy}: {name} must be an integer, got {type(value).__name__} "
+        f"{value!r}")
+  if value < minimum:
+    raise PolicyError(f"dynjax.buckets.{policy}: {name} must be >= {minimum}, got {value}")
+  return int(value)
+
+
+def _check_range(lo: int, hi: int | None, policy: str) -> None:
+  if hi is not None and hi < lo:
+    raise PolicyError(
+        f"dynjax.buckets.{policy}: max={hi} is smaller than min={lo}; give max >= min")
+
+
+def _round_up(n: int, multiple: int) -> int:
+  return -(-n // multiple) * multiple
+
+
+class BucketPolicy:
+  """Base class: maps a true size to a padded size.
+
+  Subclasses define ``_rule(n)`` (the unbounded rule) and may precompute ``_table``.
+  """
+
+  name = "policy"
+
+  def __init__(self, min: int, max: int | None, multiple: int = 1):
+    self.min = min
+    self.max = max
+    self.multiple = multiple
+    self._table: tuple[int, ...] | None = None
+    if max is not None:
+      self._table = self._build_table()
+
+  # -- to override -------------------------------------------------------------------------
+  def _rule(self, n: int) -> int:
+    """The smallest size >= n that the unbounded policy would use (before ``multiple``)."""
+    raise NotImplementedError
+
+  def _args(self) -> str:
+    raise NotImplementedError
+
+  def _clone(self, multiple: int) -> BucketPolicy:
+    raise NotImplementedError
+
+  # -- shared machinery --------------------------------------------------------------------
+  def _aligned_rule(self, n: int) -> int:
+    return _round_up(self._rule(max(n, self.min)), self.multiple)
+
+  def _build_table(self) -> tuple[int, ...]:
+    out: list[int] = []
+    n = self.min
+    while True:
+      b = self._aligned_rule(n)
+      if b > self.max:
+        break
+      out.append(b)
+      n = b + 1
+    top = _round_up(self.max, self.multiple)
+    if not out or out[-1] < top:
+      out.append(top)  # the declared max is always a bucket, so every n <= max is served
+    return tuple(out)
+
+  def bucket(self, n: int) -> int | None:
+    """The padded size for true size ``n``; ``None`` when ``n`` is above ``max``."""
+    table = self._table
+    if table is not None:
+      i = bisect.bisect_left(table, n)
+      return table[i] if i < len(table) else None
+    return self._aligned_rule(n)
+
+  def grow(self, n: int) -> int:
+    """The bucket past ``max`` for ``overflow="grow"``: the policy's rule, unbounded."""
+    return self._aligned_rule(n)
+
+  def sizes(self) -> tuple[int, ...]:
+    """Every bucket size in ``[min, max]`` (needs a ``max``)."""
+    if self._table is None:
+      raise PolicyError(
+          f"{self!r} has no max, so its buckets cannot be listed (warm-up needs them); "
+          "give max=...")
+    return self._table
+
+  def observe(self, n: int) -> None:
+    """Records one call's true size (used by profile-guided policies)."""
+
+  def record_time(self, bucket: int, seconds: float) -> None:
+    """Records a measured run time of ``bucket`` (used by profile-guided policies)."""
+
+  def aligned(self, multiple: int) -> BucketPolicy:
+    """This policy with every bucket a multiple of ``multiple`` (e.g. a mesh axis size)."""
+    multiple = _check_int("multiple", multiple, 1, self.name)
+    if multiple == self.multiple:
+      return self
+    return self._clone(math.lcm(multiple, self.multiple))
+
+  def fresh(self) -> BucketPolicy:
+    """A copy with no recorded observations (one per dimension variable and function)."""
+    return self._clone(self.multiple)
+
+  def expected_waste(self, sizes: Iterable[int]) -> float:
+    """Padded fraction ``1 - sum(n) / sum(bucket(n))`` over a sample of true sizes."""
+    true = padded = 0
+    for n in sizes:
+      b = self.bucket(n)
+      b = self.grow(n) if b is None else b
+      true += n
+      padded += b
+    return 0.0 if padded == 0 else 1.0 - true / padded
+
+  def __repr__(self) -> str:
+    extra = f", multiple={self.multiple}" if self.multiple != 1 else ""
+    return f"dynjax.buckets.{self.name}({self._args()}{extra})"
+
+
+class Pow2(BucketPolicy):
+  name = "pow2"
+
+  def _rule(self, n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+  def _args(self) -> str:
+    return f"min={self.min}, max={self.max}"
+
+  def _clone(self, multiple):
+    return Pow2(self.min, self.max, multiple)
+
+
+class Linear(BucketPolicy):
+  name = "linear"
+
+  def __init__(self, step: int, min: int, max: int | None, multiple: int = 1):
+    self.step = step
+    super().__init__(min, max, multiple)
+
+  def _rule(self, n: int) -> int:
+    return _round_up(n, self.step)
+
+  def _args(self) -> str:
+    return f"step={self.step}, min={self.min}, max={self.max}"
+
+  def _clone(self, multiple):
+    return Linear(self.step, self.min, self.max, multiple)
+
+
+class Geometric(BucketPolicy):
+  name = "geometric"
+
+  def __init__(self, ratio: float, min: int, max: int | None, multiple: int = 1):
+    self.ratio = ratio
+    super().__init__(min, max, multiple)
+
+  def _rule(self, n: int) -> int:
+    # Sizes min, ceil(min*r), ceil(min*r^2), ...; computed by iteration so it is exact.
+    b = max(self.min, 1)
+    while b < n:
+      b = max(b + 1, math.ceil(b * self.ratio))
+    return b
+
+  def _args(self) -> str:
+    return f"ratio={self.ratio}, min={self.min}, max={self.max}"
+
+  def _clone(self, multiple):
+    return Geometric(self.ratio, self.min, self.max, multiple)
+
+
+class Explicit(BucketPolicy):
+  name = "explicit"
+
+  def __init__(self, sizes: Sequence[int], multiple: int = 1):
+    self.explicit = tuple(sorted(set(sizes)))
+    super().__init__(self.explicit[0] if self.explicit else 1,
+                     self.explicit[-1] if self.explicit else 1, multiple)
+
+  def _build_table(self) -> tuple[int, ...]:
+    return tuple(sorted({_round_up(s, self.multiple) for s in self.explicit}))
+
+  def _rule(self, n: int) -> int:
+    # Past the largest size ("grow"), continue with powers of two.
+    i = bisect.bisect_left(self.explicit, n)
+    return self.explicit[i] if i < len(self.explicit) else 1 << (n - 1).bit_length()
+
+  def _args(self) -> str:
+    return f"{list(self.explicit)}"
+
+  def _clone(self, multiple):
+    return Explicit(self.explicit, multiple)
+
+
+class Auto(BucketPolicy):
+  """Profile-guided buckets under a compile budget, re-planned from the observed histogram.
+
+  Cold start: a single bucket at ``max`` (or the next power of two above the first size when
+  unbounded).  After 8, 16, 32, ... observations it re-plans: it picks at most
+  ``max_compiles`` bucket sizes in total, counting those already used as sunk (free), that
+  minimise the expected cost ``sum_n count(n) * cost(bucket(n))`` over the histogram.  ``cost``
+  is the measured run time of a bucket when the dispatcher has reported one (fitted linearly
+  across buckets), else the padded size.  Hysteresis: a new plan is adopted only when it cuts
+  the expected cost by more than ``hysteresis`` (default 5%), so the plan does not thrash.
+  """
+
+  name = "auto"
+
+  def __init__(self, max_compiles: int = 8, min: int = 1, max: int | None = None,
+               multiple: int = 1, align: int = 8, hysteresis: float = 0.05):
+    self.max_compiles = max_compiles
+    self.align = align
+    self.hysteresis = hysteresis
+    self._lock = threading.Lock()
+    self._hist: Counter[int] = Counter()
+    self._n_obs = 0
+    self._next_plan_at = 8
+    self._used: set[int] = set()  # buckets handed out (compiled or being compiled): sunk cost
+    self._times: dict[int, float] = {}
+    self.replans = 0
+    super().__init__(min, max, multiple)
+
+  def _quantum(self) -> int:
+    return math.lcm(self.align, self.multiple)
+
+  def _build_table(self) -> tuple[int, ...]:
+    return (_round_up(self.max, self.multiple),)
+
+  def _rule(self, n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+  def bucket(self, n: int) -> int | None:
+    table = self._table
+    if table is not None:
+      i = bisect.bisect_left(table, n)
+      if i < len(table):
+        b = table[i]
+        if b not in self._used:
+          with self._lock:
+            self._used.add(b)
+        return b
+    if self.max is not None and n > self.max:
+      return None
+    # Unbounded and above every planned bucket: extend the plan with a power of two.
+    b = _round_up(self._rule(max(n, self.min)), self.multiple)
+    with self._lock:
+      self._used.add(b)
+      self._table = tuple(sorted(set(self._table or ()) | {b}))
+    return b
+
+  def sizes(self) -> tuple[int, ...]:
+    if self._table is None:
+      raise PolicyError(f"{self!r} has no max and no observations: its buckets cannot be "
+                        "listed yet; give max=... or call the function first")
+    return self._table
+
+  def observe(self, n: int) -> None:
+    # Hot path: a Counter increment (~0.2 us); re-planning runs at 8, 16, 32, ... calls.
+    self._hist[n] += 1
+    self._n_obs += 1
+    if self._n_obs >= self._next_plan_at:
+      with self._lock:
+        if self._n_obs >= self._next_plan_at:
+          self._next_plan_at *= 2
+          self._replan()
+
+  def record_time(self, bucket: int, seconds: float) -> None:
+    old = self._times.get(bucket)
+    self._times[bucket] = seconds if old is None else 0.8 * old + 0.2 * seconds
+
+  # -- planning ----------------------------------------------------------------------------
+  def _cost_fn(self):
+    known = sorted(self._times.items())
+    if len(known) >= 2:
+      xs = np.array([k for k, _ in known], float)
+      ys = np.array([v for _, v in known], float)
+      slope, intercept = np.polyfit(xs, ys, 1)
+      if slope > 0:
+        return lambda b: intercept + slope * np.asarray(b, float)
+    return lambda b: np.asarray(b, float)
+
+  def expected_cost(self, table: Sequence[int] | None = None) -> float:
+    table = tuple(sorted(table if table is not None else (self._table or ())))
+    cost = self._cost_fn()
+    total = 0.0
+    for n, c in self._hist.items():
+      i = bisect.bisect_left(table, n)
+      b = table[i] if i < len(table) else _round_up(self._rule(n), self.multiple)
+      total += c * float(cost(b))
+    return total
+
+  def plan(self) -> tuple[int, ...]:
+    """The best table for the histogram so far (does not adopt it)."""
+    q = self._quantum()
+    sunk = sorted(self._used)
+    budget = self.max_compiles - len(sunk)
+    if self._n_obs < 256 and budget > 1:
+      budget = budget // 2  # small samples mislead: keep half the budget for later plans
+    top_needed = max(self._hist) if self._hist else self.min
+    cands = {_round_up(max(n, self.min), q) for n in self._hist}
+    if self.max is not None:
+      top = _round_up(self.max, self.multiple)
+      cands = {min(c, top) for c in cands} | {top}
+    cands |= set(sunk)
+    cands = sorted(c for c in cands if c >= self.min)
+    if not cands:
+      return tuple(sunk)
+    m = len(cands)
+    is_new = np.array([c not in self._used for c in cands])
+    counts = np.zeros(m + 1)
+    for n, c in self._hist.items():
+      j = bisect.bisect_left(cands, n)
+      counts[min(j, m - 1) + 1] += c
+    cum = np.cumsum(counts)  # cum[j+1] = observations with bucket index <= j
+    cost = self._cost_fn()(np.array(cands))
+    inf = float("inf")
+    # dp[k][j]: best cost of covering sizes <= cands[j] with cands[j] as a bucket and k new ones.
+    kmax = max(budget, 0)
+    dp = np.full((kmax + 1, m), inf)
+    choice = np.full((kmax + 1, m), -1, dtype=np.int64)
+    for j in range(m):
+      for k in range(kmax + 1):
+        k_prev = k - int(is_new[j])
+        if k_prev < 0:
+          continue
+        base = cost[j] * (cum[j + 1] - cum[0])
+        best, arg = base, -1  # j is the first bucket
+        if j > 0:
+          prev = dp[k_prev, :j] + cost[j] * (cum[j + 1] - cum[1:j + 1])
+          i = int(np.argmin(prev))
+          if prev[i] < best:
+            best, arg = prev[i], i
+        dp[k, j] = best
+        choice[k, j] = arg
+    # The last bucket must cover the largest observation (and max, when declared).
+    need = max(top_needed, self.max or 0)
+    finals = [j for j in range(m) if cands[j] >= need]
+    best = (inf, -1, -1)
+    for j in finals:
+      for k in range(kmax + 1):
+        if dp[k, j] < best[0]:
+          best = (dp[k, j], k, j)
+    if best[2] < 0:
+      return tuple(sorted(set(sunk) | ({cands[-1]} if budget > 0 else set())))
+    _, k, j = best
+    chosen = []
+    while j >= 0:
+      chosen.append(cands[j])
+      nk = k - int(is_new[j])
+      j, k = int(choice[k, j]), nk
+    return tuple(sorted(set(chosen) | set(sunk)))
+
+  def _replan(self) -> None:
+    new = self.plan()
+    old_cost = self.expected_cost(self._table)
+    new_cost = self.expected_cost(new)
+    if self._table is None or new_cost < (1.0 - self.hysteresis) * old_cost:
+      self._table = new
+      self.replans += 1
+
+  def _args(self) -> str:
+    return f"max_compiles={self.max_compiles}, min={self.min}, max={self.max}"
+
+  def _clone(self, multiple):
+    return Auto(self.max_compiles, self.min, self.max, multiple, self.align, self.hysteresis)
+
+
+# -- public constructors ---------------------------------------------------------------------
+def pow2(min: int = 1, max: int | None = None) -> BucketPolicy:
+  """Powers of two between ``min`` and ``max`` (``max`` itself is always a bucket).
+
+  Example:
+    >>> dynjax.buckets.pow2(min=16, max=100).sizes()
+    (16, 32, 64, 100)
+  """
+  lo = _check_int("min", min, 1, "pow2")
+  hi = None if max is None else _check_int("max", max, 1, "pow2")
+  _check_range(lo, hi, "pow2")
+  return Pow2(lo, hi)
+
+
+def linear(step: int, min: int = 1, max: int | None = None) -> BucketPolicy:
+  """Multiples of ``step`` between ``min`` and ``max``.
+
+  Example:
+    >>> dynjax.buckets.linear(32, min=1, max=128).sizes()
+    (32, 64, 96, 128)
+  """
+  step = _check_int("step", step, 1, "linear")
+  lo = _check_int("min", min, 1, "linear")
+  hi = None if max is None else _check_int("max", max, 1, "linear")
+  _check_range(lo, hi, "linear")
+  return Linear(step, lo, hi)
+
+
+def geometric(ratio: float = 1.5, min: int = 1, max: int | None = None) -> BucketPolicy:
+  """Sizes ``min, ceil(min*ratio), ...`` up to ``max``: constant relative waste.
+
+  Example:
+    >>> dynjax.buckets.geometric(2.0, min=10, max=100).sizes()
+    (10, 20, 40, 80, 100)
+  """
+  if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not ratio > 1.0:
+    raise PolicyError(f"dynjax.buckets.geometric: ratio must be a number > 1, got {ratio!r}")
+  lo = _check_int("min", min, 1, "geometric")
+  hi = None if max is None else _check_int("max", max, 1, "geometric")
+  _check_range(lo, hi, "geometric")
+  return Geometric(float(ratio), lo, hi)
+
+
+def explicit(sizes: Iterable[int]) -> BucketPolicy:
+  """Exactly the given sizes (a plain list passed as a policy means the same).
+
+  Example:
+    >>> dynjax.buckets.explicit([8, 32, 128]).bucket(20)
+    32
+  """
+  try:
+    sizes = list(sizes)
+  except TypeError:
+    raise PolicyError(
+        f"dynjax.buckets.explicit: sizes must be an iterable of integers, got {sizes!r}") from None
+  if not sizes:
+    raise PolicyError("dynjax.buckets.explicit: sizes is empty; give at least one size")
+  checked = [_check_int(f"sizes[{i}]", s, 1, "explicit") for i, s in enumerate(sizes)]
+  return Explicit(checked)
+
+
+def auto(max_compiles: int = 8, min: int = 1, max: int | None = None) -> BucketPolicy:
+  """Profile-guided buckets: at most ``max_compiles`` sizes, re-planned from observed sizes.
+
+  Example:
+    >>> p = dynjax.buckets.auto(max_compiles=4, max=512)
+    >>> for n in [5, 7, 9, 30, 31, 200, 6, 8]: p.observe(p.bucket(n) and n)
+    >>> len(p.sizes()) <= 4
+    True
+  """
+  k = _check_int("max_compiles", max_compiles, 1, "auto")
+  lo = _check_int("min", min, 1, "auto")
+  hi = None if max is None else _check_int("max", max, 1, "auto")
+  _check_range(lo, hi, "auto")
+  return Auto(k, lo, hi)
+
+
+def as_policy(value, where: str) -> BucketPolicy:
+  """Accepts a policy, a list of sizes (explicit) or None; raises naming ``where``."""
+  if isinstance(value, BucketPolicy):
+    return value
+  if isinstance(value, list | tuple):
+    return explicit(value)
+  raise PolicyError(
+      f"buckets{where}: expected a dynjax.buckets policy (pow2, linear, geometric, explicit, "
+      f"auto) or a list of sizes, got {type(value).__name__} {value!r}")
