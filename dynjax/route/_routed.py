@@ -1,0 +1,295 @@
+"""``Routed``: a router, a path set and a capacity mode; the dropless routed layer.
+
+Modes (what each costs is in WORKSPACE.md, "Routing"):
+
+- ``"exact-sync"``: route on device (one executable), read the ``P`` loads on the host (the one
+  device->host sync of the layer), bucket each load with the policy, then run the executable
+  of that *capacity signature* (compiled once, cached).  Capacities always cover the loads, so
+  no overflow path exists.  A compile budget bounds the signatures: a new signature is served
+  by a cached one that covers it when that wastes little, or when the budget is spent.
+- ``"profiled"``: capacities come from the recorded load :class:`Profile` (a quantile of each
+  path's load fraction, bucketed) and are static, so the whole layer is one traceable function
+  (no host sync: use it under ``jax.jit``/``jax.grad``); cells past capacity take the chunked
+  overflow path, computed exactly.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+
+import jax
+import numpy as np
+
+from dynjax._errors import RoutingError
+from dynjax.bucketing._policies import BucketPolicy, as_policy, pow2
+from dynjax.route._dispatch import FUSIONS, Plan, apply, make_plan
+from dynjax.route._paths import Branches, Experts
+from dynjax.route._profile import Profile
+from dynjax.route._router import Router, Routing
+
+MODES = ("exact-sync", "profiled")
+
+
+def _is_tracer(x) -> bool:
+  return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(x))
+
+
+class Routed:
+  """A dropless routed layer: ``y[i] = sum_j gate[i, j] * path[paths[i, j]](x[i])``.
+
+  Args:
+    paths: :class:`Experts` (stacked parameters) or :class:`Branches` (one function per path).
+    router: the :class:`Router`.
+    mode: ``"exact-sync"`` or ``"profiled"`` (see the module docstring).
+    buckets: the capacity bucket policy (``dynjax.buckets``; a list means explicit sizes).
+      Default: powers of two from 8.
+    profile: a :class:`Profile` (or a path to a saved one) for ``"profiled"``; recorded into by
+      ``"exact-sync"`` calls.  Without records, ``"profiled"`` plans every path at
+      ``bucket(ceil(capacity_factor * cells * k / P))`` (still dropless: the rest overflows).
+    quantile: per-path load quantile the profiled capacities cover.
+    margin: head-room factor on the profiled capacities.
+    capacity_factor: capacity of an unprofiled path relative to the mean load.
+    fusion: ``"bucket"``, ``"runs"`` or ``"none"`` (see :func:`make_plan`).
+    max_signatures: ``"exact-sync"`` compile budget (distinct capacity signatures).
+    slack: ``"exact-sync"``: serve a new signature by a cached covering one when its padded
+      slots exceed the tight signature's by at most this fraction.
+    overflow_chunk: rows per step of the overflow path.
+    record: record loads into the profile on every ``"exact-sync"`` call.
+
+  Example:
+    >>> moe = dynjax.route.Routed(dynjax.route.Experts(dynjax.route.ffn()),
+    ...                           dynjax.route.Router(8, k=2), mode="exact-sync")
+    >>> y = moe(params, x, logits)        # params: {"w1": [8, d, f], "w2": [8, f, d]}
+    >>> moe.stats()["host_syncs"]
+    1
+  """
+
+  def __init__(self, paths: Experts | Branches, router: Router, *, mode: str = "exact-sync",
+               buckets: BucketPolicy | list[int] | None = None,
+               profile: Profile | str | None = None, quantile: float = 0.999,
+               margin: float = 1.0, capacity_factor: float = 1.25, fusion: str = "bucket",
+               max_signatures: int = 16, slack: float = 0.125, overflow_chunk: int = 256,
+               record: bool = True):
+    if not isinstance(paths, Experts | Branches):
+      raise RoutingError(f"dynjax.route.Routed: paths must be dynjax.route.Experts(fn) or "
+                         f"dynjax.route.Branches(fns), got {type(paths).__name__}; wrap the "
+                         "function")
+    if not isinstance(router, Router):
+      raise RoutingError(f"dynjax.route.Routed: router must be a dynjax.route.Router, got "
+                         f"{type(router).__name__}")
+    if mode not in MODES:
+      raise RoutingError(f"dynjax.route.Routed: mode must be one of {', '.join(map(repr, MODES))}"
+                         f", got {mode!r}")
+    if fusion not in FUSIONS:
+      raise RoutingError(f"dynjax.route.Routed: fusion must be one of "
+                         f"{', '.join(map(repr, FUSIONS))}, got {fusion!r}")
+    if isinstance(paths, Branches) and len(paths.fns) != router.num_paths:
+      raise RoutingError(f"dynjax.route.Routed: {len(paths.fns)} branches but the router has "
+                         f"num_paths={router.num_paths}; give one branch per path")
+    self.paths = paths
+    self.router = router
+    self.mode = mode
+    self.policy = pow2(min=8) if buckets is None else as_policy(buckets, " (dynjax.route)")
+    if isinstance(profile, str):
+      profile = Profile.load(profile)
+    if profile is None:
+      profile = Profile(router.num_paths)
+    if profile.num_paths != router.num_paths:
+      raise RoutingError(f"dynjax.route.Routed: the profile has num_paths={profile.num_paths}, "
+                         f"the router {router.num_paths}; use a profile of this layer")
+    self.profile = profile
+    self.quantile = float(quantile)
+    self.margin = float(margin)
+    self.capacity_factor = float(capacity_factor)
+    self.fusion = fusion
+    self.max_signatures = int(max_signatures)
+    self.slack = float(slack)
+    self.overflow_chunk = int(overflow_chunk)
+    self.record = bool(record)
+    self._route = jax.jit(self.route)
+    self._execs: dict[Plan, object] = {}
+    self._uses: dict[Plan, int] = {}
+    self._profiled_caps: dict[int, tuple[int, ...]] = {}
+    self._lock = threading.Lock()
+    self._stats = dict(calls=0, host_syncs=0, compiles=0, signature_hits=0, covered_hits=0,
+                       cells=0, slots=0, sync_seconds=0.0)
+
+  def __repr__(self) -> str:
+    return f"Routed({self.paths!r}, {self.router!r}, mode={self.mode!r})"
+
+  # -- pieces --------------------------------------------------------------------------------
+  def route(self, logits=None, labels=None) -> Routing:
+    """The routing of a batch (traceable)."""
+    return self.router(logits, labels=labels)
+
+  def _check(self, params, x, logits, labels) -> None:
+    self.paths.check(params, self.router.num_paths)
+    n = np.shape(logits if logits is not None else labels)[:1]
+    if not np.ndim(x) or np.shape(x)[:1] != n:
+      raise RoutingError(
+          f"dynjax.route.Routed: x has shape {tuple(np.shape(x))}, expected its first axis to "
+          f"match the {'labels' if labels is not None else 'logits'} ({n[0] if n else '?'} "
+          "cells); pass one routing row per cell of x")
+
+  def _tight_caps(self, loads: np.ndarray, num_cells: int) -> tuple[int, ...]:
+    out = []
+    for load in loads.tolist():
+      if load <= 0:
+        out.append(0)
+        continue
+      b = self.policy.bucket(load)
+      out.append(min(num_cells, self.policy.grow(load) if b is None else b))
+    return tuple(out)
+
+  def capacities(self, routing: Routing) -> tuple[int, ...]:
+    """Exact capacities for a routing: its loads read on the host (one sync), bucketed.
+
+    Goes through the signature cache (a cached covering signature may be returned), records
+    the loads in the profile.  Use with :meth:`apply` to differentiate an exact-sync layer.
+    """
+    if _is_tracer(routing.loads):
+      raise RoutingError(
+          "dynjax.route.Routed.capacities: the loads are traced (inside jax.jit/grad/vmap), so "
+          "they cannot be read on the host; call capacities() outside the transformation and "
+          "pass the result to apply(..., capacities=...), or use mode='profiled'")
+    t0 = time.perf_counter()
+    loads = np.asarray(routing.loads)  # the one device->host sync of the layer
+    self._stats["sync_seconds"] += time.perf_counter() - t0
+    self._stats["host_syncs"] += 1
+    n = int(routing.paths.shape[0])
+    num_cells = n * int(routing.paths.shape[1])
+    if self.record:
+      self.profile.record(loads, n)
+    self._stats["cells"] += int(loads.sum())
+    return self._lookup(self._tight_caps(loads, num_cells))
+
+  def _lookup(self, tight: tuple[int, ...]) -> tuple[int, ...]:
+    plan = self._plan(tight, overflow=False)
+    if plan in self._execs:
+      self._stats["signature_hits"] += 1
+      return tight
+    covering = [p.capacities for p in self._execs if not p.overflow and
+                len(p.capacities) == len(tight) and
+                all(c >= t for c, t in zip(p.capacities, tight, strict=True))]
+    best = min(covering, key=sum, default=None)
+    full = len(self._execs) >= self.max_signatures
+    if best is not None and (full or sum(best) <= (1.0 + self.slack) * sum(tight)):
+      self._stats["covered_hits"] += 1
+      return best
+    if full:
+      # Over budget and nothing covers it: the envelope of every signature so far.
+      env = list(tight)
+      for p in self._execs:
+        if not p.overflow and len(p.capacities) == len(tight):
+          env = [max(a, b) for a, b in zip(env, p.capacities, strict=True)]
+      return tuple(env)
+    return tight
+
+  def _plan(self, caps: tuple[int, ...], overflow: bool) -> Plan:
+    return make_plan(caps, self.fusion, overflow, self.overflow_chunk)
+
+  def profiled_capacities(self, num_cells: int, k: int | None = None) -> tuple[int, ...]:
+    """The static capacities of the ``profiled`` mode for ``num_cells`` cells (cached)."""
+    k = self.router.k if k is None else k
+    key = (num_cells, k)
+    caps = self._profiled_caps.get(key)
+    if caps is None:
+      total = num_cells * k
+      if len(self.profile):
+        caps = self.profile.capacities(num_cells, self.policy, self.quantile, self.margin,
+                                       max_capacity=total)
+      else:
+        need = max(1, -(-int(self.capacity_factor * total) // self.router.num_paths))
+        b = self.policy.bucket(need)
+        caps = (min(total, self.policy.grow(need) if b is None else b),) * self.router.num_paths
+      self._profiled_caps[key] = caps
+    return caps
+
+  def replan(self) -> None:
+    """Forgets the profiled capacities, so the next call plans from the profile as it is now."""
+    self._profiled_caps.clear()
+
+  def apply(self, params, x, routing: Routing, capacities: tuple[int, ...] | None = None, *,
+            overflow: bool = True) -> jax.Array:
+    """The routed layer for a given routing and capacities (traceable, differentiable).
+
+    Args:
+      params: path parameters (stacked for :class:`Experts`, a list for :class:`Branches`).
+      x: ``[N, ...]`` cells.
+      routing: from :meth:`route`.
+      capacities: per-path capacities; default: the profiled capacities.
+      overflow: run the overflow path for cells past capacity (keep True unless the capacities
+        come from :meth:`capacities` of this very routing).
+
+    Example:
+      >>> caps = moe.capacities(moe.route(logits))           # host sync, outside grad
+      >>> g = jax.grad(lambda p: moe.apply(p, x, moe.route(logits), caps).sum())(params)
+    """
+    if capacities is None:
+      capacities = self.profiled_capacities(int(routing.paths.shape[0]),
+                                            int(routing.paths.shape[1]))
+    capacities = tuple(int(c) for c in capacities)
+    if len(capacities) != self.router.num_paths:
+      raise RoutingError(f"dynjax.route.Routed.apply: capacities has {len(capacities)} entries, "
+                         f"expected num_paths={self.router.num_paths}")
+    return apply(self.paths, params, x, routing, self._plan(capacities, overflow))
+
+  # -- the layer -----------------------------------------------------------------------------
+  def __call__(self, params, x, logits=None, *, labels=None) -> jax.Array:
+    """Routes ``x`` by ``logits`` (or ``labels``), runs the paths, combines; nothing dropped.
+
+    Args:
+      params: path parameters.
+      x: ``[N, ...]`` cells.
+      logits: ``[N, P]`` gate logits (top-k / threshold routers).
+      labels: ``[N]`` integer labels (hash / label routers).
+
+    Returns:
+      ``[N, ...]`` combined outputs.
+    """
+    self._check(params, x, logits, labels)
+    self._stats["calls"] += 1
+    if self.mode == "profiled":
+      routing = self.route(logits, labels)
+      return self.apply(params, x, routing)
+    if _is_tracer((params, x, logits, labels)):
+      raise RoutingError(
+          "dynjax.route.Routed: mode='exact-sync' reads the loads on the host, but it was "
+          "called inside jax.jit/grad/vmap (its inputs are tracers); call it outside the "
+          "transformation, or use mode='profiled', or split it: caps = "
+          "moe.capacities(moe.route(logits)) outside, moe.apply(params, x, routing, caps) inside")
+    routing = self._route(logits, labels)
+    caps = self.capacities(routing)
+    plan = self._plan(caps, overflow=False)
+    fn = self._execs.get(plan)
+    if fn is None:
+      with self._lock:
+        fn = self._execs.get(plan)
+        if fn is None:
+          fn = jax.jit(functools.partial(apply, self.paths, plan=plan))
+          self._execs[plan] = fn
+          self._stats["compiles"] += 1
+    self._uses[plan] = self._uses.get(plan, 0) + 1
+    self._stats["slots"] += plan.num_slots
+    return fn(params, x, routing)
+
+  def stats(self) -> dict:
+    """Counters: calls, host syncs, compiles (capacity signatures), cache hits, padded fraction.
+
+    Example:
+      >>> moe.stats()["padded_fraction"]      # 1 - routed cells / slots computed (exact-sync)
+      0.21
+    """
+    s = dict(self._stats)
+    s["mode"] = self.mode
+    s["signatures"] = {", ".join(map(str, p.capacities)): n for p, n in self._uses.items()}
+    s["padded_fraction"] = 0.0 if not s["slots"] else 1.0 - s["cells"] / s["slots"]
+    s["profile"] = self.profile.summary()
+    s["profiled_capacities"] = {f"{n}x{k}": list(c) for (n, k), c in self._profiled_caps.items()}
+    return s
+
+  def explain(self, num_cells: int) -> str:
+    """The profiled plan for ``num_cells`` cells, one line per batched call."""
+    return self._plan(self.profiled_capacities(num_cells), overflow=True).describe()
