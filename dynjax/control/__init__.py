@@ -1,0 +1,14 @@
+"""dynjax control flow: loops whose shapes follow the data, conds, batched recursion.
+
+The build side: frontends trace user code and build :class:`dynjax.runtime.Program` objects
+that the runtime VM runs.
+"""
+
+from dynjax.control._frontend import NeedsProgram as NeedsProgram
+from dynjax.control._recursion import Cell as Cell
+from dynjax.control._recursion import CellValue as CellValue
+from dynjax.control._recursion import Recursive as Recursive
+from dynjax.control._recursion import cell as cell
+from dynjax.control._recursion import recursive as recursive
+
+__all__ = ["Cell", "CellValue", "NeedsProgram", "Recursive", "cell", "recursive"]
