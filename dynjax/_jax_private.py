@@ -1,0 +1,111 @@
+"""The one module that touches private JAX APIs (``jax._src``).
+
+Everything here has a fallback or a test, so a JAX upgrade that moves a private name breaks
+one place.  Append-only across the team: keep functions small and documented.
+"""
+
+from __future__ import annotations
+
+import jax
+
+
+def summarize_source(eqn) -> str:
+  """The user's source line of a jaxpr equation, e.g. ``model.py:42 (attend)``."""
+  try:
+    from jax._src import source_info_util
+
+    return source_info_util.summarize(eqn.source_info)
+  except Exception:  # pragma: no cover - private API moved
+    return "<unknown source>"
+
+
+def enable_persistent_cache(cache_dir: str) -> None:
+  """Points JAX's persistent compilation cache at ``cache_dir`` and persists everything.
+
+  JAX initialises its cache on the first compile of the process; if that already happened
+  with another directory, the cache is reset so the new directory takes effect.
+  """
+  jax.config.update("jax_compilation_cache_dir", cache_dir)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+  try:
+    from jax._src import compilation_cache as cc
+
+    if cc.is_initialized():
+      cc.reset_cache()
+  except Exception:  # pragma: no cover - private API moved: the config alone still works
+    pass
+
+
+# --- symbolic dimensions (used by the padding pass, dynjax/bucketing/_padding*.py) ---
+
+
+def is_symbolic_dim(d) -> bool:
+  """Whether a dimension is a symbolic ``_DimExpr`` (not a plain integer)."""
+  from jax._src import core
+
+  return not core.is_constant_dim(d)
+
+
+def eval_dim_expr(expr, env: dict):
+  """Evaluates a dimension expression with ``env`` mapping variable name -> value.
+
+  Integers evaluate to Python ``int``; with traced int32 scalars in ``env`` (e.g. the true sizes
+  inside a jitted function), ``floordiv``/``mod``/``max``/``min`` become ``jnp`` operations and
+  the result is a traced int32 scalar.
+  """
+  from jax._src import core
+
+  if core.is_constant_dim(expr):
+    return int(expr)
+  value = expr._evaluate(env)
+  if core.is_constant_dim(value) and not hasattr(value, "aval"):
+    return int(value)
+  return value
+
+
+def dim_expr_vars(expr) -> set[str]:
+  """Names of the dimension variables appearing in a dimension expression."""
+  from jax._src import core
+
+  if core.is_constant_dim(expr):
+    return set()
+  return set(expr._get_vars())
+
+
+def dim_as_value_primitive():
+  """The ``dim_as_value`` primitive (a symbolic dimension used as a number)."""
+  from jax._src.export import shape_poly
+
+  return shape_poly.dim_as_value_p
+
+
+def threefry_partitionable() -> bool:
+  """Whether ``random_bits`` counters are the row-major element index (prefix-stable)."""
+  return bool(jax.config.jax_threefry_partitionable)
+
+
+def private_primitives() -> dict:
+  """Primitives that ``jax.extend.core.primitives`` does not export, by name (absent ones skipped)."""
+  out = {}
+  try:
+    from jax._src.random import prng
+
+    out["random_wrap"] = prng.random_wrap_p
+    out["random_unwrap"] = prng.random_unwrap_p
+  except Exception:  # pragma: no cover - private API moved
+    pass
+  try:
+    from jax._src.lax import lax as lax_internal
+
+    out["split"] = lax_internal.split_p
+  except Exception:  # pragma: no cover
+    pass
+  return out
+
+
+def is_dim_expr(obj) -> bool:
+  """Whether ``obj`` is a symbolic dimension expression (any other object: False)."""
+  from jax._src.export import shape_poly
+
+  return isinstance(obj, shape_poly._DimExpr)

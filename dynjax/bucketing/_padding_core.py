@@ -1,0 +1,324 @@
+"""Core of the padding pass: padded values, the per-bucket context and the jaxpr interpreter.
+
+The interpreter reads like ``jax._src.core.eval_jaxpr``: an ``env`` with ``read``/``write`` and
+a per-primitive rule table (``RULES``, filled by ``_padding_rules``).  It runs *inside* the
+function the core jits, so every array it handles is a tracer of the padded bucket shapes and the
+true sizes are traced int32 scalars.
+
+Invariant of every value (``PaddedValue``) bound to a jaxpr variable whose aval has symbolic
+dims ``(d_0, ..., d_n)``: the array has the shape of those dims evaluated at the bucket sizes,
+and its prefix ``[0:d_0, ..., 0:d_n]`` (dims evaluated at the true sizes) holds exactly what the
+unpadded program holds.  Outside the prefix ("the padded region") it holds either anything
+(``fill is None``) or one known constant (``fill``).  Values with static avals have no padded
+region and are exact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend import core as jex_core
+
+from dynjax import _jax_private as jp
+from dynjax._errors import PaddingUnsupportedError
+
+Rule = Callable[["Context", Any, list["PaddedValue"]], list["PaddedValue"]]
+
+# primitive -> rule.  Filled by dynjax.bucketing._padding_rules (imported by _padding).
+RULES: dict[Any, Rule] = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class PaddedValue:
+  """A padded array and what is known of its padded region.
+
+  Attributes:
+    val: the array, of the aval's shape evaluated at the bucket sizes.
+    fill: ``None`` when the padded region may hold anything (garbage); otherwise the Python
+      scalar every element of the padded region equals.
+  """
+
+  val: Any
+  fill: Any = None
+
+
+def _same_fill(fill, identity) -> bool:
+  if fill is None:
+    return False
+  try:
+    f, i = np.asarray(fill), np.asarray(identity)
+    if f.dtype == np.bool_ or i.dtype == np.bool_:
+      return bool(f) == bool(i)
+    return bool(f == i) and bool(np.signbit(f) == np.signbit(i))
+  except Exception:
+    return False
+
+
+def is_dynamic_dim(d) -> bool:
+  return jp.is_dim_expr(d)
+
+
+def dynamic_axes(aval) -> list[int]:
+  return [i for i, d in enumerate(getattr(aval, "shape", ())) if is_dynamic_dim(d)]
+
+
+def has_dim_expr(obj) -> bool:
+  """Whether a (nested) parameter holds a symbolic dimension."""
+  if isinstance(obj, (tuple, list)):
+    return any(has_dim_expr(o) for o in obj)
+  return jp.is_dim_expr(obj)
+
+
+def _sub_jaxprs(params) -> list:
+  out = []
+  for v in params.values():
+    for item in v if isinstance(v, (tuple, list)) else (v,):
+      if isinstance(item, jex_core.ClosedJaxpr):
+        out.append(item.jaxpr)
+      elif isinstance(item, jex_core.Jaxpr):
+        out.append(item)
+  return out
+
+
+_TOUCH_CACHE: dict[int, tuple[Any, bool]] = {}
+
+
+def jaxpr_touches_dynamic(jaxpr) -> bool:
+  key = id(jaxpr)
+  hit = _TOUCH_CACHE.get(key)
+  if hit is not None and hit[0] is jaxpr:
+    return hit[1]
+  result = any(dynamic_axes(v.aval) for v in (*jaxpr.invars, *jaxpr.constvars)) or any(
+    eqn_touches_dynamic(e) for e in jaxpr.eqns
+  )
+  _TOUCH_CACHE[key] = (jaxpr, result)
+  return result
+
+
+def eqn_touches_dynamic(eqn) -> bool:
+  """Whether an equation involves a dynamic axis (then it needs a padding rule)."""
+  for v in (*eqn.invars, *eqn.outvars):
+    if dynamic_axes(v.aval):
+      return True
+  for k, p in eqn.params.items():
+    if isinstance(p, (jex_core.ClosedJaxpr, jex_core.Jaxpr)) or (
+      isinstance(p, (tuple, list))
+      and p
+      and isinstance(p[0], (jex_core.ClosedJaxpr, jex_core.Jaxpr))
+    ):
+      continue
+    if k.endswith("jaxpr_thunk") or k.endswith("jaxpr_fun") or callable(p):
+      continue
+    if has_dim_expr(p):
+      return True
+  return any(jaxpr_touches_dynamic(j) for j in _sub_jaxprs(eqn.params))
+
+
+def unsupported(eqn, why: str) -> PaddingUnsupportedError:
+  return PaddingUnsupportedError(
+    f"the padding pass has no exact rule for '{eqn.primitive.name}' at "
+    f"{jp.summarize_source(eqn)}: {why}. The function runs unpadded (one compile per shape)."
+  )
+
+
+class Context:
+  """Per-trace state: true sizes (traced), bucket sizes (ints), the rewrite log."""
+
+  def __init__(self, sizes_env: dict[str, Any], bucket_env: dict[str, int], log: list[str] | None):
+    self.sizes_env = sizes_env
+    self.bucket_env = bucket_env
+    self.log = log
+    self._true_cache: dict[Any, Any] = {}
+
+  # -- dimensions -------------------------------------------------------------------------
+  def padded_dim(self, d) -> int:
+    if not is_dynamic_dim(d):
+      return int(d)
+    return int(jp.eval_dim_expr(d, self.bucket_env))
+
+  def padded_shape(self, shape) -> tuple[int, ...]:
+    return tuple(self.padded_dim(d) for d in shape)
+
+  def true_dim(self, d):
+    """The true size of a dim: a Python int when static, else a traced int32 scalar."""
+    if not is_dynamic_dim(d):
+      return int(d)
+    hit = self._true_cache.get(d)
+    if hit is None:
+      hit = jnp.asarray(jp.eval_dim_expr(d, self.sizes_env), jnp.int32)
+      self._true_cache[d] = hit
+    return hit
+
+  def subst(self, obj):
+    """Replaces every symbolic dim inside a (nested) parameter by its bucket value."""
+    if isinstance(obj, tuple):
+      items = [self.subst(o) for o in obj]
+      return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
+    if isinstance(obj, list):
+      return [self.subst(o) for o in obj]
+    if has_dim_expr(obj):
+      return self.padded_dim(obj)
+    return obj
+
+  def subst_params(self, params: dict) -> dict:
+    return {k: self.subst(v) for k, v in params.items()}
+
+  # -- masks ------------------------------------------------------------------------------
+  def axis_valid(self, aval, axis: int, shape: Sequence[int] | None = None):
+    """Boolean array (of the padded shape) true where index along ``axis`` < true extent."""
+    shape = tuple(shape) if shape is not None else self.padded_shape(aval.shape)
+    return lax.broadcasted_iota(jnp.int32, shape, axis) < self.true_dim(aval.shape[axis])
+
+  def valid_mask(self, aval, axes: Sequence[int]):
+    """Boolean mask of the valid prefix along ``axes`` (only dynamic ones count), or None."""
+    shape = self.padded_shape(aval.shape)
+    m = None
+    for a in axes:
+      if not is_dynamic_dim(aval.shape[a]):
+        continue
+      ma = self.axis_valid(aval, a, shape)
+      m = ma if m is None else m & ma
+    return m
+
+  def mask(self, pv: PaddedValue, aval, axes: Sequence[int], identity, eqn=None, what=""):
+    """The array of ``pv`` with its padded region along ``axes`` set to ``identity``."""
+    dyn = [a for a in axes if is_dynamic_dim(aval.shape[a])]
+    if not dyn:
+      return pv.val
+    if _same_fill(pv.fill, identity):
+      if eqn is not None:
+        self.note(eqn, f"no mask needed on {what or 'operand'}: padded region already {identity}")
+      return pv.val
+    m = self.valid_mask(aval, dyn)
+    if eqn is not None:
+      names = ", ".join(f"{a}:{aval.shape[a]}" for a in dyn)
+      self.note(eqn, f"masked {what or 'operand'} axes ({names}) with {identity}")
+    return jnp.where(m, pv.val, jnp.asarray(identity, pv.val.dtype))
+
+  def note(self, eqn, msg: str) -> None:
+    if self.log is not None:
+      line = f"{eqn.primitive.name} at {jp.summarize_source(eqn)}: {msg}"
+      if not self.log or self.log[-1] != line:
+        self.log.append(line)
+
+
+def identity_for(kind: str, dtype):
+  """The identity element of a reduction ``kind`` in ``dtype`` (a Python/NumPy scalar)."""
+  dtype = np.dtype(dtype)
+  if kind in ("sum", "or", "xor"):
+    return False if dtype == np.bool_ else dtype.type(0)
+  if kind == "prod" or kind == "and":
+    return True if dtype == np.bool_ else dtype.type(1)
+  if kind in ("max", "min"):
+    if dtype == np.bool_:
+      return kind == "min"
+    if jnp.issubdtype(dtype, jnp.floating):
+      return dtype.type(-np.inf if kind == "max" else np.inf)
+    if jnp.issubdtype(dtype, jnp.integer):
+      info = jnp.iinfo(dtype)
+      return dtype.type(info.min if kind == "max" else info.max)
+  raise TypeError(f"no {kind} identity for {dtype}")
+
+
+# -- the interpreter ------------------------------------------------------------------------
+
+
+def _live_eqns(jaxpr) -> list[bool]:
+  live_vars = {v for v in jaxpr.outvars if isinstance(v, jex_core.Var)}
+  live = [False] * len(jaxpr.eqns)
+  for i in range(len(jaxpr.eqns) - 1, -1, -1):
+    eqn = jaxpr.eqns[i]
+    if eqn.effects or any(v in live_vars for v in eqn.outvars):
+      live[i] = True
+      live_vars.update(v for v in eqn.invars if isinstance(v, jex_core.Var))
+  return live
+
+
+def bind_plain(eqn, args: list) -> list:
+  """Binds an equation's primitive as ``eval_jaxpr`` does (no padding concerns)."""
+  bind_params = eqn.primitive.get_bind_params(eqn.params)
+  out = eqn.primitive.bind(*args, **bind_params)
+  return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def interpret(ctx: Context, jaxpr, consts: Sequence[PaddedValue], args: Sequence[PaddedValue]):
+  """Evaluates ``jaxpr`` on padded values; returns the padded values of its outputs."""
+  env: dict[Any, PaddedValue] = {}
+
+  def read(v) -> PaddedValue:
+    if isinstance(v, jex_core.Literal):
+      return PaddedValue(v.val)
+    return env[v]
+
+  def write(v, pv: PaddedValue) -> None:
+    if not isinstance(v, jex_core.DropVar):
+      env[v] = pv
+
+  assert len(consts) == len(jaxpr.constvars) and len(args) == len(jaxpr.invars)
+  for v, pv in zip(jaxpr.constvars, consts, strict=False):
+    write(v, pv)
+  for v, pv in zip(jaxpr.invars, args, strict=False):
+    write(v, pv)
+  for eqn, live in zip(jaxpr.eqns, _live_eqns(jaxpr), strict=False):
+    touches = eqn_touches_dynamic(eqn)
+    if not live:
+      if touches:
+        ctx.note(eqn, "left alone: its result cannot reach an output")
+      continue
+    invals = [read(v) for v in eqn.invars]
+    if not touches:
+      outs = [PaddedValue(o) for o in bind_plain(eqn, [pv.val for pv in invals])]
+    else:
+      rule = RULES.get(eqn.primitive)
+      if rule is None:
+        raise unsupported(eqn, "it touches a dynamic axis")
+      try:
+        outs = rule(ctx, eqn, invals)
+      except PaddingUnsupportedError:
+        raise
+      except Exception as e:  # a rule that cannot build its rewrite: fall back, never guess
+        raise unsupported(eqn, f"its rule failed ({type(e).__name__}: {e})") from e
+      for v, pv in zip(eqn.outvars, outs, strict=False):
+        want = ctx.padded_shape(v.aval.shape)
+        got = tuple(np.shape(pv.val))
+        if want != got:
+          raise unsupported(eqn, f"padded result has shape {got}, expected {want}")
+    assert len(outs) == len(eqn.outvars), eqn
+    for v, pv in zip(eqn.outvars, outs, strict=False):
+      write(v, pv)
+  return [read(v) for v in jaxpr.outvars]
+
+
+def interpret_closed(ctx: Context, closed, args: Sequence[PaddedValue]) -> list[PaddedValue]:
+  consts = [PaddedValue(c) for c in closed.consts]
+  return interpret(ctx, closed.jaxpr, consts, args)
+
+
+def register(*prims) -> Callable[[Rule], Rule]:
+  def deco(rule: Rule) -> Rule:
+    for p in prims:
+      if p is not None:
+        RULES[p] = rule
+    return rule
+
+  return deco
+
+
+__all__ = [
+  "RULES",
+  "Context",
+  "PaddedValue",
+  "bind_plain",
+  "dynamic_axes",
+  "identity_for",
+  "interpret",
+  "interpret_closed",
+  "is_dynamic_dim",
+  "register",
+  "unsupported",
+]

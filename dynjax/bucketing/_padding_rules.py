@@ -1,0 +1,925 @@
+"""Per-primitive rules of the padding pass (registered into ``_padding_core.RULES``).
+
+A rule gets the context, the equation and the padded input values, and returns padded output
+values satisfying the invariant of ``_padding_core`` (valid data in the prefix).  Three kinds:
+
+* pass-through: the primitive never moves data between the valid prefix and the padded region
+  along a dynamic axis (elementwise, broadcast, transpose, reductions over static axes, ...);
+  symbolic dims in its params are replaced by their bucket values.
+* masking: the primitive mixes elements along a dynamic axis (reductions, contractions,
+  convolutions, reversed scans, sorts); the padded region of the operand is set to the identity
+  of the combining operation first, unless it is already known to hold it.
+* relayout: the exact layout puts valid elements where the padded layout does not (reshape of
+  ``(b, t) -> (b*t,)``, concatenation along a dynamic axis, reversal, pad, slices and gathers
+  whose offsets depend on sizes); the rule gathers from true-size index arithmetic.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.extend.core.primitives as P
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend import core as jex_core
+
+from dynjax import _jax_private as jp
+from dynjax.bucketing._padding_core import (
+  Context,
+  PaddedValue,
+  dynamic_axes,
+  identity_for,
+  interpret,
+  interpret_closed,
+  is_dynamic_dim,
+  register,
+  unsupported,
+)
+
+_PRIVATE = jp.private_primitives()
+
+# --------------------------------------------------------------------------------------------
+# helpers
+
+
+def _bind(ctx: Context, eqn, vals: list) -> list:
+  out = eqn.primitive.bind(*vals, **ctx.subst_params(eqn.params))
+  return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _remap_axis(x, axis: int, src, valid=None, fill=None):
+  """``out[..., j, ...] = x[..., src[j], ...]`` (clipped); ``fill`` where ``valid[j]`` is false."""
+  n = x.shape[axis]
+  out = jnp.take(x, jnp.clip(src, 0, max(n - 1, 0)), axis=axis, mode="clip")
+  if valid is not None:
+    shape = [1] * out.ndim
+    shape[axis] = out.shape[axis]
+    out = jnp.where(valid.reshape(shape), out, jnp.asarray(fill, out.dtype))
+  return out
+
+
+def _iota(n: int):
+  return lax.iota(jnp.int32, n)
+
+
+# --------------------------------------------------------------------------------------------
+# pass-through (elementwise and layout-preserving)
+
+_NP_FILL = {
+  "add": np.add,
+  "add_any": np.add,
+  "sub": np.subtract,
+  "mul": np.multiply,
+  "max": np.maximum,
+  "min": np.minimum,
+  "neg": np.negative,
+  "exp": np.exp,
+  "log": np.log,
+  "abs": np.abs,
+  "sqrt": np.sqrt,
+  "square": np.square,
+  "tanh": np.tanh,
+  "stop_gradient": lambda x: x,
+  "copy": lambda x: x,
+  "copy_p": lambda x: x,
+  "and": np.logical_and,
+  "or": np.logical_or,
+  "not": np.logical_not,
+  "eq": np.equal,
+  "ne": np.not_equal,
+  "lt": np.less,
+  "le": np.less_equal,
+  "gt": np.greater,
+  "ge": np.greater_equal,
+}
+
+
+def _elementwise_fill(eqn, invals):
+  """The padded-region constant of an elementwise result, when every operand's is known."""
+  fills = []
+  for v, pv in zip(eqn.invars, invals, strict=False):
+    if dynamic_axes(v.aval):
+      if pv.fill is None:
+        return None
+      fills.append(pv.fill)
+    elif isinstance(v, jex_core.Literal) and np.ndim(v.val) == 0:
+      fills.append(v.val)
+    else:
+      return None
+  name = eqn.primitive.name
+  out_dtype = np.dtype(eqn.outvars[0].aval.dtype) if hasattr(eqn.outvars[0].aval, "dtype") else None
+  try:
+    with np.errstate(all="ignore"):
+      if name == "convert_element_type":
+        return np.asarray(fills[0]).astype(eqn.params["new_dtype"])[()]
+      if name == "select_n":
+        return fills[1 + int(fills[0])]
+      if name == "integer_pow":
+        return np.power(np.asarray(fills[0], out_dtype), eqn.params["y"])[()]
+      if name == "div" and np.issubdtype(out_dtype, np.floating):
+        return np.asarray(np.true_divide(*fills), out_dtype)[()]
+      fn = _NP_FILL.get(name)
+      if fn is None:
+        return None
+      return np.asarray(fn(*[np.asarray(f) for f in fills]), out_dtype)[()]
+  except Exception:
+    return None
+
+
+_ELEMENTWISE = [
+  getattr(P, f"{n}_p", None)
+  for n in (
+    "abs acos acosh add add_jaxvals and asin asinh atan2 atan atanh bessel_i0e bessel_i1e cbrt "
+    "ceil clamp clz complex conj convert_element_type copy cos cosh digamma div eq erf_inv erf "
+    "erfc exp2 exp expm1 floor ge gt igamma_grad_a igamma igammac imag integer_pow is_finite le "
+    "lgamma log1p log logistic lt max min mul ne neg nextafter not or polygamma population_count "
+    "pow real reduce_precision regularized_incomplete_beta rem round rsqrt select_n shift_left "
+    "shift_right_arithmetic shift_right_logical sign sin sinh sqrt square stop_gradient sub tan "
+    "tanh xor zeta random_fold_in random_seed random_gamma threefry2x32 bitcast_convert_type "
+    "eq_to le_to lt_to"
+  ).split()
+] + [_PRIVATE.get("random_wrap"), _PRIVATE.get("random_unwrap")]
+
+
+@register(*_ELEMENTWISE)
+def _elementwise_rule(ctx, eqn, invals):
+  outs = _bind(ctx, eqn, [pv.val for pv in invals])
+  fill = _elementwise_fill(eqn, invals) if len(outs) == 1 else None
+  return [PaddedValue(o, fill) for o in outs]
+
+
+@register(P.transpose_p, P.squeeze_p, P.sharding_constraint_p, P.device_put_p)
+def _layout_passthrough_rule(ctx, eqn, invals):
+  outs = _bind(ctx, eqn, [pv.val for pv in invals])
+  fills = [pv.fill for pv in invals]
+  return [PaddedValue(o, fills[i] if i < len(fills) else None) for i, o in enumerate(outs)]
+
+
+@register(P.broadcast_in_dim_p)
+def _broadcast_in_dim_rule(ctx, eqn, invals):
+  (out,) = _bind(ctx, eqn, [pv.val for pv in invals])
+  var, x = eqn.invars[0], invals[0]
+  out_aval = eqn.outvars[0].aval
+  fill = None
+  if isinstance(var, jex_core.Literal) and np.ndim(var.val) == 0:
+    fill = var.val
+  elif x.fill is not None:
+    bdims = eqn.params["broadcast_dimensions"]
+    in_shape = var.aval.shape
+    if all(a in bdims and is_dynamic_dim(in_shape[bdims.index(a)]) for a in dynamic_axes(out_aval)):
+      fill = x.fill
+  return [PaddedValue(out, fill)]
+
+
+@register(P.iota_p)
+def _iota_rule(ctx, eqn, invals):
+  return [PaddedValue(o) for o in _bind(ctx, eqn, [pv.val for pv in invals])]
+
+
+@register(jp.dim_as_value_primitive())
+def _dim_as_value_rule(ctx, eqn, invals):
+  value = ctx.true_dim(eqn.params["dim"])
+  ctx.note(eqn, f"evaluates {eqn.params['dim']} at the true sizes")
+  return [PaddedValue(jnp.asarray(value, eqn.outvars[0].aval.dtype))]
+
+
+# --------------------------------------------------------------------------------------------
+# masking rules
+
+
+def _reduction_rule(kind: str):
+  def rule(ctx, eqn, invals):
+    aval = eqn.invars[0].aval
+    ident = identity_for(kind, aval.dtype)
+    x = ctx.mask(invals[0], aval, eqn.params["axes"], ident, eqn)
+    return [PaddedValue(o) for o in _bind(ctx, eqn, [x])]
+
+  return rule
+
+
+for _prim, _kind in [
+  (P.reduce_sum_p, "sum"),
+  (P.reduce_prod_p, "prod"),
+  (P.reduce_max_p, "max"),
+  (P.reduce_min_p, "min"),
+  (P.reduce_and_p, "and"),
+  (P.reduce_or_p, "or"),
+  (P.reduce_xor_p, "xor"),
+  (P.argmax_p, "max"),
+  (P.argmin_p, "min"),
+]:
+  register(_prim)(_reduction_rule(_kind))
+
+
+@register(P.dot_general_p)
+def _dot_general_rule(ctx, eqn, invals):
+  (lc, rc), _ = eqn.params["dimension_numbers"]
+  la, ra = eqn.invars[0].aval, eqn.invars[1].aval
+  lhs = ctx.mask(invals[0], la, lc, identity_for("sum", la.dtype), eqn, "lhs")
+  rhs = ctx.mask(invals[1], ra, rc, identity_for("sum", ra.dtype), eqn, "rhs")
+  return [PaddedValue(o) for o in _bind(ctx, eqn, [lhs, rhs])]
+
+
+def _cumulative_rule(kind: str):
+  def rule(ctx, eqn, invals):
+    aval = eqn.invars[0].aval
+    axis = eqn.params["axis"]
+    x = invals[0].val
+    if eqn.params["reverse"] and is_dynamic_dim(aval.shape[axis]):
+      # a reversed scan reads the padded tail first: it must read as the identity
+      x = ctx.mask(invals[0], aval, [axis], identity_for(kind, aval.dtype), eqn)
+    return [PaddedValue(o) for o in _bind(ctx, eqn, [x])]
+
+  return rule
+
+
+for _prim, _kind in [
+  (P.cumsum_p, "sum"),
+  (P.cumprod_p, "prod"),
+  (P.cummax_p, "max"),
+  (P.cummin_p, "min"),
+  (P.cumlogsumexp_p, "max"),
+]:
+  register(_prim)(_cumulative_rule(_kind))
+
+
+@register(P.sort_p)
+def _sort_rule(ctx, eqn, invals):
+  dim = eqn.params["dimension"]
+  aval = eqn.invars[0].aval
+  vals = [pv.val for pv in invals]
+  if not is_dynamic_dim(aval.shape[dim]):
+    return [PaddedValue(o) for o in _bind(ctx, eqn, vals)]
+  # A leading key "is padding" sorts the padded tail after every valid element; a stable sort
+  # then keeps the exact order among valid ones.
+  is_pad = (~ctx.axis_valid(aval, dim)).astype(jnp.int32)
+  ctx.note(eqn, f"sorted padding last along axis {dim} ({aval.shape[dim]}) with a leading key")
+  outs = P.sort_p.bind(
+    is_pad, *vals, dimension=dim, is_stable=True, num_keys=eqn.params["num_keys"] + 1
+  )
+  return [PaddedValue(o) for o in outs[1:]]
+
+
+@register(P.top_k_p)
+def _top_k_rule(ctx, eqn, invals):
+  aval = eqn.invars[0].aval
+  axis = eqn.params.get("axis", aval.ndim - 1)
+  if axis < 0:
+    axis += aval.ndim
+  x = invals[0].val
+  if is_dynamic_dim(aval.shape[axis]):
+    # top_k prefers the lower index among equal values, so valid elements win ties.
+    x = ctx.mask(invals[0], aval, [axis], identity_for("max", aval.dtype), eqn)
+  return [PaddedValue(o) for o in _bind(ctx, eqn, [x])]
+
+
+def _require_static(eqn, params: dict, names) -> None:
+  from dynjax.bucketing._padding_core import has_dim_expr
+
+  for n in names:
+    if n in params and has_dim_expr(params[n]):
+      raise unsupported(eqn, f"parameter {n}={params[n]} depends on a dynamic size")
+
+
+@register(P.conv_general_dilated_p)
+def _conv_rule(ctx, eqn, invals):
+  p = eqn.params
+  _require_static(
+    eqn,
+    p,
+    [
+      "window_strides",
+      "padding",
+      "lhs_dilation",
+      "rhs_dilation",
+      "feature_group_count",
+      "batch_group_count",
+    ],
+  )
+  dn = p["dimension_numbers"]
+  la, ra = eqn.invars[0].aval, eqn.invars[1].aval
+  lhs_spec, rhs_spec = dn.lhs_spec, dn.rhs_spec
+  if p["feature_group_count"] > 1 and is_dynamic_dim(la.shape[lhs_spec[1]]):
+    raise unsupported(eqn, "grouped convolution over a dynamic feature axis")
+  if p["batch_group_count"] > 1 and is_dynamic_dim(la.shape[lhs_spec[0]]):
+    raise unsupported(eqn, "batch-grouped convolution over a dynamic batch axis")
+  # The padded tail of every mixed axis must read as the zeros of the exact convolution's
+  # implicit padding; the batch axis of lhs and the output-feature axis of rhs do not mix.
+  l_axes = [a for a in range(la.ndim) if a != lhs_spec[0]]
+  r_axes = [a for a in range(ra.ndim) if a != rhs_spec[0]]
+  lhs = ctx.mask(invals[0], la, l_axes, identity_for("sum", la.dtype), eqn, "lhs")
+  rhs = ctx.mask(invals[1], ra, r_axes, identity_for("sum", ra.dtype), eqn, "rhs")
+  return [PaddedValue(o) for o in _bind(ctx, eqn, [lhs, rhs])]
+
+
+def _reduce_window_rule(kind: str):
+  def rule(ctx, eqn, invals):
+    p = eqn.params
+    _require_static(
+      eqn, p, ["window_dimensions", "window_strides", "padding", "base_dilation", "window_dilation"]
+    )
+    aval = eqn.invars[0].aval
+    x = ctx.mask(invals[0], aval, range(aval.ndim), identity_for(kind, aval.dtype), eqn)
+    return [PaddedValue(o) for o in _bind(ctx, eqn, [x])]
+
+  return rule
+
+
+register(P.reduce_window_sum_p)(_reduce_window_rule("sum"))
+register(P.reduce_window_max_p)(_reduce_window_rule("max"))
+register(P.reduce_window_min_p)(_reduce_window_rule("min"))
+
+
+# --------------------------------------------------------------------------------------------
+# relayout rules
+
+
+def _nontrivial(shape):
+  return [d for d in shape if is_dynamic_dim(d) or int(d) != 1]
+
+
+def _prod(ds):
+  out = 1
+  for d in ds:
+    out = out * d
+  return out
+
+
+def _reshape_is_plain(ctx, in_shape, out_shape) -> bool:
+  """Whether a plain reshape of the padded array keeps valid elements in the prefix.
+
+  Dims are grouped into runs with equal products; a run keeps the layout when every dim but its
+  leading one is static (the padded part of the run is then one contiguous tail).
+  """
+  a, b = _nontrivial(in_shape), _nontrivial(out_shape)
+  i = j = 0
+  while i < len(a) or j < len(b):
+    if i >= len(a) or j >= len(b):
+      return False
+    ga, gb = [a[i]], [b[j]]
+    i, j = i + 1, j + 1
+    for _ in range(len(a) + len(b) + 1):
+      try:
+        if _prod(ga) == _prod(gb):
+          break
+      except Exception:
+        pass
+      pa = math.prod(ctx.padded_dim(d) for d in ga)
+      pb = math.prod(ctx.padded_dim(d) for d in gb)
+      if pa <= pb and i < len(a):
+        ga.append(a[i])
+        i += 1
+      elif j < len(b):
+        gb.append(b[j])
+        j += 1
+      elif i < len(a):
+        ga.append(a[i])
+        i += 1
+      else:
+        return False
+    else:
+      return False
+    try:
+      if not _prod(ga) == _prod(gb):
+        return False
+    except Exception:
+      return False
+    if any(is_dynamic_dim(d) for d in ga[1:]) or any(is_dynamic_dim(d) for d in gb[1:]):
+      return False
+  return True
+
+
+def _relayout_gather(ctx, x, in_shape, out_shape):
+  """Moves elements so that true row-major order of ``in_shape`` becomes that of ``out_shape``."""
+  out_p = ctx.padded_shape(out_shape)
+  in_p = ctx.padded_shape(in_shape)
+  lin = None
+  for a, d in enumerate(out_shape):
+    ia = lax.broadcasted_iota(jnp.int32, out_p, a)
+    lin = ia if lin is None else lin * jnp.maximum(ctx.true_dim(d), 1) + ia
+  if lin is None:
+    lin = jnp.zeros(out_p, jnp.int32)
+  coords = []
+  rem = lin
+  for d in reversed(in_shape):
+    td = jnp.maximum(ctx.true_dim(d), 1)
+    coords.append(rem % td)
+    rem = rem // td
+  coords.reverse()
+  src = jnp.zeros(out_p, jnp.int32)
+  for a, c in enumerate(coords):
+    src = src * in_p[a] + c
+  flat = x.reshape(-1)
+  return flat[jnp.clip(src, 0, max(flat.shape[0] - 1, 0))]
+
+
+@register(P.reshape_p)
+def _reshape_rule(ctx, eqn, invals):
+  if eqn.params.get("dimensions") is not None:
+    raise unsupported(eqn, "reshape with a dimensions permutation")
+  in_shape, out_shape = eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape
+  x = invals[0]
+  if _reshape_is_plain(ctx, in_shape, out_shape):
+    return [PaddedValue(o, x.fill) for o in _bind(ctx, eqn, [pv.val for pv in invals])]
+  ctx.note(eqn, f"relayout {tuple(in_shape)} -> {tuple(out_shape)} by true-size index gather")
+  return [PaddedValue(_relayout_gather(ctx, x.val, in_shape, out_shape))]
+
+
+@register(P.concatenate_p)
+def _concatenate_rule(ctx, eqn, invals):
+  dim = eqn.params["dimension"]
+  out_aval = eqn.outvars[0].aval
+  vals = [pv.val for pv in invals]
+  if not is_dynamic_dim(out_aval.shape[dim]):
+    fills = {pv.fill for pv in invals}
+    fill = invals[0].fill if len(fills) == 1 else None
+    return [PaddedValue(o, fill) for o in _bind(ctx, eqn, vals)]
+  # Each operand lands at the true offset; a later one overwrites the padded tail of the one
+  # before.  offset_i + padded_i <= sum of padded sizes, so no start index is ever clamped.
+  ctx.note(eqn, f"relayout: operands placed at true offsets along axis {dim}")
+  out = jnp.zeros(ctx.padded_shape(out_aval.shape), out_aval.dtype)
+  offset = jnp.int32(0)
+  for v, val in zip(eqn.invars, vals, strict=False):
+    starts = [jnp.int32(0)] * out.ndim
+    starts[dim] = offset
+    out = lax.dynamic_update_slice(out, val.astype(out.dtype), starts)
+    offset = offset + ctx.true_dim(v.aval.shape[dim])
+  return [PaddedValue(out)]
+
+
+@register(P.rev_p)
+def _rev_rule(ctx, eqn, invals):
+  aval = eqn.invars[0].aval
+  dims = eqn.params["dimensions"]
+  static = tuple(d for d in dims if not is_dynamic_dim(aval.shape[d]))
+  x = invals[0].val
+  if static:
+    x = lax.rev(x, static)
+  for d in dims:
+    if is_dynamic_dim(aval.shape[d]):
+      ctx.note(eqn, f"relayout: reversed the true extent of axis {d} ({aval.shape[d]})")
+      n = x.shape[d]
+      x = _remap_axis(x, d, ctx.true_dim(aval.shape[d]) - 1 - _iota(n))
+  return [PaddedValue(x)]
+
+
+@register(P.pad_p)
+def _pad_rule(ctx, eqn, invals):
+  aval = eqn.invars[0].aval
+  config = eqn.params["padding_config"]
+  x, pad_value = invals[0].val, invals[1].val
+  dyn = [
+    a
+    for a, (lo, hi, interior) in enumerate(config)
+    if is_dynamic_dim(aval.shape[a]) or any(is_dynamic_dim(c) for c in (lo, hi, interior))
+  ]
+  static_config = [
+    (0, 0, 0) if a in dyn else tuple(int(c) for c in cfg) for a, cfg in enumerate(config)
+  ]
+  x = lax.pad(x, pad_value.astype(x.dtype), static_config)
+  out_aval = eqn.outvars[0].aval
+  fill_ok = True
+  for a in dyn:
+    lo, hi, interior = config[a]
+    if is_dynamic_dim(interior):
+      raise unsupported(eqn, "interior padding that depends on a dynamic size")
+    interior = int(interior)
+    n = ctx.padded_dim(out_aval.shape[a])
+    rel = _iota(n) - ctx.true_dim(lo)
+    size = ctx.true_dim(aval.shape[a])
+    if interior:
+      q, r = rel // (interior + 1), rel % (interior + 1)
+      valid = (rel >= 0) & (r == 0) & (q < size)
+    else:
+      q = rel
+      valid = (rel >= 0) & (rel < size)
+    ctx.note(eqn, f"relayout: padded axis {a} at true offsets")
+    x = _remap_axis(x, a, q, valid, pad_value)
+    if is_dynamic_dim(hi) or int(hi) < 0:
+      fill_ok = False
+  var = eqn.invars[1]
+  fill = (
+    var.val if fill_ok and isinstance(var, jex_core.Literal) and np.ndim(var.val) == 0 else None
+  )
+  return [PaddedValue(x, fill)]
+
+
+@register(P.slice_p)
+def _slice_rule(ctx, eqn, invals):
+  aval = eqn.invars[0].aval
+  out_aval = eqn.outvars[0].aval
+  p = eqn.params
+  strides = p["strides"] or (1,) * aval.ndim
+  if any(is_dynamic_dim(s) for s in strides):
+    raise unsupported(eqn, "a stride that depends on a dynamic size")
+  x = invals[0].val
+  start, limit, step, remap = [], [], [], []
+  for a in range(aval.ndim):
+    s, st = p["start_indices"][a], int(strides[a])
+    n = ctx.padded_dim(out_aval.shape[a])
+    if is_dynamic_dim(s):
+      start.append(0), limit.append(x.shape[a]), step.append(1)
+      remap.append(a)
+    else:
+      s = int(s)
+      lim = s + (n - 1) * st + 1 if n > 0 else s
+      if lim > x.shape[a]:
+        raise unsupported(eqn, f"padded slice of axis {a} runs past the padded operand")
+      start.append(s), limit.append(lim), step.append(st)
+  x = lax.slice(x, start, limit, step)
+  for a in remap:
+    ctx.note(eqn, f"relayout: slice of axis {a} from the true start {p['start_indices'][a]}")
+    n = ctx.padded_dim(out_aval.shape[a])
+    x = _remap_axis(x, a, ctx.true_dim(p["start_indices"][a]) + _iota(n) * int(strides[a]))
+  return [PaddedValue(x)]
+
+
+if "split" in _PRIVATE:
+
+  @register(_PRIVATE["split"])
+  def _split_rule(ctx, eqn, invals):
+    axis = eqn.params["axis"]
+    aval = eqn.invars[0].aval
+    sizes = eqn.params["sizes"]
+    if not is_dynamic_dim(aval.shape[axis]) and not any(is_dynamic_dim(s) for s in sizes):
+      return [PaddedValue(o) for o in _bind(ctx, eqn, [invals[0].val])]
+    ctx.note(eqn, f"relayout: pieces taken at true offsets along axis {axis}")
+    outs, offset = [], 0
+    for s in sizes:
+      n = ctx.padded_dim(s)
+      outs.append(PaddedValue(_remap_axis(invals[0].val, axis, offset + _iota(n))))
+      offset = offset + ctx.true_dim(s)
+    return outs
+
+
+@register(P.dynamic_slice_p)
+def _dynamic_slice_rule(ctx, eqn, invals):
+  aval = eqn.invars[0].aval
+  sizes = eqn.params["slice_sizes"]
+  x = invals[0].val
+  starts = [pv.val for pv in invals[1 : 1 + aval.ndim]]
+  if len(invals) > 1 + aval.ndim:
+    raise unsupported(eqn, "dynamic_slice with dynamic-shape operands")
+  dyn = [a for a in range(aval.ndim) if is_dynamic_dim(aval.shape[a]) or is_dynamic_dim(sizes[a])]
+  st = [jnp.int32(0) if a in dyn else starts[a] for a in range(aval.ndim)]
+  sz = [x.shape[a] if a in dyn else int(sizes[a]) for a in range(aval.ndim)]
+  x = lax.dynamic_slice(x, st, sz)
+  for a in dyn:
+    # exact semantics clamp the start so the true-size slice fits the true-size operand
+    start = jnp.clip(
+      starts[a].astype(jnp.int32), 0, ctx.true_dim(aval.shape[a]) - ctx.true_dim(sizes[a])
+    )
+    ctx.note(eqn, f"relayout: axis {a} sliced from the start clamped at true sizes")
+    x = _remap_axis(x, a, start + _iota(ctx.padded_dim(sizes[a])))
+  return [PaddedValue(x)]
+
+
+@register(P.dynamic_update_slice_p)
+def _dynamic_update_slice_rule(ctx, eqn, invals):
+  xa, ua = eqn.invars[0].aval, eqn.invars[1].aval
+  x, u = invals[0], invals[1]
+  starts = [
+    jnp.clip(pv.val.astype(jnp.int32), 0, ctx.true_dim(xa.shape[a]) - ctx.true_dim(ua.shape[a]))
+    for a, pv in enumerate(invals[2 : 2 + xa.ndim])
+  ]
+  if not dynamic_axes(ua):
+    # Starts clamped at true sizes also fit the padded operand: plain update, padded region kept.
+    out = lax.dynamic_update_slice(x.val, u.val, starts)
+    return [PaddedValue(out, x.fill)]
+  ctx.note(eqn, "relayout: update placed by masked index gather (update has dynamic axes)")
+  xp = x.val.shape
+  g, inside = u.val, None
+  for a in range(xa.ndim):
+    idx = _iota(xp[a]) - starts[a]
+    g = _remap_axis(g, a, idx)
+    ok = (idx >= 0) & (idx < ctx.true_dim(ua.shape[a]))
+    shape = [1] * xa.ndim
+    shape[a] = xp[a]
+    ok = ok.reshape(shape)
+    inside = ok if inside is None else inside & ok
+  return [PaddedValue(jnp.where(inside, g, x.val), x.fill)]
+
+
+def _default_fill(dtype):
+  dtype = np.dtype(dtype)
+  if jnp.issubdtype(dtype, jnp.inexact):
+    return np.nan
+  if dtype == np.bool_:
+    return True
+  if jnp.issubdtype(dtype, jnp.unsignedinteger):
+    return jnp.iinfo(dtype).max
+  return jnp.iinfo(dtype).min
+
+
+@register(P.gather_p)
+def _gather_rule(ctx, eqn, invals):
+  p = eqn.params
+  dn = p["dimension_numbers"]
+  oa, _ia = eqn.invars[0].aval, eqn.invars[1].aval
+  slice_sizes = p["slice_sizes"]
+  tricky = [
+    a
+    for a in range(oa.ndim)
+    if (is_dynamic_dim(oa.shape[a]) or is_dynamic_dim(slice_sizes[a]))
+    and a not in dn.operand_batching_dims
+  ]
+  mode = p["mode"]
+  mode_name = getattr(mode, "name", str(mode))
+  fill_mode = "FILL" in mode_name
+  if not tricky and not fill_mode:
+    return [PaddedValue(o) for o in _bind(ctx, eqn, [invals[0].val, invals[1].val])]
+  if not tricky:
+    return [PaddedValue(o) for o in _bind(ctx, eqn, [invals[0].val, invals[1].val])]
+  x, idx = invals[0].val, invals[1].val
+  sim = dn.start_index_map
+  oob = None
+  cols = []
+  for k, a in enumerate(sim):
+    col = idx[..., k]
+    hi = ctx.true_dim(oa.shape[a]) - ctx.true_dim(slice_sizes[a])
+    if fill_mode:
+      bad = (col < 0) | (col > hi)
+      oob = bad if oob is None else oob | bad
+    cols.append(jnp.clip(col, 0, hi).astype(idx.dtype))
+  idx = jnp.stack(cols, axis=-1) if cols else idx
+  # Pad the operand along tricky indexed axes so the padded gather never clamps a start that the
+  # exact gather keeps.
+  pads = [(0, 0, 0)] * oa.ndim
+  for a in tricky:
+    if a in sim:
+      pads[a] = (0, ctx.padded_dim(slice_sizes[a]), 0)
+    elif ctx.padded_dim(slice_sizes[a]) > x.shape[a]:
+      raise unsupported(eqn, f"padded slice of axis {a} is larger than the padded operand")
+  if any(c != (0, 0, 0) for c in pads):
+    x = lax.pad(x, jnp.zeros((), x.dtype), pads)
+  params = ctx.subst_params(p)
+  params["mode"] = lax.GatherScatterMode.CLIP
+  out = P.gather_p.bind(x, idx, **params)
+  ctx.note(eqn, f"start indices clamped at true sizes on axes {tricky}")
+  if fill_mode and oob is not None:
+    # oob has the batch shape of indices; broadcast it over the offset dims of the output
+    batch_dims = [d for d in range(out.ndim) if d not in dn.offset_dims]
+    shape = [1] * out.ndim
+    for d, s in zip(batch_dims, oob.shape, strict=False):
+      shape[d] = s
+    fv = p["fill_value"]
+    fv = _default_fill(out.dtype) if fv is None else fv
+    out = jnp.where(oob.reshape(shape), jnp.asarray(fv, out.dtype), out)
+  return [PaddedValue(out)]
+
+
+_SCATTER_KIND = {
+  "scatter-add": "sum",
+  "scatter_add": "sum",
+  "scatter-mul": "prod",
+  "scatter_mul": "prod",
+  "scatter-min": "min",
+  "scatter_min": "min",
+  "scatter-max": "max",
+  "scatter_max": "max",
+}
+
+
+@register(P.scatter_p, P.scatter_add_p, P.scatter_mul_p, P.scatter_min_p, P.scatter_max_p)
+def _scatter_rule(ctx, eqn, invals):
+  p = eqn.params
+  dn = p["dimension_numbers"]
+  oa, ia, ua = (v.aval for v in eqn.invars[:3])
+  x, idx, upd = (pv.val for pv in invals[:3])
+  kind = _SCATTER_KIND.get(eqn.primitive.name)
+  mode_name = getattr(p["mode"], "name", str(p["mode"]))
+  fill_mode = "FILL" in mode_name
+  # window size of every operand axis (1 for inserted / batching axes)
+  window = {}
+  wdims = iter(dn.update_window_dims)
+  for a in range(oa.ndim):
+    if a in dn.inserted_window_dims or a in dn.operand_batching_dims:
+      window[a] = 1
+    else:
+      window[a] = ua.shape[next(wdims)]
+  scatter_batch = [d for d in range(ua.ndim) if d not in dn.update_window_dims]
+  sdo = dn.scatter_dims_to_operand_dims
+  tricky = [a for a in sdo if is_dynamic_dim(oa.shape[a]) or is_dynamic_dim(window[a])]
+  if kind is None:
+    for a, w in window.items():
+      if is_dynamic_dim(w) and (a in sdo or not (w == oa.shape[a])):
+        raise unsupported(eqn, "overwriting scatter with a dynamic window not spanning its axis")
+  # per scatter-batch element: drop (padding, or out of bounds at true sizes in fill mode)
+  drop = None
+  cols = []
+  for k, a in enumerate(sdo):
+    col = idx[..., k]
+    hi = ctx.true_dim(oa.shape[a]) - ctx.true_dim(window[a])
+    if fill_mode and a in tricky:
+      bad = (col < 0) | (col > hi)
+      drop = bad if drop is None else drop | bad
+    cols.append(jnp.clip(col, 0, hi).astype(idx.dtype) if a in tricky else col)
+  idx_batch_dyn = [d for d in dynamic_axes(ia) if d != ia.ndim - 1]
+  if idx_batch_dyn:
+    m = ctx.valid_mask(ia, idx_batch_dyn)
+    m = m[..., 0]
+    drop = ~m if drop is None else drop | ~m
+  idx = jnp.stack(cols, axis=-1) if cols else idx
+  # broadcast per-batch-element drop over the update window dims
+  if drop is not None:
+    shape = [1] * ua.ndim
+    for d, s in zip(scatter_batch, drop.shape, strict=False):
+      shape[d] = s
+    drop_u = drop.reshape(shape)
+  else:
+    drop_u = None
+  params = ctx.subst_params(p)
+  params["unique_indices"] = False
+  params["indices_are_sorted"] = False
+  if kind is not None:
+    ident = identity_for(kind, ua.dtype)
+    if kind == "sum" and jnp.issubdtype(ua.dtype, jnp.floating):
+      ident = np.asarray(-0.0, ua.dtype)[()]  # x + (-0.0) == x, even for x == -0.0
+    win_axes = [d for d in dn.update_window_dims if is_dynamic_dim(ua.shape[d])]
+    keep = ctx.valid_mask(ua, win_axes)
+    if drop_u is not None:
+      keep = ~drop_u if keep is None else keep & ~drop_u
+    if keep is not None:
+      upd = jnp.where(keep, upd, jnp.asarray(ident, upd.dtype))
+      ctx.note(eqn, f"masked padded updates with {ident}")
+    params["mode"] = lax.GatherScatterMode.CLIP
+  else:
+    if drop is not None:
+      sentinel = jnp.iinfo(idx.dtype).max // 2
+      idx = jnp.where(drop[..., None], jnp.asarray(sentinel, idx.dtype), idx)
+      ctx.note(eqn, "padded updates dropped with an out-of-bounds index")
+    params["mode"] = lax.GatherScatterMode.FILL_OR_DROP
+    if not fill_mode:
+      pass  # in-bounds after the true-size clamp above, so dropping changes nothing
+  pads = [(0, 0, 0)] * oa.ndim
+  for a in tricky:
+    pads[a] = (0, ctx.padded_dim(window[a]), 0)
+  padded = any(c != (0, 0, 0) for c in pads)
+  xp = lax.pad(x, jnp.zeros((), x.dtype), pads) if padded else x
+  out = eqn.primitive.bind(xp, idx, upd, *[pv.val for pv in invals[3:]], **params)
+  if padded:
+    out = lax.slice(out, [0] * oa.ndim, x.shape)
+  return [PaddedValue(out, invals[0].fill)]
+
+
+# --------------------------------------------------------------------------------------------
+# random bits
+
+
+def _random_flat_rule(ctx, eqn, invals):
+  ka = eqn.invars[0].aval
+  shape = eqn.params["shape"]
+  if not any(is_dynamic_dim(d) for d in shape):
+    return [PaddedValue(o) for o in _bind(ctx, eqn, [invals[0].val])]
+  if ka.shape != ():
+    raise unsupported(eqn, "random bits over a dynamic shape from a batch of keys")
+  if not jp.threefry_partitionable() or "fry" not in str(ka.dtype):
+    raise unsupported(
+      eqn, "random bits over a dynamic shape need the threefry PRNG with jax_threefry_partitionable"
+    )
+  # With partitionable threefry the bits of element i of a flat draw do not depend on the draw's
+  # length, and a shaped draw is the flat draw in row-major order: draw flat, then place.
+  n = math.prod(ctx.padded_shape(shape))
+  params = dict(eqn.params, shape=(n,))
+  flat = eqn.primitive.bind(invals[0].val, **params)
+  ctx.note(eqn, "bit-identical draw: flat draw placed at true row-major positions")
+  out_p = ctx.padded_shape(shape)
+  lin = None
+  for a, d in enumerate(shape):
+    ia = lax.broadcasted_iota(jnp.int32, out_p, a)
+    lin = ia if lin is None else lin * ctx.true_dim(d) + ia
+  return [PaddedValue(flat[jnp.clip(lin, 0, n - 1)])]
+
+
+register(P.random_bits_p, P.random_split_p)(_random_flat_rule)
+
+
+# --------------------------------------------------------------------------------------------
+# sub-jaxprs
+
+
+@register(P.jit_p, P.closed_call_p)
+def _call_rule(ctx, eqn, invals):
+  closed = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+  return interpret_closed(ctx, closed, invals)
+
+
+@register(P.custom_jvp_call_p, P.custom_vjp_call_p)
+def _custom_call_rule(ctx, eqn, invals):
+  # Differentiation already happened when the jaxpr was traced: only the primal computation runs.
+  return interpret_closed(ctx, eqn.params["call_jaxpr"], invals)
+
+
+@register(P.remat_p)
+def _remat_rule(ctx, eqn, invals):
+  return interpret(ctx, eqn.params["jaxpr"], [], invals)
+
+
+def _join_fills(fill_lists):
+  out = []
+  for fills in zip(*fill_lists, strict=False):
+    f0 = fills[0]
+    same = all(
+      f is not None and f0 is not None and np.asarray(f == f0).all() and type(f) is type(f0)
+      for f in fills
+    )
+    out.append(f0 if same else None)
+  return out
+
+
+@register(P.cond_p)
+def _cond_rule(ctx, eqn, invals):
+  branches = eqn.params["branches"]
+  index, ops = invals[0], invals[1:]
+  fill_lists = [None] * len(branches)
+
+  def make(i, br):
+    def f(*vals):
+      outs = interpret_closed(
+        ctx, br, [PaddedValue(v, pv.fill) for v, pv in zip(vals, ops, strict=False)]
+      )
+      fill_lists[i] = [o.fill for o in outs]
+      return [
+        jnp.asarray(o.val, v.aval.dtype) for o, v in zip(outs, br.jaxpr.outvars, strict=False)
+      ]
+
+    return f
+
+  outs = lax.switch(index.val, [make(i, b) for i, b in enumerate(branches)], *[o.val for o in ops])
+  fills = _join_fills(fill_lists) if all(f is not None for f in fill_lists) else [None] * len(outs)
+  return [PaddedValue(o, f) for o, f in zip(outs, fills, strict=False)]
+
+
+@register(P.while_p)
+def _while_rule(ctx, eqn, invals):
+  p = eqn.params
+  cn, bn = p["cond_nconsts"], p["body_nconsts"]
+  cc, bc, init = invals[:cn], invals[cn : cn + bn], invals[cn + bn :]
+
+  def cond_fun(carry):
+    (out,) = interpret_closed(ctx, p["cond_jaxpr"], [*cc, *(PaddedValue(c) for c in carry)])
+    return out.val
+
+  def body_fun(carry):
+    outs = interpret_closed(ctx, p["body_jaxpr"], [*bc, *(PaddedValue(c) for c in carry)])
+    return [jnp.asarray(o.val, c.dtype) for o, c in zip(outs, carry, strict=False)]
+
+  outs = lax.while_loop(cond_fun, body_fun, [pv.val for pv in init])
+  return [PaddedValue(o) for o in outs]
+
+
+@register(P.scan_p)
+def _scan_rule(ctx, eqn, invals):
+  p = eqn.params
+  nc, ncar = p["num_consts"], p["num_carry"]
+  consts, init, xs = invals[:nc], invals[nc : nc + ncar], invals[nc + ncar :]
+  closed = p["jaxpr"]
+  length = p["length"]
+  dyn_len = is_dynamic_dim(length)
+  n = ctx.padded_dim(length)
+  true_len = ctx.true_dim(length) if dyn_len else None
+  if dyn_len:
+    ctx.note(eqn, f"carry frozen past the true length {length}")
+
+  def body(carry, x):
+    if dyn_len:
+      x, i = x
+    outs = interpret_closed(
+      ctx, closed, [*consts, *(PaddedValue(c) for c in carry), *(PaddedValue(v) for v in x)]
+    )
+    new = [jnp.asarray(o.val, c.dtype) for o, c in zip(outs[:ncar], carry, strict=False)]
+    if dyn_len:
+      new = [jnp.where(i < true_len, a, b) for a, b in zip(new, carry, strict=False)]
+    ys = [
+      jnp.asarray(o.val, v.aval.dtype)
+      for o, v in zip(outs[ncar:], closed.jaxpr.outvars[ncar:], strict=False)
+    ]
+    return new, ys
+
+  xs_vals = [pv.val for pv in xs]
+  scan_xs = (xs_vals, _iota(n)) if dyn_len else xs_vals
+  carry, ys = lax.scan(
+    body, [pv.val for pv in init], scan_xs, length=n, reverse=p["reverse"], unroll=p["unroll"]
+  )
+  return [PaddedValue(c) for c in carry] + [PaddedValue(y) for y in ys]
+
+
+# primitives whose absence from RULES is worth reporting (no exact padded semantics yet)
+NOTABLE_WITHOUT_RULE = (
+  "reduce",
+  "reduce_window",
+  "select_and_scatter_add",
+  "select_and_gather_add",
+  "fft",
+  "cholesky",
+  "triangular_solve",
+  "eigh",
+  "lu",
+  "qr",
+  "svd",
+  "approx_top_k",
+  "rng_bit_generator",
+  "rng_uniform",
+  "linear_solve",
+)
