@@ -5,10 +5,14 @@ that the runtime VM runs.
 """
 
 from dynjax.control._frontend import NeedsProgram as NeedsProgram
+from dynjax.control._loop import loop_program as loop_program
+from dynjax.control._loop import loop_stats as loop_stats
+from dynjax.control._loop import while_loop as while_loop
 from dynjax.control._recursion import Cell as Cell
 from dynjax.control._recursion import CellValue as CellValue
 from dynjax.control._recursion import Recursive as Recursive
 from dynjax.control._recursion import cell as cell
 from dynjax.control._recursion import recursive as recursive
 
-__all__ = ["Cell", "CellValue", "NeedsProgram", "Recursive", "cell", "recursive"]
+__all__ = ["Cell", "CellValue", "NeedsProgram", "Recursive", "cell", "loop_program",
+           "loop_stats", "recursive", "while_loop"]

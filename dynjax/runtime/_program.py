@@ -4,8 +4,8 @@ This is the run-side half of the build/run split (as TVM's ``relax.exec_builder`
 ``runtime.vm`` runs): ``dynjax.control`` traces user code and *builds* Programs with
 :class:`ProgramBuilder`; :mod:`dynjax.runtime` only *runs* them and never imports tracing code.
 
-A Program is a list of basic blocks. A block is a label and straight-line instructions ending
-in a terminator (``If``, ``Goto``, ``Ret``). Registers are numbered slots holding either device
+A Program is a list of basic blocks. A block is a label and straight-line instructions; it ends
+in a terminator (``If``, ``Goto``, ``Ret``) or falls through to the next block. Registers are numbered slots holding either device
 arrays (never read by the host unless an instruction says so) or small host values (sizes,
 bucket keys, predicates). Compiled code is reached through :class:`Kernel`: a named family of
 executables, one per *key* (a bucket, a batch size); the kernel's ``build(key)`` thunk comes
@@ -335,9 +335,10 @@ class ProgramBuilder:
 
   def finish(self) -> Program:
     labels = {b.label for b in self._blocks}
+    last = self._blocks[-1]
+    if not last.instrs or last.instrs[-1].op not in (Op.IF, Op.GOTO, Op.RET):
+      raise ValueError(f"the last block {last.label!r} does not end in if/goto/ret")
     for b in self._blocks:
-      if not b.instrs or b.instrs[-1].op not in (Op.IF, Op.GOTO, Op.RET):
-        raise ValueError(f"block {b.label!r} does not end in if/goto/ret")
       for ins in b.instrs:
         for t in ins.target:
           if t not in labels:
