@@ -1,3 +1,46 @@
-"""dynjax: a dynamic-shape compiler frontend for JAX/XLA."""
+"""dynjax: a dynamic-shape compiler frontend for JAX/XLA.
+
+``dynjax.jit`` traces a function once with symbolic dimensions, compiles a small family of
+padded, bucketed XLA executables and dispatches each call to the right one, returning results
+of the exact unpadded shapes.
+"""
+
 from dynjax import buckets as buckets
-from dynjax._errors import *  # noqa: F403  (filled in by the core)
+from dynjax._api import Compiled as Compiled
+from dynjax._api import Lowered as Lowered
+from dynjax._api import Traced as Traced
+from dynjax._api import Wrapped as Wrapped
+from dynjax._api import jit as jit
+from dynjax._errors import ControlFlowError as ControlFlowError
+from dynjax._errors import DtypeMismatchError as DtypeMismatchError
+from dynjax._errors import DynjaxError as DynjaxError
+from dynjax._errors import OutOfBucketsError as OutOfBucketsError
+from dynjax._errors import PaddingMismatchError as PaddingMismatchError
+from dynjax._errors import PolicyError as PolicyError
+from dynjax._errors import RoutingError as RoutingError
+from dynjax._errors import ShapeMismatchError as ShapeMismatchError
+from dynjax._errors import ShardingError as ShardingError
+from dynjax._errors import SpecError as SpecError
+from dynjax._padded import Padded as Padded
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Compiled",
+    "ControlFlowError",
+    "DtypeMismatchError",
+    "DynjaxError",
+    "Lowered",
+    "OutOfBucketsError",
+    "Padded",
+    "PaddingMismatchError",
+    "PolicyError",
+    "RoutingError",
+    "ShapeMismatchError",
+    "ShardingError",
+    "SpecError",
+    "Traced",
+    "Wrapped",
+    "buckets",
+    "jit",
+]

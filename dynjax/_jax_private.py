@@ -109,3 +109,54 @@ def is_dim_expr(obj) -> bool:
   from jax._src.export import shape_poly
 
   return isinstance(obj, shape_poly._DimExpr)
+
+
+def dim_interval(expr, box: dict) -> tuple[int, int]:
+  """Sound integer bounds of a dimension expression when each variable ``v`` ranges over
+  ``box[v] = (lo, hi)`` (interval arithmetic over the ``_DimExpr`` structure).
+
+  Used to size padded buffers of non-monotone dims such as ``t - mod(t, 5)``.
+  """
+  from jax._src import core
+
+  def mul(a, b):
+    ps = [a[0] * b[0], a[0] * b[1], a[1] * b[0], a[1] * b[1]]
+    return min(ps), max(ps)
+
+  def ev(e):
+    if core.is_constant_dim(e):
+      return int(e), int(e)
+    lo = hi = 0
+    for term, coeff in e._sorted_terms:
+      t = (1, 1)
+      for factor, exp in term._factors:
+        f = ev_factor(factor)
+        for _ in range(exp):
+          t = mul(t, f)
+      c = mul(t, (coeff, coeff))
+      lo, hi = lo + c[0], hi + c[1]
+    return lo, hi
+
+  def ev_factor(f):
+    if f.var is not None:
+      return box[f.var]
+    ops = [ev(o) for o in f.operands]
+    if f.operation == "max":
+      return max(ops[0][0], ops[1][0]), max(ops[0][1], ops[1][1])
+    if f.operation == "min":
+      return min(ops[0][0], ops[1][0]), min(ops[0][1], ops[1][1])
+    (alo, ahi), (blo, bhi) = ops
+    if f.operation == "mod":
+      if blo > 0:
+        if alo >= 0 and blo == bhi:
+          return (0, min(bhi - 1, ahi)) if ahi < bhi else (0, bhi - 1)
+        return 0, bhi - 1
+      raise ValueError(f"cannot bound {f}")
+    if f.operation == "floordiv":
+      if blo > 0:
+        qs = [alo // blo, alo // bhi, ahi // blo, ahi // bhi]
+        return min(qs), max(qs)
+      raise ValueError(f"cannot bound {f}")
+    raise ValueError(f"cannot bound {f}")
+
+  return ev(expr)

@@ -1,0 +1,99 @@
+"""Executable cache: one compiled executable per key, compiled once under concurrency.
+
+Single flight: the first caller of a key compiles it; concurrent callers of the same key wait
+for that compile instead of starting their own.  A bound (``max_entries``) evicts the least
+recently used executable so that a server fed an unbounded stream of shapes keeps its memory
+flat.  Only runtime code lives here (no tracing): the caller passes a ``build()`` thunk.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable, Hashable
+from concurrent.futures import Future
+from typing import Any
+
+logger = logging.getLogger("dynjax")
+
+
+class ExecutableCache:
+  """Maps keys to executables built by a thunk, single-flight, optionally LRU-bounded."""
+
+  def __init__(self, max_entries: int | None = None, name: str = "", log: bool = False):
+    self.max_entries = max_entries
+    self.name = name
+    self.log = log
+    self._lock = threading.Lock()
+    self._entries: collections.OrderedDict[Hashable, Any] = collections.OrderedDict()
+    self._inflight: dict[Hashable, Future] = {}
+    self.compiles = 0
+    self.compile_seconds = 0.0
+    self.evictions = 0
+    self.compile_log: list[tuple[Hashable, float]] = []
+
+  def get(self, key: Hashable):
+    """The executable for ``key`` or None (hot path: one dict lookup, ~0.1 us)."""
+    return self._entries.get(key)
+
+  def keys(self):
+    return list(self._entries.keys())
+
+  def __contains__(self, key) -> bool:
+    return key in self._entries
+
+  def __len__(self) -> int:
+    return len(self._entries)
+
+  def get_or_build(self, key: Hashable, build: Callable[[], Any]):
+    """Returns the executable for ``key``, building it once even under concurrent callers."""
+    exe = self._entries.get(key)
+    if exe is not None:
+      if self.max_entries is not None:
+        with self._lock:
+          if key in self._entries:
+            self._entries.move_to_end(key)
+      return exe
+    with self._lock:
+      exe = self._entries.get(key)
+      if exe is not None:
+        return exe
+      fut = self._inflight.get(key)
+      owner = fut is None
+      if owner:
+        fut = Future()
+        self._inflight[key] = fut
+    if not owner:
+      return fut.result()
+    t0 = time.perf_counter()
+    try:
+      exe = build()
+    except BaseException as e:
+      with self._lock:
+        del self._inflight[key]
+      fut.set_exception(e)
+      raise
+    dt = time.perf_counter() - t0
+    with self._lock:
+      self._entries[key] = exe
+      del self._inflight[key]
+      self.compiles += 1
+      self.compile_seconds += dt
+      self.compile_log.append((key, dt))
+      if self.max_entries is not None:
+        while len(self._entries) > self.max_entries:
+          self._entries.popitem(last=False)
+          self.evictions += 1
+    fut.set_result(exe)
+    if self.log:
+      logger.info("dynjax: compiled %s %s in %.3f s", self.name, key, dt)
+    return exe
+
+  def building(self, key: Hashable) -> bool:
+    return key in self._inflight
+
+  def clear(self) -> None:
+    with self._lock:
+      self._entries.clear()

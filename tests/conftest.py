@@ -1,0 +1,39 @@
+"""Shared fixtures: a jax.monitoring compile counter, x64 off, deterministic hypothesis."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import jax  # noqa: E402
+import jax.monitoring  # noqa: E402
+import pytest  # noqa: E402
+from hypothesis import settings  # noqa: E402
+
+settings.register_profile("ci", deadline=None, max_examples=25, derandomize=True)
+settings.load_profile("ci")
+
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+class CompileCounter:
+  """Counts XLA backend compiles through jax.monitoring (not through dynjax's own counters)."""
+
+  def __init__(self):
+    self.count = 0
+
+  def __call__(self, event, duration, **_):
+    if event == _COMPILE_EVENT:
+      self.count += 1
+
+
+_counter = CompileCounter()
+jax.monitoring.register_event_duration_secs_listener(_counter)
+
+
+@pytest.fixture
+def compiles():
+  """``compiles()`` returns the number of backend compiles since the test started."""
+  start = _counter.count
+  return lambda: _counter.count - start
