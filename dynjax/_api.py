@@ -235,6 +235,10 @@ class _Family:
     try:
       closed, out_shape = jax.make_jaxpr(self.flat_fun, return_shape=True)(*sym)
     except Exception as e:  # noqa: BLE001 - any trace failure means: run exact
+      if _needs_program(e):
+        self.mode = "program"  # dynjax.while_loop/cond/recursive inside: run on the VM
+        self.fallback = None
+        return
       if self.mode == "exact":
         self.jaxpr = None
         return
@@ -652,6 +656,8 @@ class Wrapped:
                  for x in leaves)
     if fam.mode == "exact":
       return self._run_exact(fam, leaves, shapes, device)
+    if fam.mode == "program":
+      return self._run_program(fam, leaves, device)
     sizes = _symbolic.solve_sizes(fam.sig, shapes)
     for i, p in fam.observers:
       p.observe(sizes[i])
@@ -799,6 +805,24 @@ class Wrapped:
       flat = [Padded(o, np.shape(o)) for o in flat]
     return _tree_unflatten(tree, flat)
 
+  def _run_program(self, fam: _Family, leaves, device: bool):
+    """A function with dynjax control flow: host-side Program run (dynjax.control)."""
+    from dynjax.control import run_in_program
+
+    leaves = [x.unpad() if _is_padded(x) else x for x in leaves]
+    dyn = iter(_tree_unflatten(fam.treedef, leaves))
+    static = iter(fam.key[0])
+    kw = {p.name: (next(static) if i in self._static_pos else next(dyn))
+          for i, p in enumerate(self._params)}
+    out = run_in_program(self.fun, (), kw, options=self._opts)
+    flat, tree = _tree_flatten(out)
+    if not device:
+      flat = _to_host(flat)
+    with self._stats_lock:
+      self._calls += 1
+      self._bucket_calls[(fam.fid, "program")] += 1
+    return _tree_unflatten(tree, flat)
+
   def _maybe_check(self, fam: _Family, leaves, result) -> None:
     self._checks += 1
     if (self._checks - 1) % config.check_every:
@@ -891,8 +915,8 @@ class Wrapped:
       per_bucket = {}
       for (fid, bkey), n in sorted(self._bucket_calls.items(), key=str):
         fam = fams[fid]
-        if bkey == "exact":
-          label = "exact (unpadded)"
+        if bkey in ("exact", "program"):
+          label = "exact (unpadded)" if bkey == "exact" else "control-flow program (VM)"
         else:
           label = ", ".join(f"{v}={b}" for v, b in zip(fam.sig.var_order, bkey, strict=True))
         per_bucket[label] = per_bucket.get(label, 0) + n
@@ -1155,6 +1179,15 @@ def _aval(x) -> jax.ShapeDtypeStruct:
     raise SpecError(f"argument leaf of type {type(x).__name__} is not an array; mark its "
                     "parameter in static_argnames") from None
   return jax.ShapeDtypeStruct(a.shape, a.dtype)
+
+
+def _needs_program(e: BaseException) -> bool:
+  """True when tracing stopped at a dynjax control-flow op (dynjax.control.NeedsProgram)."""
+  while e is not None:
+    if type(e).__name__ == "NeedsProgram" and type(e).__module__.startswith("dynjax.control"):
+      return True
+    e = e.__cause__ or e.__context__
+  return False
 
 
 def _to_host(outs) -> list[np.ndarray]:

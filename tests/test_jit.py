@@ -326,3 +326,23 @@ def test_persistent_cache_second_process_compiles_nothing(tmp_path):
     assert r.returncode == 0, r.stderr
   assert runs[0].stdout.split() == ["MISSES", "4", "HITS", "0"], runs[0].stdout
   assert runs[1].stdout.split() == ["MISSES", "0", "HITS", "4"], runs[1].stdout
+
+
+def test_async_compile_serves_on_a_larger_bucket_while_compiling(compiles):
+  f = dynjax.jit(lambda x: x * 2, dims={"x": "t"}, padding="trust", async_compile=True,
+                 buckets={"t": dynjax.buckets.pow2(4, 64)})
+  np.testing.assert_array_equal(f(np.ones(60, np.float32)), np.full(60, 2.0))  # blocks: first
+  np.testing.assert_array_equal(f(np.ones(3, np.float32)), np.full(3, 2.0))  # served on t=64
+  assert f.stats()["per_bucket_calls"]["t=64"] == 2
+  f.wait()
+  np.testing.assert_array_equal(f(np.ones(3, np.float32)), np.full(3, 2.0))
+  s = f.stats()
+  assert s["per_bucket_calls"]["t=4"] == 1 and s["compiles"] == 2 == compiles()
+
+
+def test_device_inputs_with_padded_outputs_stay_on_device():
+  f = dynjax.jit(lambda x: x * 2, dims={"x": "b, t"}, padding="trust", return_padded=True,
+                 buckets={"b": [2], "t": dynjax.buckets.pow2(4, 64)})
+  p = f(jnp.ones((2, 5)))
+  assert isinstance(p.buffer, jax.Array) and p.buffer.shape == (2, 8) and p.shape == (2, 5)
+  assert f.stats()["host_syncs"] == 0
