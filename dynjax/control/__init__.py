@@ -4,7 +4,10 @@ The build side: frontends trace user code and build :class:`dynjax.runtime.Progr
 that the runtime VM runs.
 """
 
+from dynjax.control._cond import cond as cond
 from dynjax.control._frontend import NeedsProgram as NeedsProgram
+from dynjax.control._inprogram import program_runs as program_runs
+from dynjax.control._inprogram import run_in_program as run_in_program
 from dynjax.control._loop import loop_program as loop_program
 from dynjax.control._loop import loop_stats as loop_stats
 from dynjax.control._loop import while_loop as while_loop
@@ -14,5 +17,5 @@ from dynjax.control._recursion import Recursive as Recursive
 from dynjax.control._recursion import cell as cell
 from dynjax.control._recursion import recursive as recursive
 
-__all__ = ["Cell", "CellValue", "NeedsProgram", "Recursive", "cell", "loop_program",
-           "loop_stats", "recursive", "while_loop"]
+__all__ = ["Cell", "CellValue", "NeedsProgram", "Recursive", "cell", "cond", "loop_program",
+           "loop_stats", "program_runs", "recursive", "run_in_program", "while_loop"]

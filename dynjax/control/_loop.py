@@ -84,6 +84,11 @@ def _trace_error(what: str, e: Exception) -> ControlFlowError:
         "dynjax.while_loop needs every carry dim to be a function of the carry's dims (e.g. "
         "t + 1), not of array contents; give such ops a static size (jnp.nonzero(x, size=n)), "
         "or move the data-dependent part into cond_fun.")
+  if type(e).__name__ == "InconclusiveDimensionOperation":
+    return ControlFlowError(
+        f"{what} compares a dynamic carry dim in Python ({first}). With shapes that change, "
+        "dims are symbolic while dynjax traces the loop: write the comparison as an array "
+        "op, e.g. jnp.asarray(x.shape[0]) < 8 instead of x.shape[0] < 8.")
   return ControlFlowError(f"{what} could not be traced with symbolic dims: "
                           f"{type(e).__name__}: {first}")
 
@@ -603,7 +608,7 @@ def loop_stats() -> dict:
   """What the last ``while_loop`` of this thread did: mode, iterations, host syncs, buckets.
 
   Example:
-    >>> _ = dynjax.while_loop(lambda c: c.shape[0] < 40,
+    >>> _ = dynjax.while_loop(lambda c: jnp.asarray(c.shape[0]) < 40,
     ...                       lambda c: jnp.concatenate([c, c[:1]]), jnp.zeros(1))
     >>> dynjax.control.loop_stats()["host_syncs"]
     3

@@ -558,20 +558,21 @@ class Recursive:
     return self.batch([args])[0]
 
   def _step(self, args):
-    key = id(args[0]) if args and not isinstance(args[0], int | float | str | bool | type(None)
-                                                  | CellValue | jax.Array | np.ndarray) else None
-    if key is not None:
-      if key in self._active:
-        raise ControlFlowError(
-            f"{self.name}: the structure has a cycle: it was called again on "
-            f"{_describe(args[0])} while still processing that same object. dynjax.recursive "
-            "walks trees and DAGs (acyclic); break the cycle or stop the recursion there.")
-      self._active.add(key)
-      try:
-        return self.fn(*args)
-      finally:
-        self._active.discard(key)
-    return self.fn(*args)
+    # A call with the same arguments (structure objects by identity, scalars by value) while
+    # that call is still running can only recurse forever: a cycle in the structure.
+    key = tuple(a if isinstance(a, int | float | str | bool | type(None)) else id(a)
+                for a in args)
+    if key in self._active:
+      raise ControlFlowError(
+          f"{self.name}: the structure has a cycle: it was called again with "
+          f"{', '.join(_describe(a) for a in args)} while still processing that same call. "
+          "dynjax.recursive walks trees and DAGs (acyclic); break the cycle or stop the "
+          "recursion there.")
+    self._active.add(key)
+    try:
+      return self.fn(*args)
+    finally:
+      self._active.discard(key)
 
   def batch(self, items: Sequence) -> list:
     """Runs many calls together (e.g. a minibatch of trees); returns their results in order.
@@ -627,8 +628,8 @@ def recursive(fn: Callable) -> Recursive:
   """Marks a Python function that recurses over a host structure calling cells and itself.
 
   ``rec(*args)`` runs one call; ``rec.batch([args1, args2, ...])`` runs many together, so cell
-  calls at the same dependency level across *all* items are batched into one call.  The first
-  argument is the structure node being walked (used to detect cycles).
+  calls at the same dependency level across *all* items are batched into one call.  A call made
+  again with the same arguments while it is still running is reported as a cycle.
 
   Args:
     fn: the recursive function.  It may call :class:`Cell` objects, itself, and plain Python;

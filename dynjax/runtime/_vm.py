@@ -103,7 +103,7 @@ def collect_stats() -> Iterator[VMStats]:
 
   Example:
     >>> with dynjax.runtime.collect_stats() as s:
-    ...   out = dynjax.while_loop(lambda c: c.shape[0] < 5,
+    ...   out = dynjax.while_loop(lambda c: jnp.asarray(c.shape[0]) < 5,
     ...                           lambda c: jnp.concatenate([c, c[:1]]), jnp.zeros(1))
     >>> s.host_syncs
     1
