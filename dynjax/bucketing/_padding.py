@@ -98,6 +98,16 @@ def pad_jaxpr(closed_jaxpr, dim_vars: Sequence[str], bucket: Mapping[str, int]) 
     raise SpecError(f"pad_jaxpr: bucket {dict(bucket)} has no size for {absent}")
   bucket_env = {v: int(bucket[v]) for v in dim_vars}
   probe = Context({}, bucket_env, None)
+  bad = []
+  for where, avals in (("input", closed_jaxpr.in_avals), ("output", closed_jaxpr.out_avals)):
+    for i, aval in enumerate(avals):
+      for d in getattr(aval, "shape", ()):
+        if jp.is_dim_expr(d) and probe.padded_dim(d) != jp.eval_dim_expr(d, bucket_env):
+          bad.append(f"{where} {i} dim {d}")
+  if bad:
+    raise PaddingUnsupportedError(
+      f"dims not monotone in the sizes (their bucket value is not their largest): {bad}"
+    )
   in_shapes = [probe.padded_shape(a.shape) for a in closed_jaxpr.in_avals]
   out_shapes = [probe.padded_shape(a.shape) for a in closed_jaxpr.out_avals]
   recording: list[list[str] | None] = [None]

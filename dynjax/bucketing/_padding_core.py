@@ -15,7 +15,9 @@ region and are exact.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -119,11 +121,42 @@ def eqn_touches_dynamic(eqn) -> bool:
   return any(jaxpr_touches_dynamic(j) for j in _sub_jaxprs(eqn.params))
 
 
+_ENCLOSING = threading.local()
+
+
+def source_of(eqn) -> str:
+  """The user's source line of ``eqn``; inside library code (e.g. ``jnp.roll``'s own jit), the
+  line of the innermost enclosing call that has one."""
+  s = jp.summarize_source(eqn)
+  if s and s != "<unknown source>":
+    return s
+  for outer in reversed(getattr(_ENCLOSING, "stack", [])):
+    if outer:
+      return outer
+  return s or "<unknown source>"
+
+
+@contextlib.contextmanager
+def enclosing(eqn):
+  """Marks ``eqn`` (a call/loop/cond) as the enclosing equation of the sub-jaxpr interpreted."""
+  stack = getattr(_ENCLOSING, "stack", None)
+  if stack is None:
+    stack = _ENCLOSING.stack = []
+  stack.append(source_of(eqn))
+  try:
+    yield
+  finally:
+    stack.pop()
+
+
 def unsupported(eqn, why: str) -> PaddingUnsupportedError:
   return PaddingUnsupportedError(
     f"the padding pass has no exact rule for '{eqn.primitive.name}' at "
-    f"{jp.summarize_source(eqn)}: {why}. The function runs unpadded (one compile per shape)."
+    f"{source_of(eqn)}: {why}. The function runs unpadded (one compile per shape)."
   )
+
+
+_BOUND_CACHE: dict[Any, int] = {}
 
 
 class Context:
@@ -134,12 +167,24 @@ class Context:
     self.bucket_env = bucket_env
     self.log = log
     self._true_cache: dict[Any, Any] = {}
+    self.box = {v: (1, n) for v, n in bucket_env.items()}
+    self._box_key = tuple(sorted(bucket_env.items()))
 
   # -- dimensions -------------------------------------------------------------------------
   def padded_dim(self, d) -> int:
+    """The padded size of a dim: its largest value over true sizes in ``[1, bucket]``.
+
+    For monotone dims (``t``, ``b*t``, ``t + 1``, ``max(t, 3)``) that is the dim at the bucket
+    sizes; non-monotone intermediate dims (``t - mod(t, 5)`` from ``jnp.roll``) get a sound
+    interval upper bound so that no true extent ever exceeds its buffer.
+    """
     if not is_dynamic_dim(d):
       return int(d)
-    return int(jp.eval_dim_expr(d, self.bucket_env))
+    hit = _BOUND_CACHE.get((d, self._box_key))
+    if hit is None:
+      hit = jp.dim_interval(d, self.box)[1]
+      _BOUND_CACHE[(d, self._box_key)] = hit
+    return hit
 
   def padded_shape(self, shape) -> tuple[int, ...]:
     return tuple(self.padded_dim(d) for d in shape)
@@ -202,7 +247,10 @@ class Context:
 
   def note(self, eqn, msg: str) -> None:
     if self.log is not None:
-      line = f"{eqn.primitive.name} at {jp.summarize_source(eqn)}: {msg}"
+      name = eqn.primitive.name
+      if isinstance(eqn.params.get("name"), str):
+        name = f"{name}[{eqn.params['name']}]"
+      line = f"{name} at {source_of(eqn)}: {msg}"
       if not self.log or self.log[-1] != line:
         self.log.append(line)
 
@@ -252,7 +300,10 @@ def interpret(ctx: Context, jaxpr, consts: Sequence[PaddedValue], args: Sequence
 
   def read(v) -> PaddedValue:
     if isinstance(v, jex_core.Literal):
-      return PaddedValue(v.val)
+      val = v.val
+      if not hasattr(val, "astype"):
+        val = np.asarray(val, v.aval.dtype)
+      return PaddedValue(val)
     return env[v]
 
   def write(v, pv: PaddedValue) -> None:
@@ -278,14 +329,17 @@ def interpret(ctx: Context, jaxpr, consts: Sequence[PaddedValue], args: Sequence
       if rule is None:
         raise unsupported(eqn, "it touches a dynamic axis")
       try:
-        outs = rule(ctx, eqn, invals)
+        with enclosing(eqn):
+          outs = rule(ctx, eqn, invals)
+          shapes = [
+            (ctx.padded_shape(v.aval.shape), tuple(np.shape(pv.val)))
+            for v, pv in zip(eqn.outvars, outs, strict=True)
+          ]
       except PaddingUnsupportedError:
         raise
       except Exception as e:  # a rule that cannot build its rewrite: fall back, never guess
         raise unsupported(eqn, f"its rule failed ({type(e).__name__}: {e})") from e
-      for v, pv in zip(eqn.outvars, outs, strict=False):
-        want = ctx.padded_shape(v.aval.shape)
-        got = tuple(np.shape(pv.val))
+      for want, got in shapes:
         if want != got:
           raise unsupported(eqn, f"padded result has shape {got}, expected {want}")
     assert len(outs) == len(eqn.outvars), eqn

@@ -438,13 +438,18 @@ def _concatenate_rule(ctx, eqn, invals):
   # Each operand lands at the true offset; a later one overwrites the padded tail of the one
   # before.  offset_i + padded_i <= sum of padded sizes, so no start index is ever clamped.
   ctx.note(eqn, f"relayout: operands placed at true offsets along axis {dim}")
-  out = jnp.zeros(ctx.padded_shape(out_aval.shape), out_aval.dtype)
+  out_p = ctx.padded_shape(out_aval.shape)
+  buf = list(out_p)
+  buf[dim] = max(out_p[dim], sum(v.shape[dim] for v in vals))
+  out = jnp.zeros(buf, out_aval.dtype)
   offset = jnp.int32(0)
-  for v, val in zip(eqn.invars, vals, strict=False):
+  for v, val in zip(eqn.invars, vals, strict=True):
     starts = [jnp.int32(0)] * out.ndim
     starts[dim] = offset
     out = lax.dynamic_update_slice(out, val.astype(out.dtype), starts)
     offset = offset + ctx.true_dim(v.aval.shape[dim])
+  if buf[dim] != out_p[dim]:
+    out = lax.slice_in_dim(out, 0, out_p[dim], axis=dim)
   return [PaddedValue(out)]
 
 

@@ -1,0 +1,387 @@
+"""Per-rule tests of the padding pass: padded execution equals exact execution."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _harness import Case
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax import export, lax
+
+from dynjax import _jax_private as jp
+from dynjax._errors import PaddingUnsupportedError
+from dynjax.bucketing._padding import pad_jaxpr, rule_coverage
+
+BT = lambda b, t: [(b, t)]
+BTC = lambda b, t: [(b, t, 3)]
+POS = jnp.arange(16 * 3, dtype=jnp.float32).reshape(16, 3) / 10.0
+TABLE = jnp.arange(10 * 3, dtype=jnp.float32).reshape(10, 3)
+
+
+def _conv(x, w, stride=1, padding="SAME", dil=1):
+  return lax.conv_general_dilated(
+    x, w, (stride,), padding, rhs_dilation=(dil,), dimension_numbers=("NWC", "WIO", "NWC")
+  )
+
+
+@jax.custom_vjp
+def _clip_grad(x):
+  return jnp.sin(x)
+
+
+_clip_grad.defvjp(lambda x: (jnp.sin(x), x), lambda x, g: (jnp.cos(x) * g,))
+
+
+def _ints(lo, hi):
+  def make(rng, shapes):
+    return [rng.integers(lo, hi, size=s).astype(np.int32) for s in shapes]
+
+  return make
+
+
+# (id, fun, shapes, Case kwargs)
+CASES = [
+  ("elementwise", lambda x: jnp.tanh(x) * 2 + jnp.exp(-jnp.abs(x)) - x**2, BT, {}),
+  ("reduce_sum", lambda x: (x.sum(1), x.sum(0), x.sum()), BT, {}),
+  ("reduce_max_min", lambda x: (x.max(1), x.min(0), x.max()), BT, {}),
+  ("reduce_prod", lambda x: jnp.prod(1 + 0.1 * x, axis=1), BT, {}),
+  ("argmax_argmin", lambda x: (jnp.argmax(x, 1), jnp.argmin(x, 1), jnp.argmax(x, 0)), BT, {}),
+  ("any_all", lambda x: ((x > 0).any(1), (x > 0).all(1), (x > 0).any()), BT, {}),
+  ("mean_var", lambda x: (jnp.mean(x, 1), jnp.var(x, 1), jnp.mean(x)), BT, {}),
+  ("logsumexp", lambda x: jax.nn.logsumexp(x, axis=1), BT, {}),
+  ("dot_contract_t", lambda x, w: x @ w, lambda b, t: [(b, t), (t, 3)], {}),
+  ("dot_contract_b", lambda x: jnp.einsum("bt,bs->ts", x, x), BT, {}),
+  ("dot_batch_free", lambda x: jnp.einsum("btc,bsc->bts", x, x), BTC, {}),
+  ("cumsum", lambda x: (jnp.cumsum(x, 1), lax.cumsum(x, 1, reverse=True)), BT, {}),
+  ("cumprod", lambda x: lax.cumprod(1 + 0.1 * x, 1, reverse=True), BT, {}),
+  (
+    "cummax_cummin",
+    lambda x: (lax.cummax(x, 1, reverse=True), lax.cummin(x, 0, reverse=True)),
+    BT,
+    {},
+  ),
+  ("cumlogsumexp", lambda x: lax.cumlogsumexp(x, 1, reverse=True), BT, {}),
+  ("sort", lambda x: (jnp.sort(x, 1), jnp.argsort(x, 1), jnp.sort(x, 0)), BT, {}),
+  ("top_k", lambda x: lax.top_k(x, 1), BT, {}),
+  ("conv_same", lambda x, w: _conv(x, w), lambda b, t: [(b, t, 3), (3, 3, 2)], {}),
+  (
+    "conv_valid_stride",
+    lambda x, w: _conv(x, w, 2, "VALID"),
+    lambda b, t: [(b, t + 2, 3), (3, 3, 2)],
+    {},
+  ),
+  (
+    "conv_dilated",
+    lambda x, w: _conv(x, w, 1, ((2, 2),), 2),
+    lambda b, t: [(b, t, 3), (3, 3, 2)],
+    {},
+  ),
+  (
+    "reduce_window",
+    lambda x: (
+      lax.reduce_window(x, -jnp.inf, lax.max, (1, 3), (1, 1), "SAME"),
+      lax.reduce_window(x, 0.0, lax.add, (1, 2), (1, 1), "SAME"),
+    ),
+    BT,
+    {},
+  ),
+  ("dim_as_value", lambda x: x * x.shape[1] + x.shape[0] * x.shape[1], BT, {}),
+  ("iota", lambda x: x + jnp.arange(x.shape[1]) + jnp.arange(x.shape[0])[:, None], BT, {}),
+  ("reshape_merge_split", lambda x: (x.reshape(-1, 3) * 2).reshape(x.shape), BTC, {}),
+  ("reshape_merge_sum", lambda x: x.reshape(-1).cumsum(), BT, {}),
+  ("reshape_plain", lambda x: x.reshape(x.shape[0], x.shape[1] * 3).sum(1), BTC, {}),
+  ("input_b_times_t", lambda x: x.reshape(-1, 2, 3).sum(0), lambda b, t: [(2 * t, 3)], {}),
+  ("input_t_plus_1", lambda x: (x[1:] - x[:-1], x.sum()), lambda b, t: [(t + 1,)], {}),
+  ("concat_t", lambda x, y: jnp.concatenate([x, 2 * y], 1), lambda b, t: [(b, t), (b, t)], {}),
+  ("concat_b", lambda x: jnp.concatenate([x, x[:1]], 0).sum(0), BT, {}),
+  ("flip", lambda x: (jnp.flip(x, 1), jnp.flip(x, (0, 1)), x[:, ::-1].cumsum(1)), BT, {}),
+  ("roll", lambda x: (jnp.roll(x, 1, axis=1), jnp.roll(x, -2, axis=0)), BT, {}),
+  (
+    "pad",
+    lambda x: (jnp.pad(x, ((0, 0), (1, 2)), constant_values=5.0), jnp.pad(x, ((1, 0), (0, 0)))),
+    BT,
+    {},
+  ),
+  ("pad_interior", lambda x: lax.pad(x, -1.0, ((0, 0, 0), (1, 1, 2))), BT, {}),
+  ("slices", lambda x: (x[:, 1:], x[:, ::2], x[:, -1], x[-1]), BT, {}),
+  ("pos_emb", lambda x: x + POS[: x.shape[1]], BTC, {"constraints": ("t <= 16",)}),
+  (
+    "pos_emb_offset",
+    lambda x: x + lax.dynamic_slice_in_dim(POS, 4, x.shape[1], 0),
+    BTC,
+    {"constraints": ("t <= 16",)},
+  ),
+  ("dynamic_slice", lambda x: lax.dynamic_slice_in_dim(x, x.shape[1] // 2, 1, 1), BT, {}),
+  (
+    "dynamic_slice_start_input",
+    lambda x, i: lax.dynamic_slice_in_dim(x, i, 1, 1),
+    lambda b, t: [(b, t), ()],
+    {
+      "dtypes": [jnp.float32, jnp.int32],
+      "inputs": lambda rng, s: [
+        rng.normal(size=s[0]).astype(np.float32),
+        np.int32(rng.integers(0, 12)),
+      ],
+    },
+  ),
+  (
+    "dus_static_update",
+    lambda x: lax.dynamic_update_slice_in_dim(x, jnp.ones((x.shape[0], 1)), x.shape[1] - 1, 1),
+    BT,
+    {},
+  ),
+  (
+    "dus_dynamic_update",
+    lambda x: lax.dynamic_update_slice_in_dim(jnp.zeros((x.shape[0], 12)), x, 3, 1).sum(1),
+    BT,
+    {"constraints": ("t <= 8",)},
+  ),
+  ("embedding", lambda tok: TABLE[tok].sum(1), BT, {"dtypes": [jnp.int32], "inputs": _ints(0, 10)}),
+  ("take_along_axis", lambda x: jnp.take_along_axis(x, jnp.argsort(x, 1), 1), BT, {}),
+  (
+    "take_fill",
+    lambda x, i: jnp.take(x, i, axis=1, mode="fill", fill_value=-7.0),
+    lambda b, t: [(b, t), (4,)],
+    {
+      "dtypes": [jnp.float32, jnp.int32],
+      "inputs": lambda rng, s: [
+        rng.normal(size=s[0]).astype(np.float32),
+        rng.integers(-2, 12, size=s[1]).astype(np.int32),
+      ],
+    },
+  ),
+  (
+    "take_clip",
+    lambda x, i: jnp.take(x, i, axis=1, mode="clip"),
+    lambda b, t: [(b, t), (4,)],
+    {
+      "dtypes": [jnp.float32, jnp.int32],
+      "inputs": lambda rng, s: [
+        rng.normal(size=s[0]).astype(np.float32),
+        rng.integers(-2, 12, size=s[1]).astype(np.int32),
+      ],
+    },
+  ),
+  ("scatter_set", lambda x: x.at[:, 0].set(3.0).at[:, -1].set(-3.0), BT, {}),
+  (
+    "scatter_add_hist",
+    lambda tok: jnp.zeros(10).at[tok].add(1.0),
+    BT,
+    {"dtypes": [jnp.int32], "inputs": _ints(0, 10)},
+  ),
+  (
+    "scatter_max_set",
+    lambda tok: (
+      jnp.zeros(10).at[tok.reshape(-1)].max(tok.reshape(-1) * 1.0),
+      jnp.full(10, -1).at[tok[:, 0]].set(tok[:, -1]),
+    ),
+    BT,
+    {"dtypes": [jnp.int32], "inputs": _ints(0, 10)},
+  ),
+  (
+    "segment_sum",
+    lambda x, s: jax.ops.segment_sum(x, s, num_segments=5),
+    lambda b, t: [(t,), (t,)],
+    {
+      "dtypes": [jnp.float32, jnp.int32],
+      "inputs": lambda rng, s: [
+        rng.normal(size=s[0]).astype(np.float32),
+        rng.integers(0, 5, size=s[1]).astype(np.int32),
+      ],
+    },
+  ),
+  ("split", lambda x: jnp.split(x, 2, axis=1)[1] * 2, lambda b, t: [(b, 2 * t)], {}),
+  ("jit_inner", lambda x: jax.jit(lambda y: y.sum(1))(x) + jax.jit(jnp.flip)(x).mean(), BT, {}),
+  ("custom_jvp", lambda x: jax.nn.relu(x).sum(1) + jax.nn.gelu(x).max(1), BT, {}),
+  ("custom_vjp", lambda x: _clip_grad(x).sum(1), BT, {}),
+  ("checkpoint", lambda x: jax.checkpoint(lambda y: jnp.sin(y).sum(1))(x), BT, {}),
+  ("cond", lambda x: lax.cond(x.sum() > 0, lambda y: y.max(1), lambda y: y.min(1), x), BT, {}),
+  (
+    "fori_loop_t",
+    lambda x: lax.fori_loop(0, x.shape[1], lambda i, c: c * 0.5 + x[:, i], jnp.zeros(x.shape[0])),
+    BT,
+    {},
+  ),
+  (
+    "while_reduction",
+    lambda x: lax.while_loop(
+      lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] + c[1].sum(1, keepdims=True) * 0.1), (0, x)
+    )[1],
+    BT,
+    {},
+  ),
+  (
+    "scan_t",
+    lambda x: lax.scan(lambda c, xt: (c * 0.9 + xt, c.sum()), jnp.zeros(x.shape[0]), x.T),
+    BT,
+    {},
+  ),
+  (
+    "scan_t_reverse",
+    lambda x: lax.scan(lambda c, xt: (c * 0.9 + xt, c), jnp.zeros(x.shape[0]), x.T, reverse=True),
+    BT,
+    {},
+  ),
+  (
+    "scan_static_len",
+    lambda x: lax.scan(lambda c, _: (c + c.sum() * 0.1, None), x, None, length=3)[0],
+    BT,
+    {},
+  ),
+  ("random_normal", lambda x: x + jax.random.normal(jax.random.key(1), x.shape), BT, {}),
+  (
+    "random_split",
+    lambda x: jax.vmap(lambda k, r: jax.random.uniform(k) + r)(
+      jax.random.split(jax.random.key(2), x.shape[1]), x[0]
+    ),
+    BT,
+    {},
+  ),
+]
+
+BUCKETS = [(3, 8), (2, 5)]
+
+
+def _case(idx) -> Case:
+  name, fun, shapes, kw = CASES[idx]
+  return _case_cached(idx)
+
+
+@functools.cache
+def _case_cached(idx) -> Case:
+  _, fun, shapes, kw = CASES[idx]
+  return Case(fun, shapes, **kw)
+
+
+@pytest.mark.parametrize("idx", range(len(CASES)), ids=[c[0] for c in CASES])
+def test_rule_edges(idx):
+  """True sizes 1 and exactly the bucket size, garbage and zeros in the padded region."""
+  case = _case(idx)
+  bucket = BUCKETS[0]
+  case.check((1, 1), bucket, garbage="mixed")
+  case.check(bucket, bucket, garbage="nan", seed=1)
+  case.check((2, 3), bucket, garbage="zeros", seed=2)
+
+
+@pytest.mark.parametrize("idx", range(len(CASES)), ids=[c[0] for c in CASES])
+@settings(max_examples=3, deadline=None)
+@given(data=st.data())
+def test_rule_random_sizes(idx, data):
+  case = _case(idx)
+  bucket = data.draw(st.sampled_from(BUCKETS))
+  true = tuple(data.draw(st.integers(1, n)) for n in bucket)
+  case.check(true, bucket, seed=data.draw(st.integers(0, 100)))
+
+
+def test_random_bits_are_bit_identical_and_normal():
+  fun = lambda x: jax.random.normal(jax.random.key(7), x.shape)
+  case = Case(fun, BT)
+  # bit-identical: exact equality, not only closeness
+  case.rtol = case.atol = 0.0
+  ref = case.check((5, 37), (8, 64))
+  # and statistically normal
+  vals = np.asarray(ref[0]).ravel()
+  assert abs(vals.mean()) < 0.3 and abs(vals.std() - 1) < 0.3
+
+
+def test_dim_expr_evaluation_traced():
+  b, t = export.symbolic_shape("b, t")
+  exprs = [b * t, t + 1, 2 * t, (t * 3) // 2, t % 5, jnp.maximum if False else None]
+  exprs = [e for e in exprs if e is not None]
+  mx = export.symbolic_shape("max(t, 3), min(t, 2)", scope=t.scope)
+  exprs += list(mx)
+
+  def ev(bv, tv):
+    env = {"b": bv, "t": tv}
+    return [jp.eval_dim_expr(e, env) for e in exprs]
+
+  for bv, tv in [(1, 1), (2, 7), (3, 2)]:
+    got = jax.jit(ev)(jnp.int32(bv), jnp.int32(tv))
+    want = [bv * tv, tv + 1, 2 * tv, (3 * tv) // 2, tv % 5, max(tv, 3), min(tv, 2)]
+    assert [int(g) for g in got] == want
+    assert ev(bv, tv) == want
+
+
+def test_unsupported_primitive_names_primitive_and_line():
+  (t,) = export.symbolic_shape("t")
+  fun = lambda x: jnp.fft.fft(x).real  # LINE_FFT
+  cj = jax.make_jaxpr(fun)(jax.ShapeDtypeStruct((t,), jnp.float32))
+  with pytest.raises(PaddingUnsupportedError) as e:
+    pad_jaxpr(cj, ("t",), {"t": 8})
+  line = next(i for i, s in enumerate(open(__file__).read().splitlines(), 1) if "# LINE_FFT" in s)
+  assert "no exact rule for 'fft' at " in str(e.value)
+  assert f"test_padding.py:{line}" in str(e.value)
+  assert isinstance(e.value, NotImplementedError)
+
+
+def test_unsupported_inside_library_jit_names_user_line():
+  (t,) = export.symbolic_shape("t")
+  fun = lambda x: jax.jit(jnp.linalg.cholesky)(x)  # LINE_CHOL
+  with pytest.raises(PaddingUnsupportedError) as e:
+    pad_jaxpr(jax.make_jaxpr(fun)(jax.ShapeDtypeStruct((t, t), jnp.float32)), ("t",), {"t": 4})
+  line = next(i for i, s in enumerate(open(__file__).read().splitlines(), 1) if "# LINE_CHOL" in s)
+  assert "cholesky" in str(e.value) and f"test_padding.py:{line}" in str(e.value)
+
+
+def test_static_equations_need_no_rule():
+  (t,) = export.symbolic_shape("t")
+  w = jnp.eye(3)
+  fun = lambda x, m: (x.sum(), jnp.linalg.cholesky(m + 3 * w))
+  cj = jax.make_jaxpr(fun)(
+    jax.ShapeDtypeStruct((t,), jnp.float32), jax.ShapeDtypeStruct((3, 3), jnp.float32)
+  )
+  plan = pad_jaxpr(cj, ("t",), {"t": 8})
+  x = np.full(8, np.nan, np.float32)
+  x[:2] = [1, 2]
+  s, c = jax.jit(plan.fun)((jnp.int32(2),), x, np.eye(3, dtype=np.float32))
+  assert float(s) == 3.0 and np.allclose(c, 2 * np.eye(3))
+
+
+def test_rewrites_list_masks_known_fills_and_dead_code():
+  (t,) = export.symbolic_shape("t")
+
+  def fun(x):
+    _ = jnp.sort(x)  # dead: cannot reach an output
+    return x.sum() + jnp.zeros_like(x).sum()
+
+  plan = pad_jaxpr(jax.make_jaxpr(fun)(jax.ShapeDtypeStruct((t,), jnp.float32)), ("t",), {"t": 8})
+  text = "\n".join(plan.rewrites)
+  assert "sort" in text and "left alone: its result cannot reach an output" in text
+  assert "masked operand axes (0:t) with 0.0" in text
+  assert "no mask needed on operand: padded region already 0.0" in text
+
+
+def test_plan_shapes_and_errors():
+  b, t = export.symbolic_shape("b, t")
+  cj = jax.make_jaxpr(lambda x: x.reshape(-1))(jax.ShapeDtypeStruct((b, t), jnp.float32))
+  plan = pad_jaxpr(cj, ("b", "t"), {"b": 2, "t": 4})
+  assert plan.in_shapes == [(2, 4)] and plan.out_shapes == [(8,)]
+  with pytest.raises(ValueError, match="not in dim_vars"):
+    pad_jaxpr(cj, ("t",), {"t": 4})
+  with pytest.raises(ValueError, match="no size for"):
+    pad_jaxpr(cj, ("b", "t"), {"t": 4})
+  with pytest.raises(ValueError, match="expected padded shape"):
+    plan.fun((jnp.int32(1), jnp.int32(1)), jnp.zeros((3, 4)))
+
+
+def test_rule_coverage():
+  covered, missing = rule_coverage()
+  for name in [
+    "dot_general",
+    "reduce_sum",
+    "gather",
+    "scatter-add",
+    "scan",
+    "while",
+    "cond",
+    "sort",
+    "reshape",
+  ]:
+    assert name in covered
+  assert "fft" in missing and "dot_general" not in missing
+  assert not set(covered) & set(missing)
