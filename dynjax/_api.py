@@ -213,7 +213,7 @@ class _Family:
         None if s is None else _symbolic.compile_shape(s.dims, self.sig.var_order)
         for s in self.sig.leaves)
     self.buckets: dict[tuple, _BucketEntry] = {}
-    self.exact_jit = None
+    self.size_hist = tuple(Counter() for _ in self.sig.var_order)  # for explain()
     if not self.sig.var_order:
       self.mode = "exact"  # nothing dynamic: a plain jit, one compile per shape
     self._trace()
@@ -661,6 +661,8 @@ class Wrapped:
     sizes = _symbolic.solve_sizes(fam.sig, shapes)
     for i, p in fam.observers:
       p.observe(sizes[i])
+    for h, n in zip(fam.size_hist, sizes, strict=True):
+      h[n] += 1
     bkey = []
     exact = False
     for n, p in zip(sizes, fam.policies, strict=True):
@@ -959,10 +961,14 @@ class Wrapped:
           lines.append(f"    out[{i}]: {o.dtype}[{', '.join(map(str, o.shape))}]")
       if sig.var_order:
         lines.append("  bucket plan:")
-        for v, p in zip(sig.var_order, fam.policies, strict=True):
-          seen = [n for n in getattr(p, "_hist", {})]
+        for v, p, hist in zip(sig.var_order, fam.policies, fam.size_hist, strict=True):
           plan = p.sizes() if p.max is not None or getattr(p, "_table", None) else "unbounded"
           lines.append(f"    {v}: {p!r} -> {plan}")
+          if hist:
+            sizes = list(hist.elements())
+            lines.append(f"       observed {len(hist)} distinct sizes in {len(sizes)} calls "
+                         f"(min {min(hist)}, max {max(hist)}); expected padded fraction of "
+                         f"this plan: {p.expected_waste(sizes):.1%}")
       used = sorted(k for k in fam.buckets)
       if used:
         lines.append(f"  compiled buckets: {used}")
@@ -973,7 +979,6 @@ class Wrapped:
         lines.extend(f"    {r}" for r in fam.rewrites)
       if fam.fallback:
         lines.append(f"  FALLBACK to exact execution: {fam.fallback}")
-      del seen
     return "\n".join(lines)
 
   def clear_cache(self) -> None:
