@@ -444,6 +444,7 @@ class Wrapped:
     self._bucket_calls: Counter = Counter()
     self._checks = 0
     self._background: set = set()
+    self._pending: list[concurrent.futures.Future] = []
     functools.update_wrapper(self, fun, updated=())
 
   # -- validation --------------------------------------------------------------------------
@@ -718,7 +719,7 @@ class Wrapped:
       if larger is not None:
         if key not in self._background:
           self._background.add(key)
-          _background_pool().submit(self._build_entry, fam, bkey)
+          self._pending.append(_background_pool().submit(self._build_entry, fam, bkey))
         return None
     return self._build_entry(fam, bkey)
 
@@ -861,13 +862,16 @@ class Wrapped:
     return self.trace(*args, **kwargs).lower()
 
   def warmup(self, *args, progress: bool | None = None, max_workers: int | None = None,
-             **kwargs) -> dict:
+             background: bool = False, **kwargs) -> dict:
     """Compiles every bucket of the declared ranges ahead of time, concurrently.
 
     Variables whose policy has no ``max`` are warmed at the example's bucket only.
+    ``background=True`` returns at once and compiles largest bucket first; with
+    ``async_compile=True`` calls are then served on the smallest compiled bucket that fits
+    while the rest compile (``wait()`` blocks until all are done).
 
     Returns:
-      ``{"buckets": [...], "compiled": n, "seconds": s}``.
+      ``{"buckets": [...], "compiled": n, "seconds": s}`` (``"pending": n`` in background).
 
     Example:
       >>> f.warmup(np.zeros((8, 16), np.int32))
@@ -883,6 +887,14 @@ class Wrapped:
     todo = list(itertools.product(*per_var))
     before = self._cache.compiles
     t0 = time.perf_counter()
+    if background:
+      pool = _background_pool()
+      for b in sorted(todo, key=math.prod, reverse=True):
+        key = (fam.fid, b)
+        if key not in self._cache and key not in self._background:
+          self._background.add(key)
+          self._pending.append(pool.submit(self._build_entry, fam, b))
+      return {"buckets": todo, "pending": len(self._pending), "seconds": 0.0}
     show = config.progress if progress is None else progress
     workers = max_workers or min(len(todo), max(2, os.cpu_count() or 2))
     done = 0
@@ -899,10 +911,9 @@ class Wrapped:
             "seconds": time.perf_counter() - t0}
 
   def wait(self) -> None:
-    """Waits for background compiles started by ``async_compile=True``."""
-    _background_pool().submit(lambda: None).result()
-    while any(self._cache.building(k) for k in self._background):
-      time.sleep(0.01)
+    """Waits for background compiles (``async_compile=True``, ``warmup(background=True)``)."""
+    while self._pending:
+      self._pending.pop().result()
 
   def stats(self) -> dict:
     """Counters: calls, compiles, cache hits, compile seconds, per-bucket calls, padded
@@ -1213,8 +1224,9 @@ def _background_pool() -> concurrent.futures.ThreadPoolExecutor:
   global _BG_POOL
   with _BG_LOCK:
     if _BG_POOL is None:
+      # XLA compiles release the GIL; half the cores leaves room for serving threads.
       _BG_POOL = concurrent.futures.ThreadPoolExecutor(
-          max(1, (os.cpu_count() or 2) // 2), thread_name_prefix="dynjax-compile")
+          max(2, (os.cpu_count() or 2) // 2), thread_name_prefix="dynjax-compile")
     return _BG_POOL
 
 

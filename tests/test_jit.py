@@ -346,3 +346,14 @@ def test_device_inputs_with_padded_outputs_stay_on_device():
   p = f(jnp.ones((2, 5)))
   assert isinstance(p.buffer, jax.Array) and p.buffer.shape == (2, 8) and p.shape == (2, 5)
   assert f.stats()["host_syncs"] == 0
+
+
+def test_background_warmup_with_async_compile_never_blocks_after_the_largest(compiles):
+  f = dynjax.jit(lambda x: x + 1, dims={"x": "t"}, padding="trust", async_compile=True,
+                 buckets={"t": dynjax.buckets.pow2(4, 64)})
+  summary = f.warmup(np.zeros(4, np.float32), background=True)
+  assert summary["pending"] == 5
+  for t in (3, 50, 7, 20):
+    np.testing.assert_array_equal(f(np.zeros(t, np.float32)), np.ones(t))
+  f.wait()
+  assert f.stats()["compiles"] == 5 == compiles()
