@@ -102,9 +102,9 @@ def _array_workload(name: str, description: str, cfg: Config, *, make_fun, param
     kw = dict(dims=DIMS, buckets={"t": policy}, padding=cfg.padding,
               cache_dir=cfg.persistent_cache_dir, async_compile=cfg.async_compile)
     if linen_module is not None:
-      import dynjax.flax
+      from dynjax import flax as dynjax_flax
 
-      return dynjax.flax.jit(linen_module, **kw)
+      return dynjax_flax.jit(linen_module, **kw)
     return dynjax.jit(make_fun(), **kw)
 
   def dynjax_mode(name, policy, warm=False):
