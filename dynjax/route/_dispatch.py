@@ -30,7 +30,7 @@ import numpy as np
 from dynjax._errors import RoutingError
 from dynjax.route._router import Routing
 
-FUSIONS = ("bucket", "runs", "none")
+FUSIONS = ("auto", "bucket", "runs", "none")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,9 +92,10 @@ def make_plan(capacities, fusion: str = "bucket", overflow: bool = False,
 
   Args:
     capacities: per-path capacities (ints >= 0).
-    fusion: ``"bucket"`` (every path of one capacity in one call), ``"runs"`` (only runs of
-      consecutive path ids: static weight slices, never a weight gather), ``"none"`` (one call
-      per path).
+    fusion: ``"bucket"`` (every path of one capacity in one call; a weight gather when those
+      paths are not consecutive), ``"runs"`` or ``"auto"`` (runs of consecutive paths with one
+      capacity: static weight slices only; ``"auto"`` capacities come from
+      :func:`auto_capacities`), ``"none"`` (one call per path).
     overflow: include the overflow path.
     overflow_chunk: rows per overflow step.
 
@@ -119,6 +120,56 @@ def make_plan(capacities, fusion: str = "bucket", overflow: bool = False,
         run.append(p)
     groups.sort(key=lambda g: -g[1])
   return Plan(caps, tuple(groups), bool(overflow), int(overflow_chunk))
+
+
+def bucket_capacity(policy, need: int, max_capacity: int | None = None) -> int:
+  """``policy.bucket(need)`` (``grow`` past its max), 0 for ``need <= 0``, capped."""
+  if need <= 0:
+    return 0
+  b = policy.bucket(need)
+  b = policy.grow(need) if b is None else b
+  return int(b if max_capacity is None else min(b, max_capacity))
+
+
+def auto_capacities(needs, policy, overhead: int = 256,
+                    max_capacity: int | None = None) -> tuple[int, ...]:
+  """Capacities that share one batched call per range of consecutive paths, chosen by DP.
+
+  Paths are split into ranges of consecutive ids; a range runs as one batched call at the bucket
+  of its largest need, so its cost is ``len(range) * bucket(max need) + overhead`` (in rows;
+  ``overhead`` prices a separate call: launch, gather and a less-filled GPU).  Paths with zero
+  need may be skipped (capacity 0).  Consecutive ids keep weight slices static (never a gather
+  of weights).  ``O(P^2)`` numpy work, vectorised per range end.
+
+  Example:
+    >>> auto_capacities([900, 130, 120, 0, 100], dynjax.buckets.linear(128), overhead=64)
+    (1024, 128, 128, 0, 128)
+  """
+  needs = [int(v) for v in needs]
+  b = np.asarray([bucket_capacity(policy, v, max_capacity) for v in needs], np.int64)
+  n = len(b)
+  best = np.zeros(n + 1)
+  start = np.full(n + 1, -1, np.int64)  # -1: path j-1 skipped
+  for j in range(1, n + 1):
+    rev = np.maximum.accumulate(b[j - 1::-1])  # rev[t] = max(b[j-1-t .. j-1])
+    lens = np.arange(1, j + 1)
+    cost = best[j - 1::-1] + lens * rev + overhead
+    cost = np.where(rev > 0, cost, np.inf)
+    t = int(np.argmin(cost))
+    best[j], start[j] = cost[t], j - 1 - t
+    if b[j - 1] == 0 and best[j - 1] <= best[j]:
+      best[j], start[j] = best[j - 1], -1
+  caps = [0] * n
+  j = n
+  while j > 0:
+    i = int(start[j])
+    if i < 0:
+      j -= 1
+      continue
+    cap = int(b[i:j].max())
+    caps[i:j] = [cap] * (j - i)
+    j = i
+  return tuple(caps)
 
 
 def _flat(routing: Routing, num_paths: int):

@@ -95,20 +95,23 @@ class Profile:
     Returns:
       A tuple of ``num_paths`` integers.
     """
-    if not self._loads:
-      raise RoutingError("dynjax.route.Profile.capacities: the profile is empty; record loads "
-                         "first (run in mode='exact-sync', or call profile.record(routing.loads))")
     top = num_cells if max_capacity is None else max_capacity
-    q = np.quantile(self.fractions(), quantile, axis=0, method="higher")
     out = []
-    for frac in q:
-      need = math.ceil(float(frac) * num_cells * margin - 1e-9)
+    for need in self.needs(num_cells, quantile, margin):
       if need <= 0:
         out.append(0)
         continue
       b = policy.bucket(need)
       out.append(int(min(top, policy.grow(need) if b is None else b)))
     return tuple(out)
+
+  def needs(self, num_cells: int, quantile: float = 0.999, margin: float = 1.0) -> tuple[int, ...]:
+    """Per-path loads to cover before bucketing: ``ceil(q_p * num_cells * margin)``."""
+    if not self._loads:
+      raise RoutingError("dynjax.route.Profile: the profile is empty; record loads first (run "
+                         "in mode='exact-sync', or call profile.record(routing.loads, num_cells))")
+    q = np.quantile(self.fractions(), quantile, axis=0, method="higher")
+    return tuple(max(0, math.ceil(float(f) * num_cells * margin - 1e-9)) for f in q)
 
   def summary(self) -> dict:
     """Mean and p99 load fraction per path, and the number of records."""

@@ -23,8 +23,8 @@ import jax
 import numpy as np
 
 from dynjax._errors import RoutingError
-from dynjax.bucketing._policies import BucketPolicy, as_policy, pow2
-from dynjax.route._dispatch import FUSIONS, Plan, apply, make_plan
+from dynjax.bucketing._policies import BucketPolicy, as_policy, geometric
+from dynjax.route._dispatch import FUSIONS, Plan, apply, auto_capacities, bucket_capacity, make_plan
 from dynjax.route._paths import Branches, Experts
 from dynjax.route._profile import Profile
 from dynjax.route._router import Router, Routing
@@ -44,14 +44,17 @@ class Routed:
     router: the :class:`Router`.
     mode: ``"exact-sync"`` or ``"profiled"`` (see the module docstring).
     buckets: the capacity bucket policy (``dynjax.buckets``; a list means explicit sizes).
-      Default: powers of two from 8.
+      Default: ``geometric(1.25, min=8)`` aligned to 8 (at most 25% + 8 rows of padding).
     profile: a :class:`Profile` (or a path to a saved one) for ``"profiled"``; recorded into by
       ``"exact-sync"`` calls.  Without records, ``"profiled"`` plans every path at
       ``bucket(ceil(capacity_factor * cells * k / P))`` (still dropless: the rest overflows).
     quantile: per-path load quantile the profiled capacities cover.
     margin: head-room factor on the profiled capacities.
     capacity_factor: capacity of an unprofiled path relative to the mean load.
-    fusion: ``"bucket"``, ``"runs"`` or ``"none"`` (see :func:`make_plan`).
+    fusion: ``"auto"`` (default: ranges of consecutive paths share one batched call at the
+      bucket of their largest load, ranges chosen by :func:`auto_capacities`), ``"bucket"``,
+      ``"runs"`` or ``"none"`` (see :func:`make_plan`).
+    group_overhead: ``"auto"``: the price of one more batched call, in rows.
     max_signatures: ``"exact-sync"`` compile budget (distinct capacity signatures).
     slack: ``"exact-sync"``: serve a new signature by a cached covering one when its padded
       slots exceed the tight signature's by at most this fraction.
@@ -69,7 +72,8 @@ class Routed:
   def __init__(self, paths: Experts | Branches, router: Router, *, mode: str = "exact-sync",
                buckets: BucketPolicy | list[int] | None = None,
                profile: Profile | str | None = None, quantile: float = 0.999,
-               margin: float = 1.0, capacity_factor: float = 1.25, fusion: str = "bucket",
+               margin: float = 1.0, capacity_factor: float = 1.25, fusion: str = "auto",
+               group_overhead: int = 256,
                max_signatures: int = 16, slack: float = 0.125, overflow_chunk: int = 256,
                record: bool = True):
     if not isinstance(paths, Experts | Branches):
@@ -91,7 +95,9 @@ class Routed:
     self.paths = paths
     self.router = router
     self.mode = mode
-    self.policy = pow2(min=8) if buckets is None else as_policy(buckets, " (dynjax.route)")
+    self.policy = (geometric(1.25, min=8).aligned(8) if buckets is None
+                   else as_policy(buckets, " (dynjax.route)"))
+    self.group_overhead = int(group_overhead)
     if isinstance(profile, str):
       profile = Profile.load(profile)
     if profile is None:
@@ -133,15 +139,10 @@ class Routed:
           f"match the {'labels' if labels is not None else 'logits'} ({n[0] if n else '?'} "
           "cells); pass one routing row per cell of x")
 
-  def _tight_caps(self, loads: np.ndarray, num_cells: int) -> tuple[int, ...]:
-    out = []
-    for load in loads.tolist():
-      if load <= 0:
-        out.append(0)
-        continue
-      b = self.policy.bucket(load)
-      out.append(min(num_cells, self.policy.grow(load) if b is None else b))
-    return tuple(out)
+  def _caps_for(self, needs, num_cells: int) -> tuple[int, ...]:
+    if self.fusion == "auto":
+      return auto_capacities(needs, self.policy, self.group_overhead, num_cells)
+    return tuple(bucket_capacity(self.policy, int(v), num_cells) for v in needs)
 
   def capacities(self, routing: Routing) -> tuple[int, ...]:
     """Exact capacities for a routing: its loads read on the host (one sync), bucketed.
@@ -163,7 +164,7 @@ class Routed:
     if self.record:
       self.profile.record(loads, n)
     self._stats["cells"] += int(loads.sum())
-    return self._lookup(self._tight_caps(loads, num_cells))
+    return self._lookup(self._caps_for(loads.tolist(), num_cells))
 
   def _lookup(self, tight: tuple[int, ...]) -> tuple[int, ...]:
     plan = self._plan(tight, overflow=False)
@@ -198,12 +199,11 @@ class Routed:
     if caps is None:
       total = num_cells * k
       if len(self.profile):
-        caps = self.profile.capacities(num_cells, self.policy, self.quantile, self.margin,
-                                       max_capacity=total)
+        needs = self.profile.needs(num_cells, self.quantile, self.margin)
       else:
-        need = max(1, -(-int(self.capacity_factor * total) // self.router.num_paths))
-        b = self.policy.bucket(need)
-        caps = (min(total, self.policy.grow(need) if b is None else b),) * self.router.num_paths
+        needs = (max(1, -(-int(self.capacity_factor * total) // self.router.num_paths)),
+                 ) * self.router.num_paths
+      caps = self._caps_for(needs, total)
       self._profiled_caps[key] = caps
     return caps
 

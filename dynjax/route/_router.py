@@ -50,6 +50,27 @@ def _is_float(dtype) -> bool:
   return jnp.issubdtype(dtype, jnp.floating)
 
 
+def _cumsum_rows(v: jax.Array, block: int = 128) -> jax.Array:
+  """Inclusive cumulative sum over axis 0 of small non-negative integers held in float32.
+
+  Two-level blocked scan as matmuls with a constant lower-triangular ``[block, block]`` matrix:
+  a handful of kernels on GPU, where ``jnp.cumsum`` lowers to a ``log2(n)``-level associative
+  scan (dozens of small kernels).  Exact: integer sums below 2**24 with HIGHEST precision.
+  """
+  n, e = v.shape
+  hi = jax.lax.Precision.HIGHEST
+  if n <= block:
+    tri = jnp.tril(jnp.ones((n, n), jnp.float32))
+    return jnp.dot(tri, v, precision=hi)
+  nb = -(-n // block)
+  vb = jnp.pad(v, ((0, nb * block - n), (0, 0))).reshape(nb, block, e)
+  tri = jnp.tril(jnp.ones((block, block), jnp.float32))
+  within = jnp.einsum("ij,bje->bie", tri, vb, precision=hi)
+  tot = within[:, -1]
+  offsets = _cumsum_rows(tot, block) - tot
+  return (within + offsets[:, None, :]).reshape(nb * block, e)[:n]
+
+
 def positions_and_loads(paths: jax.Array, num_paths: int) -> tuple[jax.Array, jax.Array]:
   """Per-cell rank within its path (in cell order) and the per-path loads.
 
@@ -68,11 +89,12 @@ def positions_and_loads(paths: jax.Array, num_paths: int) -> tuple[jax.Array, ja
   shape = paths.shape
   flat = paths.reshape(-1)
   if num_paths <= _ONE_HOT_MAX_PATHS:
-    one_hot = (flat[:, None] == jnp.arange(num_paths, dtype=flat.dtype)).astype(jnp.int32)
-    cum = jnp.cumsum(one_hot, axis=0)
-    pos = jnp.sum(one_hot * (cum - 1), axis=1)
-    loads = cum[-1] if flat.shape[0] else jnp.zeros((num_paths,), jnp.int32)
-    return pos.reshape(shape).astype(jnp.int32), loads.astype(jnp.int32)
+    if not flat.shape[0]:
+      return jnp.zeros(shape, jnp.int32), jnp.zeros((num_paths,), jnp.int32)
+    one_hot = (flat[:, None] == jnp.arange(num_paths, dtype=flat.dtype)).astype(jnp.float32)
+    cum = _cumsum_rows(one_hot)
+    pos = jnp.sum(one_hot * (cum - 1.0), axis=1)
+    return pos.reshape(shape).astype(jnp.int32), cum[-1].astype(jnp.int32)
   # Sort-based: a stable argsort groups cells by path, keeping cell order inside each path.
   n = flat.shape[0]
   order = jnp.argsort(flat, stable=True)
