@@ -1,0 +1,280 @@
+"""Child-sum Tree-LSTM over real trees (ASTs of standard-library functions).
+
+The model (Tai et al. 2015, child-sum) for node j with input x_j and children k:
+``h~ = sum_k h_k``; ``i, o, u = sigma/sigma/tanh(W x + U h~ + b)``;
+``f_k = sigma(W_f x + U_f h_k + b_f)``; ``c = i*u + sum_k f_k*c_k``; ``h = o*tanh(c)``.
+
+Written for ``dynjax.recursive`` with four small cells, so the variable number of children
+becomes batched work: ``forget`` per child (``f_k*c_k``), ``add`` in a balanced pairwise tree
+(log2(k) levels), ``node`` for the gates (leaves call ``node`` with zero sums via ``leaf``).
+
+Modes compared side by side in one run: ``dynjax`` (``encode.batch`` over a minibatch of trees:
+every cell call of one level across the whole minibatch is one vmapped call), ``jax_per_node``
+(the same recursion calling the same cells as ``jax.jit`` functions one node at a time, the way
+one writes it in plain JAX), and ``torch_per_node`` (PyTorch eager, same weights; only when
+``torch`` imports).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dynjax.control import cell, recursive
+
+
+def init_params(n_types: int, d_in: int = 16, d_h: int = 32, seed: int = 0) -> dict:
+  k = jax.random.split(jax.random.PRNGKey(seed), 5)
+  s_in, s_h = 1.0 / np.sqrt(d_in), 1.0 / np.sqrt(d_h)
+  return {
+      "emb": jax.random.normal(k[0], (n_types, d_in)),
+      "W": jax.random.normal(k[1], (d_in, 3 * d_h)) * s_in,
+      "U": jax.random.normal(k[2], (d_h, 3 * d_h)) * s_h,
+      "b": jnp.zeros((3 * d_h,)),
+      "Wf": jax.random.normal(k[3], (d_in, d_h)) * s_in,
+      "Uf": jax.random.normal(k[4], (d_h, d_h)) * s_h,
+      "bf": jnp.ones((d_h,)),
+  }
+
+
+def _gates(p, x, hsum, fcsum):
+  z = x @ p["W"] + hsum @ p["U"] + p["b"]
+  i, o, u = jnp.split(z, 3)
+  c = jax.nn.sigmoid(i) * jnp.tanh(u) + fcsum
+  return jax.nn.sigmoid(o) * jnp.tanh(c), c
+
+
+@cell
+def leaf(p, tok):
+  x = p["emb"][tok]
+  zero = jnp.zeros(p["Uf"].shape[0], x.dtype)
+  return _gates(p, x, zero, zero)
+
+
+@cell
+def node(p, tok, hsum, fcsum):
+  return _gates(p, p["emb"][tok], hsum, fcsum)
+
+
+@cell
+def forget(p, tok, h, c):
+  f = jax.nn.sigmoid(p["emb"][tok] @ p["Wf"] + h @ p["Uf"] + p["bf"])
+  return h, f * c
+
+
+@cell
+def add(a, b):
+  return a[0] + b[0], a[1] + b[1]
+
+
+def _pairwise(items):
+  while len(items) > 1:
+    nxt = [add(items[i], items[i + 1]) for i in range(0, len(items) - 1, 2)]
+    if len(items) % 2:
+      nxt.append(items[-1])
+    items = nxt
+  return items[0]
+
+
+_jit_leaf, _jit_node, _jit_forget, _jit_add = (jax.jit(c.fn) for c in (leaf, node, forget, add))
+
+
+def _encode(p, tree, i):
+  tok = int(tree.types[i])
+  kids = tree.children[i]
+  if not kids:
+    return _jit_leaf(p, tok)
+  items = [_jit_forget(p, tok, *_encode(p, tree, k)) for k in kids]
+  while len(items) > 1:
+    nxt = [_jit_add(items[i], items[i + 1]) for i in range(0, len(items) - 1, 2)]
+    if len(items) % 2:
+      nxt.append(items[-1])
+    items = nxt
+  return _jit_node(p, tok, *items[0])
+
+
+@recursive
+def encode(p, tree, i=0):
+  """(h, c) of node ``i`` of ``tree`` (any object with ``types`` and ``children``)."""
+  return _encode_rec(p, tree, i)
+
+
+def _encode_rec(p, tree, i):
+  tok = int(tree.types[i])
+  kids = tree.children[i]
+  if not kids:
+    return leaf(p, tok)
+  terms = [forget(p, tok, *encode(p, tree, k)) for k in kids]
+  hsum, fcsum = _pairwise(terms)
+  return node(p, tok, hsum, fcsum)
+
+
+def encode_per_node(p, tree, i=0):
+  """The same recursion, every cell a plain ``jax.jit`` call on one node (no batching)."""
+  return _encode(p, tree, i)
+
+
+def reference(p, tree, i=0):
+  """Direct child-sum formula per node in numpy float64 (sequential sums): the oracle."""
+  P = {k: np.asarray(v, np.float64) for k, v in p.items()}
+
+  def sig(z):
+    return 1.0 / (1.0 + np.exp(-z))
+
+  def go(j):
+    x = P["emb"][int(tree.types[j])]
+    kids = [go(k) for k in tree.children[j]]
+    d = P["Uf"].shape[0]
+    hs = np.stack([h for h, _ in kids]) if kids else np.zeros((0, d))
+    cs = np.stack([c for _, c in kids]) if kids else np.zeros((0, d))
+    z = x @ P["W"] + hs.sum(0) @ P["U"] + P["b"]
+    ig, og, ug = np.split(z, 3)
+    f = sig(x @ P["Wf"] + hs @ P["Uf"] + P["bf"])
+    c = sig(ig) * np.tanh(ug) + (f * cs).sum(0)
+    return sig(og) * np.tanh(c), c
+
+  return go(i)
+
+
+def torch_per_node(p, tree, device="cpu"):
+  """PyTorch eager, one node at a time (lazy import; same weights)."""
+  import torch
+
+  P = {k: torch.as_tensor(np.asarray(v), device=device) for k, v in p.items()}
+  d = P["Uf"].shape[0]
+
+  def go(j):
+    x = P["emb"][int(tree.types[j])]
+    kids = [go(k) for k in tree.children[j]]
+    if kids:
+      hs = torch.stack([h for h, _ in kids])
+      cs = torch.stack([c for _, c in kids])
+      hsum = hs.sum(0)
+      f = torch.sigmoid(x @ P["Wf"] + hs @ P["Uf"] + P["bf"])
+      fc = (f * cs).sum(0)
+    else:
+      hsum = torch.zeros(d, device=device)
+      fc = torch.zeros(d, device=device)
+    z = x @ P["W"] + hsum @ P["U"] + P["b"]
+    ig, og, ug = torch.split(z, d)
+    c = torch.sigmoid(ig) * torch.tanh(ug) + fc
+    return torch.sigmoid(og) * torch.tanh(c), c
+
+  with torch.no_grad():
+    return go(0)
+
+
+# -- the benchmark ----------------------------------------------------------------------------
+def run(flags: dict | None = None, out_dir: str | None = None) -> dict:
+  """Tree-LSTM over minibatches of real trees; returns (and writes ``treelstm.json``) a dict.
+
+  Flags (all optional): ``quick`` (CPU setting, < 60 s), ``batch`` (trees per minibatch),
+  ``batches`` (minibatches timed), ``max_nodes``, ``d_h``, ``seed``, ``torch`` (default True).
+
+  Example:
+    >>> res = run({"quick": True})  # doctest: +SKIP
+    >>> res["rows"][0]["mode"]  # doctest: +SKIP
+    'dynjax'
+  """
+  from dynjax.bench import data
+
+  flags = dict(flags or {})
+  quick = bool(flags.get("quick", jax.default_backend() == "cpu"))
+  batch = int(flags.get("batch", 16 if quick else 64))
+  n_batches = int(flags.get("batches", 2 if quick else 5))
+  max_nodes = int(flags.get("max_nodes", 80 if quick else 400))
+  d_h = int(flags.get("d_h", 32 if quick else 256))
+  seed = int(flags.get("seed", 0))
+  n_types = len(data.node_types())
+  p = init_params(n_types, d_in=d_h // 2, d_h=d_h, seed=seed)
+  trees = data.sample_trees(batch * (n_batches + 1), seed=seed, max_nodes=max_nodes)
+  warm, timed = trees[:batch], trees[batch:]
+  minibatches = [timed[i * batch:(i + 1) * batch] for i in range(n_batches)]
+  n_nodes = sum(t.size for t in timed)
+  rows = []
+
+  # dynjax: warm-up batch compiles the buckets; then timed minibatches.
+  t0 = time.perf_counter()
+  jax.block_until_ready(encode.batch([(p, t) for t in warm]))
+  cold = time.perf_counter() - t0
+  t0 = time.perf_counter()
+  outs = []
+  meta = []
+  for mb in minibatches:
+    res = encode.batch([(p, t) for t in mb])
+    outs.extend(r[0] for r in res)
+    meta.extend(encode.last_stats.batches)
+  jax.block_until_ready(outs)
+  dt = time.perf_counter() - t0
+  dyn_h = [np.asarray(h) for h in outs]
+  rows.append({"mode": "dynjax", "seconds": round(dt, 4), "us_per_node": round(1e6 * dt / n_nodes, 2),
+               "cold_warmup_s": round(cold, 3),
+               "invokes_per_batch": float(np.mean([m["groups"] for m in meta])),
+               "levels_per_batch": float(np.mean([m["levels"] for m in meta])),
+               "record_ms_per_batch": round(1e3 * float(np.mean([m["record_s"] for m in meta])), 2)})
+
+  # JAX per node (jitted cells), warm-up then timed.
+  jax.block_until_ready([encode_per_node(p, t) for t in warm[:4]])
+  t0 = time.perf_counter()
+  outs = [encode_per_node(p, t)[0] for t in timed]
+  jax.block_until_ready(outs)
+  dt = time.perf_counter() - t0
+  err = max(float(np.max(np.abs(np.asarray(a) - b))) for a, b in zip(outs, dyn_h, strict=True))
+  rows.append({"mode": "jax_per_node", "seconds": round(dt, 4),
+               "us_per_node": round(1e6 * dt / n_nodes, 2), "max_abs_diff_vs_dynjax": err})
+
+  if flags.get("torch", True):
+    try:
+      import torch  # noqa: F401
+    except ImportError:
+      rows.append({"mode": "torch_per_node", "skipped": "torch not importable"})
+    else:
+      dev = "cuda" if torch.cuda.is_available() else "cpu"
+      torch_per_node(p, warm[0], dev)
+      t0 = time.perf_counter()
+      outs = [torch_per_node(p, t, dev)[0] for t in timed]
+      if dev == "cuda":
+        torch.cuda.synchronize()
+      dt = time.perf_counter() - t0
+      err = max(float(np.max(np.abs(a.cpu().numpy() - b))) for a, b in zip(outs, dyn_h,
+                                                                           strict=True))
+      rows.append({"mode": "torch_per_node", "seconds": round(dt, 4),
+                   "us_per_node": round(1e6 * dt / n_nodes, 2), "max_abs_diff_vs_dynjax": err})
+  base = rows[0]["seconds"]
+  for r in rows:
+    if "seconds" in r:
+      r["x_slower_than_dynjax"] = round(r["seconds"] / base, 2)
+  res = {"workload": "treelstm", "backend": jax.default_backend(), "jax": jax.__version__,
+         "quick": quick, "config": {"batch": batch, "batches": n_batches, "max_nodes": max_nodes,
+                                    "d_h": d_h, "nodes_timed": n_nodes}, "rows": rows}
+  if out_dir:
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "treelstm.json"), "w") as f:
+      json.dump(res, f, indent=1)
+  return res
+
+
+def format_table(res: dict) -> str:
+  cols = ["mode", "seconds", "us_per_node", "x_slower_than_dynjax", "invokes_per_batch",
+          "levels_per_batch", "record_ms_per_batch", "max_abs_diff_vs_dynjax"]
+  lines = [" | ".join(cols)]
+  for r in res["rows"]:
+    lines.append(" | ".join(str(r.get(c, "")) for c in cols))
+  return "\n".join(lines)
+
+
+def _main(argv: Sequence[str] | None = None) -> None:
+  import sys
+
+  argv = list(sys.argv[1:] if argv is None else argv)
+  print(format_table(run({"quick": "--full" not in argv})))
+
+
+if __name__ == "__main__":
+  _main()
