@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
+import math
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -180,10 +182,26 @@ class Context:
     """
     if not is_dynamic_dim(d):
       return int(d)
-    hit = _BOUND_CACHE.get((d, self._box_key))
+    return self.dim_range(d)[1]
+
+  def dim_range(self, d) -> tuple[int, int]:
+    """Smallest and largest value of a dim over true sizes in ``[1, bucket]``: exact (by
+    enumeration) when the dim has few possible inputs, else sound interval bounds."""
+    if not is_dynamic_dim(d):
+      return int(d), int(d)
+    key = (d, self._box_key)
+    hit = _BOUND_CACHE.get(key)
     if hit is None:
-      hit = jp.dim_interval(d, self.box)[1]
-      _BOUND_CACHE[(d, self._box_key)] = hit
+      names = sorted(jp.dim_expr_vars(d))
+      if math.prod(self.box[v][1] for v in names) <= 4096:
+        vals = [
+          int(jp.eval_dim_expr(d, dict(zip(names, combo, strict=True))))
+          for combo in itertools.product(*(range(1, self.box[v][1] + 1) for v in names))
+        ]
+        hit = (min(vals), max(vals))
+      else:
+        hit = jp.dim_interval(d, self.box)
+      _BOUND_CACHE[key] = hit
     return hit
 
   def padded_shape(self, shape) -> tuple[int, ...]:

@@ -29,6 +29,7 @@ from dynjax.bucketing._padding_core import (
   Context,
   PaddedValue,
   dynamic_axes,
+  has_dim_expr,
   identity_for,
   interpret,
   interpret_closed,
@@ -275,8 +276,6 @@ def _top_k_rule(ctx, eqn, invals):
 
 
 def _require_static(eqn, params: dict, names) -> None:
-  from dynjax.bucketing._padding_core import has_dim_expr
-
   for n in names:
     if n in params and has_dim_expr(params[n]):
       raise unsupported(eqn, f"parameter {n}={params[n]} depends on a dynamic size")
@@ -290,7 +289,6 @@ def _conv_rule(ctx, eqn, invals):
     p,
     [
       "window_strides",
-      "padding",
       "lhs_dilation",
       "rhs_dilation",
       "feature_group_count",
@@ -310,18 +308,74 @@ def _conv_rule(ctx, eqn, invals):
   r_axes = [a for a in range(ra.ndim) if a != rhs_spec[0]]
   lhs = ctx.mask(invals[0], la, l_axes, identity_for("sum", la.dtype), eqn, "lhs")
   rhs = ctx.mask(invals[1], ra, r_axes, identity_for("sum", ra.dtype), eqn, "rhs")
-  return [PaddedValue(o) for o in _bind(ctx, eqn, [lhs, rhs])]
+  oa = eqn.outvars[0].aval
+  specs = []
+  for i, a in enumerate(lhs_spec[2:]):
+    k = ra.shape[rhs_spec[2 + i]]
+    if has_dim_expr(p["padding"][i]) and (is_dynamic_dim(k) or p["lhs_dilation"][i] != 1):
+      raise unsupported(eqn, "size-dependent padding with a dynamic or dilated window")
+    win = (int(k) - 1) * p["rhs_dilation"][i] + 1 if not is_dynamic_dim(k) else 0
+    specs.append((a, p["padding"][i], win, p["window_strides"][i], oa.shape[dn.out_spec[2 + i]]))
+  lhs, pads = _shift_symbolic_padding(ctx, eqn, lhs, la, specs, identity_for("sum", la.dtype))
+  params = ctx.subst_params(p)
+  params["padding"] = tuple(pads)
+  out = eqn.primitive.bind(lhs, rhs, **params)
+  return [PaddedValue(_crop_to(ctx, out, oa))]
+
+
+def _crop_to(ctx, out, aval):
+  want = ctx.padded_shape(aval.shape)
+  if tuple(out.shape) != want and all(g >= w for g, w in zip(out.shape, want, strict=True)):
+    out = lax.slice(out, [0] * out.ndim, want)
+  return out
+
+
+def _shift_symbolic_padding(ctx, eqn, x, aval, specs, fill):
+  """Turns size-dependent window padding (``"SAME"`` with stride > 1) into a static one.
+
+  ``specs``: per window axis ``(operand_axis, (lo, hi), effective_window, stride, out_dim)``.
+  An axis whose ``lo``/``hi`` is symbolic is shifted right by the true ``lo`` (the gap and the
+  padded tail read as ``fill``, the value of the exact op's implicit padding) and gets a static
+  ``(0, hi)`` that yields at least the padded output size (the caller crops).
+  """
+  pads = []
+  for a, (lo, hi), win, stride, out_dim in specs:
+    if not has_dim_expr((lo, hi)):
+      pads.append((int(lo), int(hi)))
+      continue
+    lo_min, lo_max = ctx.dim_range(lo)
+    if lo_min < 0:
+      raise unsupported(eqn, f"size-dependent negative padding {lo}")
+    n = x.shape[a] + lo_max
+    src = _iota(n) - ctx.true_dim(lo)
+    valid = (src >= 0) & (src < ctx.true_dim(aval.shape[a]))
+    x = _remap_axis(x, a, src, valid, fill)
+    n_out = ctx.padded_dim(out_dim)
+    pads.append((0, max(0, (n_out - 1) * int(stride) + win - n)))
+    ctx.note(eqn, f"size-dependent padding {lo} of axis {a} applied as a true-size shift")
+  return x, pads
 
 
 def _reduce_window_rule(kind: str):
   def rule(ctx, eqn, invals):
     p = eqn.params
     _require_static(
-      eqn, p, ["window_dimensions", "window_strides", "padding", "base_dilation", "window_dilation"]
+      eqn, p, ["window_dimensions", "window_strides", "base_dilation", "window_dilation"]
     )
     aval = eqn.invars[0].aval
-    x = ctx.mask(invals[0], aval, range(aval.ndim), identity_for(kind, aval.dtype), eqn)
-    return [PaddedValue(o) for o in _bind(ctx, eqn, [x])]
+    ident = identity_for(kind, aval.dtype)
+    x = ctx.mask(invals[0], aval, range(aval.ndim), ident, eqn)
+    oa = eqn.outvars[0].aval
+    specs = []
+    for a in range(aval.ndim):
+      if has_dim_expr(p["padding"][a]) and p["base_dilation"][a] != 1:
+        raise unsupported(eqn, "size-dependent padding with base dilation")
+      win = (p["window_dimensions"][a] - 1) * p["window_dilation"][a] + 1
+      specs.append((a, p["padding"][a], win, p["window_strides"][a], oa.shape[a]))
+    x, pads = _shift_symbolic_padding(ctx, eqn, x, aval, specs, ident)
+    params = ctx.subst_params(p)
+    params["padding"] = tuple(pads)
+    return [PaddedValue(_crop_to(ctx, eqn.primitive.bind(x, **params), oa))]
 
   return rule
 

@@ -184,22 +184,55 @@ CASES = [
     {"dtypes": [jnp.int32], "inputs": _ints(0, 10)},
   ),
   (
+    "conv_same_stride2",
+    lambda x, w: _conv(x, w, 2, "SAME"),
+    lambda b, t: [(b, t, 3), (3, 3, 2)],
+    {},
+  ),
+  (
+    "pool_same_stride2",
+    lambda x: (
+      lax.reduce_window(x, -jnp.inf, lax.max, (1, 3), (1, 2), "SAME"),
+      lax.reduce_window(x, 0.0, lax.add, (1, 2), (1, 3), "SAME"),
+    ),
+    BT,
+    {},
+  ),
+  (
     "scatter_drop",
     lambda x, i: x.at[:, i].set(5.0, mode="drop"),
     lambda b, t: [(b, t), (3,)],
-    {"dtypes": [jnp.float32, jnp.int32], "inputs": lambda rng, s: [rng.normal(size=s[0]).astype(np.float32), rng.integers(-2, 12, size=s[1]).astype(np.int32)]},
+    {
+      "dtypes": [jnp.float32, jnp.int32],
+      "inputs": lambda rng, s: [
+        rng.normal(size=s[0]).astype(np.float32),
+        rng.integers(-2, 12, size=s[1]).astype(np.int32),
+      ],
+    },
   ),
   (
     "vmapped_gather",
     lambda x, i: jax.vmap(lambda r, j: r[j])(x, i),
     lambda b, t: [(b, t), (b,)],
-    {"dtypes": [jnp.float32, jnp.int32], "inputs": lambda rng, s: [rng.normal(size=s[0]).astype(np.float32), rng.integers(0, 12, size=s[1]).astype(np.int32)]},
+    {
+      "dtypes": [jnp.float32, jnp.int32],
+      "inputs": lambda rng, s: [
+        rng.normal(size=s[0]).astype(np.float32),
+        rng.integers(0, 12, size=s[1]).astype(np.int32),
+      ],
+    },
   ),
   (
     "scatter_window_add",
     lambda x, i: jnp.zeros((6, x.shape[1])).at[i].add(x),
     lambda b, t: [(b, t), (b,)],
-    {"dtypes": [jnp.float32, jnp.int32], "inputs": lambda rng, s: [rng.normal(size=s[0]).astype(np.float32), rng.integers(0, 6, size=s[1]).astype(np.int32)]},
+    {
+      "dtypes": [jnp.float32, jnp.int32],
+      "inputs": lambda rng, s: [
+        rng.normal(size=s[0]).astype(np.float32),
+        rng.integers(0, 6, size=s[1]).astype(np.int32),
+      ],
+    },
   ),
   (
     "segment_sum",

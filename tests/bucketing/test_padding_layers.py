@@ -70,23 +70,48 @@ BTD = lambda b, t: [(b, t, D)]
 
 LAYERS = [
   ("attention", lambda x: attention(x), BTD, {}),
-  ("attention_user_mask_all_masked_rows", lambda tok: attention(EMB[tok], mask=tok != 0), lambda b, t: [(b, t)], {"dtypes": [jnp.int32], "inputs": _tokens}),
+  (
+    "attention_user_mask_all_masked_rows",
+    lambda tok: attention(EMB[tok], mask=tok != 0),
+    lambda b, t: [(b, t)],
+    {"dtypes": [jnp.int32], "inputs": _tokens},
+  ),
   ("layer_norm_over_time", lambda x: layer_norm(x, 1), BTD, {}),
   ("layer_norm_features", lambda x: layer_norm(x, -1), BTD, {}),
   ("mean_var_pooling", lambda x: jnp.concatenate([x.mean(1), x.var(1), x.max(1)], -1), BTD, {}),
   ("logsumexp", lambda x: jax.nn.logsumexp(x, axis=(1, 2)), BTD, {}),
   ("rnn_scan", lambda x: rnn(x), BTD, {}),
-  ("birnn_reverse", lambda x: jnp.concatenate([rnn(x)[1], jnp.flip(rnn(jnp.flip(x, 1))[1], 1)], -1), BTD, {}),
+  (
+    "birnn_reverse",
+    lambda x: jnp.concatenate([rnn(x)[1], jnp.flip(rnn(jnp.flip(x, 1))[1], 1)], -1),
+    BTD,
+    {},
+  ),
   ("rnn_scan_reverse", lambda x: rnn(x, reverse=True), BTD, {}),
   ("conv1d_over_time", lambda x: conv1d(conv1d(x)).sum(1), BTD, {}),
   ("top_k", lambda x: lax.top_k(x.sum(-1), 1), BTD, {}),
   ("argsort", lambda x: jnp.argsort(-x[..., 0], axis=1), BTD, {}),
   ("cumsum", lambda x: jnp.cumsum(x, axis=1) / jnp.arange(1, x.shape[1] + 1)[:, None], BTD, {}),
-  ("concat_two_lengths", lambda x, y: attention(jnp.concatenate([x, y], 1)).mean(1), lambda b, t, s: [(b, t, D), (b, s, D)], {"dims": ("b", "t", "s")}),
-  ("reshape_bt_d_and_back", lambda x: jnp.tanh(x.reshape(-1, D) @ WQ).reshape(x.shape) + x, BTD, {}),
+  (
+    "concat_two_lengths",
+    lambda x, y: attention(jnp.concatenate([x, y], 1)).mean(1),
+    lambda b, t, s: [(b, t, D), (b, s, D)],
+    {"dims": ("b", "t", "s")},
+  ),
+  (
+    "reshape_bt_d_and_back",
+    lambda x: jnp.tanh(x.reshape(-1, D) @ WQ).reshape(x.shape) + x,
+    BTD,
+    {},
+  ),
   ("reverse_sequences", lambda x: (jnp.flip(x, 1), x[:, ::-1].cumsum(1)), BTD, {}),
   ("pos_emb_slice", lambda x: x + POS[: x.shape[1]], BTD, {"constraints": ("t <= 16",)}),
-  ("encoder", encoder, lambda b, t: [(b, t)], {"dtypes": [jnp.int32], "inputs": _tokens, "constraints": ("t <= 16",)}),
+  (
+    "encoder",
+    encoder,
+    lambda b, t: [(b, t)],
+    {"dtypes": [jnp.int32], "inputs": _tokens, "constraints": ("t <= 16",)},
+  ),
 ]
 
 
@@ -97,7 +122,11 @@ def test_layer(layer):
   dims = kw.get("dims", ("b", "t"))
   case = Case(fun, shapes, **kw)
   bucket = BUCKET + (5,) * (len(dims) - 2)
-  for true, garbage in [((1,) * len(dims), "mixed"), (bucket, "nan"), ((2, 5, 3)[: len(dims)], "mixed")]:
+  for true, garbage in [
+    ((1,) * len(dims), "mixed"),
+    (bucket, "nan"),
+    ((2, 5, 3)[: len(dims)], "mixed"),
+  ]:
     case.check(true, bucket, garbage=garbage)
 
 
