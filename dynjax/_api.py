@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dynjax import _jax_private, _symbolic
+from dynjax import _jax_private, _sharding, _symbolic
 from dynjax._config import config
 from dynjax._errors import (
     DtypeMismatchError,
@@ -87,6 +87,8 @@ def jit(
     cache_dir: str | None = None,
     check: bool | None = None,
     async_compile: bool = False,
+    in_shardings: Any = None,
+    out_shardings: Any = None,
 ):
   """Compiles ``fun`` into a family of bucketed, padded XLA executables.
 
@@ -114,6 +116,14 @@ def jit(
       :class:`dynjax.PaddingMismatchError` on a difference. Default ``DYNJAX_CHECK``.
     async_compile: when a call needs a bucket that is not compiled yet but a larger one is,
       serve it on the larger bucket (exact thanks to padding) and compile in the background.
+    in_shardings: run every bucket on a device mesh with JAX's GSPMD (see ``dynjax._sharding``):
+      one ``NamedSharding``/``PartitionSpec``/None for every leaf, a tuple with one pytree
+      prefix per non-static parameter, or a dict parameter name -> prefix (left out:
+      replicated).  A ``PartitionSpec`` takes its mesh from the ``NamedSharding`` values given
+      or from ``with jax.set_mesh(mesh):``.  Bucket sizes of sharded dims are multiples of
+      the mesh axis size; padded host inputs go to their devices with their sharding.
+    out_shardings: one sharding for every output or a pytree prefix of the output (None:
+      GSPMD chooses).  Kept by ``return_padded=True`` and device-input calls.
 
   Returns:
     A :class:`Wrapped` function (or a decorator, when ``fun`` is omitted).
@@ -129,7 +139,8 @@ def jit(
                 static_argnames=static_argnames, donate_argnames=donate_argnames,
                 return_padded=return_padded, constraints=constraints,
                 max_executables=max_executables, cache_dir=cache_dir, check=check,
-                async_compile=async_compile)
+                async_compile=async_compile, in_shardings=in_shardings,
+                out_shardings=out_shardings)
   if fun is None:
     return lambda f: Wrapped(f, **kwargs)
   if not callable(fun):
@@ -172,6 +183,7 @@ class _Options:
   max_executables: int | None
   check: bool
   async_compile: bool
+  sharding: Any = None  # dynjax._sharding.ShardingOptions, or None (one device)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -217,6 +229,7 @@ class _Family:
     if not self.sig.var_order:
       self.mode = "exact"  # nothing dynamic: a plain jit, one compile per shape
     self._trace()
+    self.shard = _sharding.attach(self)  # None without in/out_shardings; aligns policies
 
   def _constraints(self, leaf_specs) -> tuple[str, ...]:
     opts = self.wrapped._opts
@@ -308,7 +321,8 @@ class _Family:
     avals = self.padded_avals(bkey)
     donate = self.wrapped._donate_leaves(self)
     if self.mode == "trust":
-      return jax.jit(self.flat_fun, donate_argnums=donate).lower(*avals), ()
+      return jax.jit(self.flat_fun, donate_argnums=donate,
+                     **_sharding.jit_kwargs(self, bkey, False)).lower(*avals), ()
     assert self.mode == "auto", self.mode
     plan = _padding_pass()(self.jaxpr, self.sig.var_order, self._bucket_env(bkey))
     nv = len(self.sig.var_order)
@@ -317,7 +331,8 @@ class _Family:
       return plan.fun(tuple(sizes[i] for i in range(nv)), *xs)
 
     sizes_aval = jax.ShapeDtypeStruct((nv,), jnp.int32)
-    lowered = jax.jit(padded_fun, donate_argnums=tuple(d + 1 for d in donate)).lower(
+    lowered = jax.jit(padded_fun, donate_argnums=tuple(d + 1 for d in donate),
+                      **_sharding.jit_kwargs(self, bkey, True)).lower(
         sizes_aval, *avals)
     return lowered, tuple(plan.rewrites)
 
@@ -337,7 +352,9 @@ class _Family:
     def build():
       avals = [jax.ShapeDtypeStruct(np.shape(x), a.dtype, weak_type=a.weak_type)
                for x, a in zip(leaves, self.avals, strict=True)]
-      return jax.jit(self.flat_fun, donate_argnums=w._donate_leaves(self)).lower(*avals).compile()
+      exe = jax.jit(self.flat_fun, donate_argnums=w._donate_leaves(self),
+                    **_sharding.exact_kwargs(self, avals)).lower(*avals).compile()
+      return exe if self.shard is None else _sharding.exact_call(exe, self, avals, self.shard)
 
     exe = w._cache.get(key)
     if exe is None:
@@ -393,7 +410,8 @@ class Wrapped:
   """
 
   def __init__(self, fun, *, dims, buckets, padding, overflow, static_argnames, donate_argnames,
-               return_padded, constraints, max_executables, cache_dir, check, async_compile):
+               return_padded, constraints, max_executables, cache_dir, check, async_compile,
+               in_shardings=None, out_shardings=None):
     self.fun = fun
     self.__name__ = getattr(fun, "__name__", type(fun).__name__)
     self.__doc__ = getattr(fun, "__doc__", None)
@@ -422,6 +440,8 @@ class Wrapped:
         async_compile=bool(async_compile))
     self._static_pos = tuple(i for i, p in enumerate(self._params) if p.name in static)
     self._dyn_names = tuple(p.name for p in self._params if p.name not in static)
+    self._opts.sharding = _sharding.check_options(in_shardings, out_shardings, self._dyn_names,
+                                                  static, self.__name__)
     cache_dir = cache_dir or config.cache_dir
     if cache_dir:
       _jax_private.enable_persistent_cache(os.fspath(cache_dir))
@@ -751,6 +771,8 @@ class Wrapped:
 
   def _pad(self, fam: _Family, leaves, shapes, in_shapes):
     zero = fam.mode == "trust"
+    if fam.shard is not None:  # placed with their shardings, straight from the host
+      return fam.shard.pad(fam, leaves, shapes, in_shapes, zero)
     out = []
     for i, (x, shape, target) in enumerate(zip(leaves, shapes, in_shapes, strict=True)):
       if _is_padded(x):
@@ -780,7 +802,8 @@ class Wrapped:
         if tuple(o.shape) != s:
           # Unpadding on device would compile a slice per exact shape (~70 ms on H100); a host
           # round trip costs a sync plus two copies instead (~0.1-0.3 ms on H100).
-          o = jax.device_put(np.asarray(o)[tuple(slice(0, n) for n in s)])
+          o = (jax.device_put(np.asarray(o)[tuple(slice(0, n) for n in s)])
+               if fam.shard is None else fam.shard.unpad(o, s))
         res.append(o)
       return _tree_unflatten(fam.out_tree, res)
     host = _to_host(outs)
