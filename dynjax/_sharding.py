@@ -282,6 +282,11 @@ def _divisibility(where: str, shape, sh: NamedSharding) -> list[str]:
   return out
 
 
+def _full_spec(sh, ndim: int) -> tuple:
+  spec = tuple(getattr(sh, "spec", ()))
+  return spec + (None,) * (ndim - len(spec))
+
+
 def _pad_shards(x: jax.Array, target, sh: NamedSharding, path: str) -> jax.Array:
   """Pads a global array that this process only partly holds, shard by shard, on the host.
 
@@ -303,8 +308,7 @@ def _pad_shards(x: jax.Array, target, sh: NamedSharding, path: str) -> jax.Array
   for s in x.addressable_shards:
     data = np.asarray(s.data)
     block = tuple(d if _axis_size(sh.mesh, e) > 1 else t for d, t, e in
-                  zip(data.shape, target, tuple(sh.spec) + (None,) * (len(target) - x.ndim),
-                      strict=True))
+                  zip(data.shape, target, _full_spec(sh, len(target)), strict=True))
     buf = np.zeros(block, data.dtype)
     buf[tuple(slice(0, n) for n in data.shape)] = data
     arrays.append(jax.device_put(buf, s.device, may_alias=False))
@@ -313,7 +317,7 @@ def _pad_shards(x: jax.Array, target, sh: NamedSharding, path: str) -> jax.Array
 
 def _unpad_shards(o: jax.Array, shape) -> jax.Array:
   sh = o.sharding
-  spec = tuple(getattr(sh, "spec", ())) + (None,) * (o.ndim - len(getattr(sh, "spec", ())))
+  spec = _full_spec(sh, o.ndim)
   bad = [ax for ax, e in enumerate(spec)
          if _axis_size(sh.mesh, e) > 1 and o.shape[ax] != shape[ax]]
   if bad:
@@ -440,8 +444,10 @@ def attach(fam) -> FamilyShardings | None:
   multiples: dict[str, int] = {}
   auto = w._opts.dims == "auto"  # static axes may become dynamic later: replicate, no error
   inputs = []
-  paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(
-      dict(zip(w._dyn_names, dyn, strict=True)), is_leaf=lambda v: type(v) is Padded)[0]]
+  paths = [name + jax.tree_util.keystr(k)
+           for name, value in zip(w._dyn_names, dyn, strict=True)
+           for k, _ in jax.tree_util.tree_flatten_with_path(
+               value, is_leaf=lambda v: type(v) is Padded)[0]]
   for li, (leaf, aval, path) in enumerate(zip(flat, fam.avals, paths, strict=True)):
     where = f"in_shardings for argument {path}"
     sh = _to_named(leaf, mesh, where, problems) or replicated
