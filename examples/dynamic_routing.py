@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dynjax import buckets, route  # noqa: E402
 
-D, CLASSES, BLOCKS, BATCH = 64, 10, 6, 256
+D, CLASSES, BLOCKS, BATCH = 512, 10, 8, 512
 
 
 def block(w, h):
@@ -33,7 +33,7 @@ def block(w, h):
 
 def init(key):
   ks = jax.random.split(key, BLOCKS + 3)
-  return {"blocks": [jax.random.normal(k, (D, D)) * 0.2 for k in ks[:BLOCKS]],
+  return {"blocks": [jax.random.normal(k, (D, D)) * (0.5 / D**0.5) for k in ks[:BLOCKS]],
           "head": jax.random.normal(ks[-3], (D, CLASSES)) * 0.2,
           "exit": jax.random.normal(ks[-2], (D, CLASSES)) * 0.2,
           "policy": jax.random.normal(ks[-1], (D, 3))}
