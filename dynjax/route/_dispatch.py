@@ -143,7 +143,7 @@ def auto_capacities(needs, policy, overhead: int = 256,
 
   Example:
     >>> auto_capacities([900, 130, 120, 0, 100], dynjax.buckets.linear(128), overhead=64)
-    (1024, 128, 128, 0, 128)
+    (1024, 256, 128, 0, 128)
   """
   needs = [int(v) for v in needs]
   b = np.asarray([bucket_capacity(policy, v, max_capacity) for v in needs], np.int64)

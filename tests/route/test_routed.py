@@ -51,7 +51,7 @@ def dense(params, x, logits, k, renormalize=False):
 
 
 def grads_of(fn, params, x, logits, ct):
-  return jax.jit(jax.grad(lambda p, x, l: jnp.sum(fn(p, x, l) * ct), argnums=(0, 1, 2)))(
+  return jax.jit(jax.grad(lambda p, x, lg: jnp.sum(fn(p, x, lg) * ct), argnums=(0, 1, 2)))(
       params, x, logits)
 
 
@@ -74,9 +74,9 @@ def test_exact_sync_equals_dense(k, bias):
   caps = moe.capacities(routing)
   assert all(c >= n for c, n in zip(caps, np.asarray(routing.loads), strict=True))
   ct = jax.random.normal(jax.random.PRNGKey(9), y.shape)
-  g = grads_of(lambda p, x, l: moe.apply(p, x, moe.route(l), caps, overflow=False),
+  g = grads_of(lambda p, x, lg: moe.apply(p, x, moe.route(lg), caps, overflow=False),
                params, x, logits, ct)
-  assert_trees_close(g, grads_of(lambda p, x, l: dense(p, x, l, k), params, x, logits, ct))
+  assert_trees_close(g, grads_of(lambda p, x, lg: dense(p, x, lg, k), params, x, logits, ct))
 
 
 @pytest.mark.parametrize("k,bias", [(1, "one_expert"), (2, "skewed"), (2, "empty_expert")])
@@ -97,7 +97,7 @@ def test_profiled_with_overflow_equals_dense(k, bias):
   np.testing.assert_allclose(np.asarray(y), np.asarray(ref), rtol=RTOL, atol=ATOL)
   ct = jax.random.normal(jax.random.PRNGKey(3), y.shape)
   assert_trees_close(grads_of(moe, params, x, logits, ct),
-                     grads_of(lambda p, x, l: dense(p, x, l, k, k > 1), params, x, logits, ct))
+                     grads_of(lambda p, x, lg: dense(p, x, lg, k, k > 1), params, x, logits, ct))
 
 
 def test_forced_overflow_everything():
