@@ -6,6 +6,7 @@ of the exact unpadded shapes.
 """
 
 from dynjax import buckets as buckets
+from dynjax import route as route
 from dynjax._api import Compiled as Compiled
 from dynjax._api import Lowered as Lowered
 from dynjax._api import Traced as Traced
@@ -43,4 +44,5 @@ __all__ = [
     "Wrapped",
     "buckets",
     "jit",
+    "route",
 ]
