@@ -137,6 +137,7 @@ def _auto_dims(body_flat, avals, paths) -> tuple[list[tuple], list[str]]:
     raise
   except Exception as e:
     raise _trace_error("body_fun", e) from None
+  _check_structure("body_fun", avals, outs, None, None, paths)
   groups: dict[tuple[int, int], str] = {}
   dims = []
   for a, o in zip(avals, outs, strict=True):

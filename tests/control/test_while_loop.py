@@ -1,0 +1,148 @@
+"""dynjax.while_loop: greedy decoding vs exact-shape jax.jit, syncs, errors, nesting."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dynjax.control as dc
+from dynjax._errors import ControlFlowError
+from dynjax.bench import _decode as D
+from dynjax.runtime import collect_stats
+
+PARAMS = D.init_lm(D.LMConfig(d=16, heads=2, ffn=32), seed=1)
+
+
+def _reference(prompts, max_new, stop):
+  cond, body = D.make_step(PARAMS, max_new, 2, stop)
+  cond, body = jax.jit(cond), jax.jit(body)
+  carry = D.init_carry(prompts)
+  while bool(cond(carry)):
+    carry = body(carry)
+  return carry
+
+
+@pytest.mark.parametrize("batch,t,max_new,stop_at", [
+    (1, 3, 20, None), (1, 14, 12, 5), (2, 7, 30, 9), (3, 16, 5, None), (1, 30, 40, 17)])
+def test_greedy_decode_matches_exact_jit(batch, t, max_new, stop_at):
+  rng = np.random.default_rng(t)
+  prompts = rng.integers(1, 256, size=(batch, t)).astype(np.int32)
+  stop = D.STOP
+  if stop_at is not None:  # make the stop token the one generated at step stop_at
+    ref = _reference(prompts, stop_at + 1, D.STOP)
+    stop = int(np.asarray(ref[0])[0, t + stop_at])
+  want = _reference(prompts, max_new, stop)
+  cond, body = D.make_step(PARAMS, max_new, 2, stop)
+  got = dc.while_loop(cond, body, D.init_carry(prompts))
+  st = dc.loop_stats()
+  np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+  assert int(got[1]) == int(want[1])
+  np.testing.assert_array_equal(np.asarray(got[2]), np.asarray(want[2]))
+  assert st["mode"] == "hoisted"
+  assert st["iterations"] == int(want[1])
+  assert st["host_syncs"] <= st["buckets_crossed"] + 1
+  assert st["host_syncs"] == len(st["buckets"])
+
+
+def test_zero_iterations():
+  x = jnp.arange(5.0)
+  out = dc.while_loop(lambda c: c[0] > 100, lambda c: jnp.concatenate([c, c[:1]]), x)
+  np.testing.assert_array_equal(out, x)
+  st = dc.loop_stats()
+  assert st["iterations"] == 0 and st["host_syncs"] == 1
+
+
+def test_syncs_count_buckets_and_collect_stats():
+  with collect_stats() as s:
+    out = dc.while_loop(lambda c: jnp.asarray(c.shape[0]) < 40,
+                        lambda c: jnp.concatenate([c, c[-1:] + 1]), jnp.zeros(1))
+  np.testing.assert_array_equal(out, np.arange(40.0))
+  st = dc.loop_stats()
+  assert st["buckets"] == [(16,), (32,), (64,)]
+  assert s.host_syncs == 3 == st["buckets_crossed"] + 1
+
+
+def test_exact_mode_equals_hoisted():
+  def body(c):
+    return jnp.concatenate([c, c[-1:] * 2 + 1])
+
+  cond = lambda c: c[-1] < 1000  # noqa: E731
+  a = dc.while_loop(cond, body, jnp.ones(1))
+  b = dc.while_loop(cond, body, jnp.ones(1), padding="exact")
+  np.testing.assert_array_equal(a, b)
+  assert dc.loop_stats()["mode"] == "exact"
+  assert dc.loop_stats()["host_syncs"] == a.shape[0]  # one per iteration + 1
+
+
+def test_nested_loop_inner_shape_invariant():
+  def body(c):
+    x, = (c,)
+    inner = dc.while_loop(lambda s: s[1] < 3, lambda s: (s[0] + 1.0, s[1] + 1),
+                          (x[-1], jnp.int32(0)))
+    return jnp.concatenate([x, inner[0][None]])
+
+  out = dc.while_loop(lambda c: c[-1] < 10, body, jnp.zeros(1))
+  np.testing.assert_array_equal(out, [0.0, 3.0, 6.0, 9.0, 12.0])
+  assert dc.loop_stats()["mode"] == "hoisted"
+
+
+def test_traced_shape_invariant_lowers_to_lax():
+  f = jax.jit(lambda x: dc.while_loop(lambda c: c.sum() < 10, lambda c: c + 1, x))
+  np.testing.assert_array_equal(f(jnp.zeros(2)), [5.0, 5.0])
+
+
+def test_traced_shape_changing_needs_program():
+  f = jax.jit(lambda x: dc.while_loop(lambda c: c[-1] < 4,
+                                      lambda c: jnp.concatenate([c, c[-1:] + 1]), x))
+  with pytest.raises(dc.NeedsProgram, match=r"dynjax.while_loop cannot run inside a JAX trace "
+                     r"here: its carry changes shape \(init: \(1,\) -> \(2,\)\)"):
+    f(jnp.zeros(1))
+
+
+def test_run_in_program():
+  def grow(x):
+    return dc.while_loop(lambda c: jnp.asarray(c.shape[0]) < 8,
+                         lambda c: jnp.concatenate([c, c]), x * 2)
+  assert dc.run_in_program(grow, (jnp.ones(1),)).tolist() == [2.0] * 8
+
+
+def test_error_data_dependent_shape():
+  with pytest.raises(ControlFlowError, match=r"body_fun makes a shape depend on data values "
+                     r"\(NonConcreteBooleanIndexError"):
+    dc.while_loop(lambda c: c.sum() < 10, lambda c: c[c > 0], jnp.ones(3))
+
+
+def test_error_dtype_and_rank_change():
+  with pytest.raises(ControlFlowError) as e:
+    dc.while_loop(lambda c: c[0][0] < 1,
+                  lambda c: (c[0].astype(jnp.int32), c[1][None]), (jnp.ones(2), jnp.ones(3)))
+  assert str(e.value) == (
+      "body_fun changes the carry in ways dims cannot express:\n"
+      "  init[0]: dtype float32 -> int32\n"
+      "  init[1]: rank 1 -> 2 (shape (3,) -> (1, 3))\n"
+      "A carry leaf may change its sizes along axes, but not its dtype or rank.")
+
+
+def test_error_shared_dim_changes_differently():
+  with pytest.raises(ControlFlowError, match=r"init\[1\].shape\[0\]: t -> 2\*t, but "
+                     r"init\[0\].shape\[0\]: t -> t \+ 1; axes sharing a dimension must change "
+                     r"alike"):
+    dc.while_loop(lambda c: c[0][0] < 1,
+                  lambda c: (jnp.concatenate([c[0], c[0][:1]]),
+                             jnp.concatenate([c[1], c[1]])),
+                  (jnp.ones(3), jnp.ones(3)), dims=("t", "t"))
+
+
+def test_error_python_shape_comparison():
+  with pytest.raises(ControlFlowError, match=r"write the comparison as an array op, e.g. "
+                     r"jnp.asarray\(x.shape\[0\]\) < 8"):
+    dc.while_loop(lambda c: c.shape[0] < 8, lambda c: jnp.concatenate([c, c]), jnp.ones(1))
+
+
+def test_loop_program_text():
+  text = dc.loop_program(lambda c: c[-1] < 5, lambda c: jnp.concatenate([c, c[-1:] + 1]),
+                         jnp.zeros(1))
+  assert "invoke while.hoisted[%2]" in text and "read %status" in text
+  assert text.splitlines()[0] == "program while_loop(%carry0):"
