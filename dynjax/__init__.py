@@ -6,6 +6,7 @@ of the exact unpadded shapes.
 """
 
 from dynjax import buckets as buckets
+from dynjax import flax as flax
 from dynjax import route as route
 from dynjax._api import Compiled as Compiled
 from dynjax._api import Lowered as Lowered
@@ -43,6 +44,7 @@ __all__ = [
     "Traced",
     "Wrapped",
     "buckets",
+    "flax",
     "jit",
     "route",
 ]

@@ -465,6 +465,7 @@ class Wrapped:
     self._checks = 0
     self._background: set = set()
     self._pending: list[concurrent.futures.Future] = []
+    self._sizes_on_device: dict[tuple, jax.Array] = {}
     functools.update_wrapper(self, fun, updated=())
 
   # -- validation --------------------------------------------------------------------------
@@ -587,10 +588,10 @@ class Wrapped:
     return flat_fun
 
   def _leaf_specs(self, dyn, leaves, treedef, auto_shapes=None) -> list[tuple[str, str | None]]:
-    paths = [jax.tree_util.keystr(p) for p, _ in
-             jax.tree_util.tree_flatten_with_path(dict(zip(self._dyn_names, dyn, strict=True)),
-                                                  is_leaf=_is_padded)[0]]
-    paths = [p[2:].replace("']", "", 1) if p.startswith("['") else p for p in paths]
+    # Keypaths in parameter order (the order of the flat leaves), e.g. "batch['mask']".
+    paths = [name + jax.tree_util.keystr(p)
+             for name, value in zip(self._dyn_names, dyn, strict=True)
+             for p, _ in jax.tree_util.tree_flatten_with_path(value, is_leaf=_is_padded)[0]]
     dims = self._opts.dims
     if dims == "auto":
       specs = auto_shapes
@@ -711,7 +712,14 @@ class Wrapped:
     padded = self._pad(fam, leaves, shapes, entry.in_shapes)
     t0 = time.perf_counter() if fam.observers else 0.0
     if fam.mode == "auto":
-      outs = entry.exe(np.asarray(sizes, np.int32), *padded)
+      # The true sizes go to the device once per distinct sizes tuple (a dict hit afterwards),
+      # not as a fresh host->device copy on every call.
+      dev_sizes = self._sizes_on_device.get(sizes)
+      if dev_sizes is None:
+        if len(self._sizes_on_device) > 4096:
+          self._sizes_on_device.clear()
+        dev_sizes = self._sizes_on_device[sizes] = jnp.asarray(np.asarray(sizes, np.int32))
+      outs = entry.exe(dev_sizes, *padded)
     else:
       outs = entry.exe(*padded)
     result = self._unpad(fam, outs, sizes, device)

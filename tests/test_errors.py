@@ -130,3 +130,11 @@ def test_check_mode_detects_a_pad_unsafe_function():
 def test_check_mode_passes_on_a_pad_safe_function():
   f = dynjax.jit(lambda x: jnp.exp(x), dims={"x": "t"}, padding="trust", check=True)
   np.testing.assert_allclose(f(np.arange(5, dtype=np.float32)), np.exp(np.arange(5)), rtol=1e-6)
+
+
+def test_messages_name_arguments_in_parameter_order():
+  # Parameter order (x, a) differs from alphabetical order: paths must follow the leaves.
+  f = dynjax.jit(lambda x, a: x + a, dims={"x": "t, 3", "a": "t, 3"}, padding="trust")
+  with pytest.raises(dynjax.ShapeMismatchError) as e:
+    f(np.ones((2, 4), np.float32), np.ones((2, 3), np.float32))
+  assert "  x.shape[1]: expected 3 = 3 (spec 't, 3'), got 4\n" in str(e.value)
