@@ -160,3 +160,15 @@ def dim_interval(expr, box: dict) -> tuple[int, int]:
     raise ValueError(f"cannot bound {f}")
 
   return ev(expr)
+
+
+def scan_arity(params: dict) -> tuple[int, int]:
+  """``(num_consts, num_carry)`` of a ``scan`` equation's params.
+
+  jax <= 0.10 stores them as ``num_consts``/``num_carry``; later versions describe the operands
+  with ``FlatTree`` params ``ft_in = (consts, carry, xs)`` and ``ft_out = (carry, ys)``.
+  """
+  if "num_consts" in params:
+    return int(params["num_consts"]), int(params["num_carry"])
+  consts, carry, _xs = params["ft_in"].unpack()
+  return len(consts), len(carry)

@@ -367,8 +367,17 @@ def interpret(ctx: Context, jaxpr, consts: Sequence[PaddedValue], args: Sequence
 
 
 def interpret_closed(ctx: Context, closed, args: Sequence[PaddedValue]) -> list[PaddedValue]:
-  consts = [PaddedValue(c) for c in closed.consts]
-  return interpret(ctx, closed.jaxpr, consts, args)
+  """Interprets a closed jaxpr, or an open one (no consts: its constvars come first in ``args``).
+
+  jax >= 0.11 merged ``ClosedJaxpr`` into ``Jaxpr`` (``consts`` attached, ``.jaxpr`` is itself);
+  older open ``Jaxpr`` objects have neither attribute.
+  """
+  consts = [PaddedValue(c) for c in getattr(closed, "consts", ())]
+  jaxpr = getattr(closed, "jaxpr", closed)
+  if not consts and jaxpr.constvars:
+    n = len(jaxpr.constvars)
+    return interpret(ctx, jaxpr, list(args[:n]), list(args[n:]))
+  return interpret(ctx, jaxpr, consts, args)
 
 
 def register(*prims) -> Callable[[Rule], Rule]:

@@ -31,7 +31,6 @@ from dynjax.bucketing._padding_core import (
   dynamic_axes,
   has_dim_expr,
   identity_for,
-  interpret,
   interpret_closed,
   is_dynamic_dim,
   register,
@@ -81,6 +80,8 @@ _NP_FILL = {
   "sqrt": np.sqrt,
   "square": np.square,
   "tanh": np.tanh,
+  "one_minus_square": lambda x: 1 - np.square(x),  # tanh's derivative (jax >= 0.11)
+  "log2": np.log2,
   "stop_gradient": lambda x: x,
   "copy": lambda x: x,
   "copy_p": lambda x: x,
@@ -138,7 +139,7 @@ _ELEMENTWISE = [
     "pow real reduce_precision regularized_incomplete_beta rem round rsqrt select_n shift_left "
     "shift_right_arithmetic shift_right_logical sign sin sinh sqrt square stop_gradient sub tan "
     "tanh xor zeta random_fold_in random_seed random_gamma threefry2x32 bitcast_convert_type "
-    "eq_to le_to lt_to"
+    "eq_to le_to lt_to one_minus_square log2"
   ).split()
 ] + [_PRIVATE.get("random_wrap"), _PRIVATE.get("random_unwrap")]
 
@@ -872,7 +873,7 @@ def _custom_call_rule(ctx, eqn, invals):
 
 @register(P.remat_p)
 def _remat_rule(ctx, eqn, invals):
-  return interpret(ctx, eqn.params["jaxpr"], [], invals)
+  return interpret_closed(ctx, eqn.params["jaxpr"], invals)
 
 
 def _join_fills(fill_lists):
@@ -931,7 +932,7 @@ def _while_rule(ctx, eqn, invals):
 @register(P.scan_p)
 def _scan_rule(ctx, eqn, invals):
   p = eqn.params
-  nc, ncar = p["num_consts"], p["num_carry"]
+  nc, ncar = jp.scan_arity(p)
   consts, init, xs = invals[:nc], invals[nc : nc + ncar], invals[nc + ncar :]
   closed = p["jaxpr"]
   length = p["length"]

@@ -37,6 +37,11 @@ def _clip_grad(x):
 _clip_grad.defvjp(lambda x: (jnp.sin(x), x), lambda x, g: (jnp.cos(x) * g,))
 
 
+def _scan_tanh_loss(y):
+  step = lambda c, yt: (jnp.tanh(c * y[:, 0] + yt), c)
+  return lax.scan(step, jnp.zeros(y.shape[0]), y.T)[1].sum()
+
+
 def _ints(lo, hi):
   def make(rng, shapes):
     return [rng.integers(lo, hi, size=s).astype(np.int32) for s in shapes]
@@ -281,6 +286,30 @@ CASES = [
   (
     "scan_static_len",
     lambda x: lax.scan(lambda c, _: (c + c.sum() * 0.1, None), x, None, length=3)[0],
+    BT,
+    {},
+  ),
+  # primitives and params that changed across jax versions (0.11: scan's ft_in/ft_out params,
+  # one_minus_square under tanh's derivative, log2, merged ClosedJaxpr/Jaxpr)
+  ("tanh_value_and_grad", lambda x: jax.value_and_grad(lambda y: jnp.tanh(y).sum())(x), BT, {}),
+  ("log2", lambda x: jnp.log2(jnp.abs(x) + 1).sum(1), BT, {}),
+  (
+    "scan_grad_closure",
+    lambda x: jax.grad(_scan_tanh_loss)(x),
+    BT,
+    {},
+  ),
+  (
+    "scan_forwarded",
+    lambda x: lax.scan(
+      lambda c, xt: ((c[0], c[1] + xt * c[0]), xt), (x[:, 0] + 1, jnp.zeros(x.shape[0])), x.T
+    ),
+    BT,
+    {},
+  ),
+  (
+    "checkpoint_grad_closure",
+    lambda x: jax.grad(lambda z: jax.checkpoint(lambda y: (jnp.sin(y) * x[:1]).sum())(z))(x),
     BT,
     {},
   ),
