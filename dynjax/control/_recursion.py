@@ -589,7 +589,11 @@ class Recursive:
     graph = _current_graph()
     if graph is not None:
       return self._step(args)
-    if any_tracer(jax.tree_util.tree_leaves(args)):
+    try:
+      leaves = jax.tree_util.tree_leaves(args)
+    except Exception:  # a cyclic or very deep host structure: the walk below reports it
+      leaves = args
+    if any_tracer(leaves):
       raise needs_vm("recursive", f"{self.name} was called with JAX tracers; it walks a host "
                      "structure and batches its cells on the VM")
     return self.batch([args])[0]
