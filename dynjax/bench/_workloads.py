@@ -207,11 +207,42 @@ def encoder(cfg: Config) -> Workload:
   raw = models.init_encoder_params(ecfg, seed=cfg.seed)
   params = models.to_device(raw)
   torch_factory = functools.partial(models.torch_bert, raw, ecfg)
-  return _array_workload(
+  wl = _array_workload(
       "encoder", f"jax.numpy encoder with a length mask, size {cfg.size}: {ecfg.layers} "
       f"layers, d={ecfg.d_model}", cfg, make_fun=lambda: models.make_encoder(ecfg),
       params=params, torch_factory=torch_factory,
       info={"model": ecfg.__dict__, "vocab": ecfg.vocab})
+  wl.modes["dynjax_pass"] = functools.partial(_padding_pass_mode, cfg, ecfg, params)
+  return wl
+
+
+def _padding_pass_mode(cfg: Config, ecfg, params, ctx: ModeContext) -> Mode:
+  """Issue 3's comparison: the UNMASKED natural encoder under padding="auto" (the padding pass
+  makes it exact), pow2 buckets; compare its steady state with dynjax_pow2 (trust, masked).
+
+  Before timing, a few requests are checked against jax.jit of the unmasked model at the
+  exact shape; the largest relative error goes into the label.
+  """
+  import jax
+
+  import dynjax
+
+  unmasked = models.make_encoder(ecfg, masked=False)
+  f = dynjax.jit(lambda params, tokens, lengths: unmasked(params, tokens), dims=DIMS,
+                 buckets={"t": dynjax.buckets.pow2(MIN_BUCKET, cfg.max_len)}, padding="auto",
+                 cache_dir=cfg.persistent_cache_dir, async_compile=cfg.async_compile)
+  exact = jax.jit(unmasked)
+  reqs = ctx.workload.requests
+  errs = []
+  for r in reqs[:: max(1, len(reqs) // 4)][:4]:
+    got = np.asarray(f(params, r.tokens, r.lengths), np.float64)
+    want = np.asarray(exact(params, r.tokens), np.float64)
+    errs.append(float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)))
+  label = (f"dynjax.jit, padding='auto' on the UNMASKED encoder, pow2; max rel err vs exact "
+           f"{max(errs):.1e} over {len(errs)} requests")
+  return Mode("dynjax_pass", lambda r: f(params, r.tokens, r.lengths), label=label,
+              between_passes=getattr(f, "wait", None), stats=f.stats,
+              padded_fraction=lambda: f.stats()["padded_fraction"])
 
 
 def lstm(cfg: Config) -> Workload:
