@@ -47,6 +47,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -249,7 +250,7 @@ class FamilyShardings:
           _zero_tail(buf, shape)
         buf[tuple(slice(0, n) for n in shape)] = x
         x = buf
-      out.append(jax.device_put(x, sh, may_alias=False))
+      out.append(_put(x, sh))
     return out
 
   # -- outputs -----------------------------------------------------------------------------
@@ -258,8 +259,26 @@ class FamilyShardings:
     sl = tuple(slice(0, n) for n in shape)
     if o.is_fully_addressable:
       host = np.asarray(o)[sl]
-      return jax.device_put(host, _fit(o.sharding, shape), may_alias=False)
+      return _put(host, _fit(o.sharding, shape))
     return _unpad_shards(o, shape)
+
+
+def _may_alias_supported() -> bool:
+  try:
+    return "may_alias" in inspect.signature(jax.device_put).parameters
+  except (TypeError, ValueError):  # pragma: no cover
+    return False
+
+
+_MAY_ALIAS = _may_alias_supported()
+
+
+def _put(x, where):
+  """``jax.device_put`` that never aliases a numpy buffer: the CPU client would otherwise
+  share the (reused, or the caller's) host memory with the device array."""
+  if _MAY_ALIAS:
+    return jax.device_put(x, where, may_alias=False)
+  return jax.device_put(np.array(x, copy=True) if isinstance(x, np.ndarray) else x, where)
 
 
 def _zero_tail(buf: np.ndarray, shape) -> None:
@@ -311,7 +330,7 @@ def _pad_shards(x: jax.Array, target, sh: NamedSharding, path: str) -> jax.Array
                   zip(data.shape, target, _full_spec(sh, len(target)), strict=True))
     buf = np.zeros(block, data.dtype)
     buf[tuple(slice(0, n) for n in data.shape)] = data
-    arrays.append(jax.device_put(buf, s.device, may_alias=False))
+    arrays.append(_put(buf, s.device))
   return jax.make_array_from_single_device_arrays(tuple(target), sh, arrays)
 
 
@@ -330,7 +349,7 @@ def _unpad_shards(o: jax.Array, shape) -> jax.Array:
     data = np.asarray(s.data)
     cut = tuple(slice(0, d if _axis_size(sh.mesh, e) > 1 else n)
                 for d, n, e in zip(data.shape, shape, spec, strict=True))
-    arrays.append(jax.device_put(np.ascontiguousarray(data[cut]), s.device, may_alias=False))
+    arrays.append(_put(np.ascontiguousarray(data[cut]), s.device))
   return jax.make_array_from_single_device_arrays(tuple(shape), sh, arrays)
 
 
@@ -499,8 +518,7 @@ def exact_call(compiled, fam, avals, shard: FamilyShardings):
 
   def call(*leaves):
     placed = [x if isinstance(x, jax.Array) and x.sharding == s
-              else jax.device_put(x if isinstance(x, jax.Array) else np.asarray(x), s,
-                                  may_alias=False)
+              else _put(x if isinstance(x, jax.Array) else np.asarray(x), s)
               for x, s in zip(leaves, ins, strict=True)]
     return compiled(*placed)
 
