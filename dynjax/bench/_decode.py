@@ -247,10 +247,10 @@ def run(flags: dict | None = None, out_dir: str | None = None) -> dict:
   """
   flags = dict(flags or {})
   quick = bool(flags.get("quick", jax.default_backend() == "cpu"))
-  new_tokens = int(flags.get("new_tokens", 64 if quick else 256))
+  new_tokens = int(flags.get("new_tokens", 24 if quick else 256))
   batches = list(flags.get("batches", [1, 8]))
-  requests = int(flags.get("requests", 3 if quick else 8))
-  max_prompt = int(flags.get("max_prompt", 64 if quick else 256))
+  requests = int(flags.get("requests", 2 if quick else 8))
+  max_prompt = int(flags.get("max_prompt", 24 if quick else 256))
   d = int(flags.get("d", 32 if quick else 256))
   heads = int(flags.get("heads", 2 if quick else 4))
   modes = list(flags.get("modes", ["dynjax", "jit_exact", "pad_max", "while_max"]))
