@@ -147,6 +147,15 @@ def auto_capacities(needs, policy, overhead: int = 256,
   """
   needs = [int(v) for v in needs]
   b = np.asarray([bucket_capacity(policy, v, max_capacity) for v in needs], np.int64)
+  return group_buckets(b, overhead)
+
+
+def group_buckets(b, overhead: int = 256) -> tuple[int, ...]:
+  """The DP of :func:`auto_capacities` on already-bucketed needs ``b`` (0: no cells).
+
+  Its result depends on ``b`` only, so callers cache it keyed by ``b``.
+  """
+  b = np.asarray(b, np.int64)
   n = len(b)
   best = np.zeros(n + 1)
   start = np.full(n + 1, -1, np.int64)  # -1: path j-1 skipped

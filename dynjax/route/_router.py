@@ -218,15 +218,26 @@ class Router:
           f"{where}: labels has dtype {dtype}, expected an integer dtype (int32); cast with "
           "labels.astype(jnp.int32)")
 
-  def __call__(self, logits=None, *, labels=None) -> Routing:
+  def __call__(self, logits=None, *, labels=None, mask=None) -> Routing:
     """Routes a batch of cells.
 
     Args:
       logits: float ``[num_cells, num_paths]`` gate logits (``top_k``, ``threshold``).
       labels: integer ``[num_cells]`` labels (``hash``, ``label``).
+      mask: optional bool ``[num_cells]``; a masked-out cell (padding) takes no path: it gets
+        no slot, is not counted in the loads, and its combined output is 0.
 
     Returns:
       A :class:`Routing`.
+    """
+    paths, gates = self.select(logits, labels=labels, mask=mask)
+    positions, loads = positions_and_loads(paths, self.num_paths)
+    return Routing(paths, gates, positions, loads)
+
+  def select(self, logits=None, *, labels=None, mask=None) -> tuple[jax.Array, jax.Array]:
+    """``(paths [N, k], gates [N, k])`` of :meth:`__call__`, without positions and loads.
+
+    Shape-polymorphic (works on ``jax.export`` symbolic cell counts), unlike the positions.
     """
     num_paths = self.num_paths
     if self.uses_labels:
@@ -266,5 +277,13 @@ class Router:
         gates = jnp.where(keep, gates, 0.0)
       if self.renormalize:
         gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
-    positions, loads = positions_and_loads(paths, num_paths)
-    return Routing(paths, gates, positions, loads)
+    if mask is not None:
+      n = paths.shape[0]
+      if tuple(np.shape(mask)) != (n,):
+        raise RoutingError(
+            f"dynjax.route.Router: mask has shape {tuple(np.shape(mask))}, expected ({n},): one "
+            "boolean per cell (False: padding, routed nowhere)")
+      keep = jnp.asarray(mask).astype(bool)[:, None]
+      paths = jnp.where(keep, paths, num_paths)
+      gates = jnp.where(keep, gates, 0.0)
+    return paths, gates

@@ -155,9 +155,33 @@ def test_covering_signature_reused():
   moe = route.Routed(route.Experts(expert_fn), route.Router(E), fusion="none",
                      buckets=buckets.linear(1), slack=0.5)
   moe._execs[route.make_plan((10, 10, 10, 10), "none")] = object()
-  assert moe._lookup((9, 10, 10, 8)) == (10, 10, 10, 10)
+  assert moe._signature(np.array([9, 10, 10, 8]), N).caps == (10, 10, 10, 10)
   assert moe.stats()["covered_hits"] == 1
-  assert moe._lookup((1, 1, 1, 1)) == (1, 1, 1, 1)  # covering would waste too much
+  assert moe._signature(np.array([9, 10, 10, 8]), N).caps == (10, 10, 10, 10)  # plan cache
+  assert moe.stats()["covered_hits"] == 2 and len(moe._sigs) == 1
+  assert moe._signature(np.array([1, 1, 1, 1]), N).caps == (1, 1, 1, 1)  # covering wastes
+
+
+@pytest.mark.parametrize("fusion", ["auto", "bucket"])
+def test_plan_cache_matches_planner(fusion):
+  """Cached signatures give the planner's capacities; a new executable clears the cache."""
+  from dynjax.route._dispatch import auto_capacities, bucket_capacity
+
+  policy = buckets.geometric(1.25, min=8).aligned(8)
+  moe = route.Routed(route.Experts(expert_fn), route.Router(16), fusion=fusion, buckets=policy,
+                     group_overhead=16)
+  rng = np.random.default_rng(0)
+  for _ in range(40):
+    loads = rng.integers(0, 60, size=16) * (rng.random(16) < 0.8)
+    want = (auto_capacities(loads, policy, 16, 200) if fusion == "auto" else
+            tuple(bucket_capacity(policy, int(v), 200) for v in loads))
+    assert moe._signature(loads, 200).caps == want
+  params, x, logits = make(3)
+  moe2 = route.Routed(route.Experts(expert_fn), route.Router(E))
+  moe2(params, x, logits)
+  assert not moe2._sigs  # cleared by the compile
+  moe2(params, x, logits)
+  assert len(moe2._sigs) == 1 and moe2.stats()["signature_hits"] == 1
 
 
 def test_profile_save_load(tmp_path):
