@@ -343,6 +343,15 @@ _WORKER = textwrap.dedent("""
         errs.append(float(np.abs(mine - np.tanh(local).sum(-1) * 2.0).max()))
       s = g.stats()
       res[mode] = {"errs": errs, "compiles": s["compiles"], "buckets": s["per_bucket_calls"]}
+    # an output padded along the unsharded t: cut shard by shard on each process, still sharded
+    h = dynjax.jit(lambda x: jnp.tanh(x), dims={"x": "b, t"}, in_shardings={"x": sh})
+    local = np.random.RandomState(pid).randn(4, 5).astype(np.float32)
+    out = h(jax.make_array_from_process_local_data(sh, local))
+    mine = np.concatenate([np.asarray(s.data) for s in
+                           sorted(out.addressable_shards, key=lambda s: s.index[0].start)])
+    res["cut"] = {"shape": list(out.shape), "local": list(mine.shape),
+                  "err": float(np.abs(mine - np.tanh(local)).max()),
+                  "sharded": out.sharding == sh}
     print("RESULT " + json.dumps(res), flush=True)
     jax.distributed.shutdown()
 """)
@@ -381,3 +390,5 @@ def test_two_processes_jax_distributed(tmp_path):
       # global b = 8 (4 rows per process), t in {5, 7} -> 8 and 11 -> 16: two buckets
       assert r[mode]["compiles"] == 2, r
       assert r[mode]["buckets"] == {"b=8, t=16": 1, "b=8, t=8": 2}, r
+    assert r["cut"] == {"shape": [8, 5], "local": [4, 5], "err": r["cut"]["err"],
+                        "sharded": True} and r["cut"]["err"] < 1e-6, r
