@@ -14,7 +14,7 @@ import dynjax.control as dc
 from dynjax.bench import _decode as D
 
 params = D.init_lm(D.LMConfig(d=32, heads=2, ffn=64))
-new_tokens = 40
+new_tokens = 24
 prompts = [np.frombuffer(s.encode()[:n], np.uint8).astype(np.int32)[None]
            for s, n in (("Return the sum of a and b.", 12), ("Parse a URL into six parts.", 20),
                         ("Compute the gcd of two integers.", 27))]
