@@ -715,10 +715,13 @@ class Wrapped:
       # The true sizes go to the device once per distinct sizes tuple (a dict hit afterwards),
       # not as a fresh host->device copy on every call.
       dev_sizes = self._sizes_on_device.get(sizes)
-      if dev_sizes is None:
+      if dev_sizes is None or (fam.shard is not None
+                               and dev_sizes.sharding != fam.shard.replicated):
         if len(self._sizes_on_device) > 4096:
           self._sizes_on_device.clear()
-        dev_sizes = self._sizes_on_device[sizes] = jnp.asarray(np.asarray(sizes, np.int32))
+        dev_sizes = self._sizes_on_device[sizes] = (
+            jnp.asarray(np.asarray(sizes, np.int32)) if fam.shard is None
+            else fam.shard.put_sizes(sizes))  # replicated over the mesh: no per-call reshard
       outs = entry.exe(dev_sizes, *padded)
     else:
       outs = entry.exe(*padded)

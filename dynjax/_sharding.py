@@ -216,6 +216,13 @@ class FamilyShardings:
           "of the mesh axis size, or choose buckets that are.")
 
   # -- placing inputs ----------------------------------------------------------------------
+  def put_sizes(self, sizes) -> jax.Array:
+    """The int32 vector of true sizes (padding="auto"), replicated over the mesh."""
+    host = np.asarray(sizes, np.int32)
+    if self.fully_addressable:
+      return _put(host, self.replicated)
+    return jax.make_array_from_process_local_data(self.replicated, host)
+
   def pad(self, fam, leaves, shapes, in_shapes, zero: bool) -> list:
     """Pads and places every argument leaf with its sharding (replaces the host padder).
 
