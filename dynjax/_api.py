@@ -365,27 +365,17 @@ class _Family:
 # -----------------------------------------------------------------------------------------------
 # Host padding (reused buffers)
 # -----------------------------------------------------------------------------------------------
-class _HostPadder(threading.local):
-  """Per-thread pool of padded host buffers, reused from call to call.
+def _host_pad(x: np.ndarray, shape) -> np.ndarray:
+  """A fresh zero-filled host buffer of the bucket shape holding ``x`` in its prefix.
 
-  Measured (2-core CPU, (8, 37) -> (8, 64) float32): ~1.5 us per leaf (fill + copy); jax copies
-  numpy arguments during the call, so reusing the buffer on the next call is safe.
+  Fresh on every call, never pooled: on CPU a jit call may alias a numpy argument instead of
+  copying it, and the device and ``return_padded`` paths do not wait for the result, so a
+  reused buffer could be overwritten while an earlier computation still reads it (seen as a
+  wrong result). Measured: ~1.5 us for (8, 37) -> (8, 64) float32 (calloc + copy).
   """
-
-  def __init__(self):
-    self.pool: dict[tuple, np.ndarray] = {}
-
-  def pad(self, key, x: np.ndarray, shape, zero: bool) -> np.ndarray:
-    buf = self.pool.get(key)
-    if buf is None:
-      buf = self.pool[key] = np.zeros(shape, x.dtype)
-    elif zero:
-      buf.fill(0)
-    buf[tuple(slice(0, n) for n in x.shape)] = x
-    return buf
-
-
-_padder = _HostPadder()
+  buf = np.zeros(shape, x.dtype)
+  buf[tuple(slice(0, n) for n in x.shape)] = x
+  return buf
 
 
 def _padding_pass():
@@ -785,7 +775,7 @@ class Wrapped:
     if fam.shard is not None:  # placed with their shardings, straight from the host
       return fam.shard.pad(fam, leaves, shapes, in_shapes, zero)
     out = []
-    for i, (x, shape, target) in enumerate(zip(leaves, shapes, in_shapes, strict=True)):
+    for x, shape, target in zip(leaves, shapes, in_shapes, strict=True):
       if _is_padded(x):
         buf = x.buffer
         if tuple(buf.shape) == target:
@@ -797,7 +787,7 @@ class Wrapped:
         continue
       if not isinstance(x, np.ndarray):
         x = np.asarray(x)  # device array of a non-bucket shape: one host round trip
-      out.append(_padder.pad((fam.fid, i, target, x.dtype.str), x, target, zero))
+      out.append(_host_pad(x, target))
     return out
 
   def _unpad(self, fam: _Family, outs, sizes, device: bool):
