@@ -734,8 +734,8 @@ WORKLOADS: dict[str, WorkloadEntry] = {
     "treelstm": WorkloadEntry("Tree-LSTM over standard-library ASTs (control-flow VM)",
                               ("dynjax.bench._treelstm", "dynjax.bench.treelstm"),
                               owner="the VM issue (4)"),
-    "moe": WorkloadEntry("mixture-of-experts FFN with skewed routing",
-                         script="benchmarks/bench_moe.py", owner="the routing issue (6)"),
+    "moe": WorkloadEntry("mixture-of-experts FFN with skewed routing + MoE encoder e2e",
+                         ("dynjax.bench._moe",), "run_cli", owner="the routing issue (6)"),
 }
 
 
