@@ -6,8 +6,10 @@ of the exact unpadded shapes.
 """
 
 from dynjax import buckets as buckets
+from dynjax import control as control
 from dynjax import flax as flax
 from dynjax import route as route
+from dynjax import runtime as runtime
 from dynjax._api import Compiled as Compiled
 from dynjax._api import Lowered as Lowered
 from dynjax._api import Traced as Traced
@@ -24,6 +26,10 @@ from dynjax._errors import ShapeMismatchError as ShapeMismatchError
 from dynjax._errors import ShardingError as ShardingError
 from dynjax._errors import SpecError as SpecError
 from dynjax._padded import Padded as Padded
+from dynjax.control import cell as cell
+from dynjax.control import cond as cond
+from dynjax.control import recursive as recursive
+from dynjax.control import while_loop as while_loop
 
 __version__ = "0.1.0"
 
@@ -44,7 +50,13 @@ __all__ = [
     "Traced",
     "Wrapped",
     "buckets",
+    "cell",
+    "cond",
+    "control",
     "flax",
     "jit",
+    "recursive",
     "route",
+    "runtime",
+    "while_loop",
 ]
