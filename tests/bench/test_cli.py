@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -25,7 +26,8 @@ def test_cli_tiny_stream(tmp_path):
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "x oracle" in proc.stdout and "dynjax_pow2" in proc.stdout
   report = json.loads((out / "lstm.json").read_text())
-  assert (out / "lstm.png").exists()
+  if importlib.util.find_spec("matplotlib") is not None:  # the plot is skipped without it
+    assert (out / "lstm.png").exists()
   assert report["versions"]["python"] and report["versions"]["jax"]
   by = {m["name"]: m for m in report["modes"]}
   assert by["jit"]["compiles"] == report["stream"]["distinct_shapes"]
