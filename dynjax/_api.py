@@ -46,6 +46,7 @@ from dynjax._errors import (
     format_list,
 )
 from dynjax._padded import Padded
+from dynjax.bucketing._padding import pad_jaxpr
 from dynjax.bucketing._policies import BucketPolicy, as_policy, pow2
 from dynjax.runtime._cache import ExecutableCache
 
@@ -276,18 +277,14 @@ class _Family:
             "outputs whose dims are plain variables can be unpadded by slicing; use "
             "padding='auto'")
     elif self.mode == "auto":
-      pad_jaxpr = _padding_pass()
-      if pad_jaxpr is None:
-        self.mode = "exact"  # no padding pass installed: "auto" behaves as "exact"
+      try:
+        plan = pad_jaxpr(closed, self.sig.var_order, self._bucket_env(self._probe_bucket()))
+      except PaddingUnsupportedError as e:
+        self._fall_back(f"the padding pass has no exact rule: {e}")
+      except Exception as e:  # noqa: BLE001 - a pass bug must never give a wrong result
+        self._fall_back(f"the padding pass failed ({type(e).__name__}: {e}); please report it")
       else:
-        try:
-          plan = pad_jaxpr(closed, self.sig.var_order, self._bucket_env(self._probe_bucket()))
-        except PaddingUnsupportedError as e:
-          self._fall_back(f"the padding pass has no exact rule: {e}")
-        except Exception as e:  # noqa: BLE001 - a pass bug must never give a wrong result
-          self._fall_back(f"the padding pass failed ({type(e).__name__}: {e}); please report it")
-        else:
-          self.rewrites = tuple(plan.rewrites)
+        self.rewrites = tuple(plan.rewrites)
 
   def _probe_bucket(self) -> tuple[int, ...]:
     sizes = []
@@ -324,7 +321,7 @@ class _Family:
       return jax.jit(self.flat_fun, donate_argnums=donate,
                      **_sharding.jit_kwargs(self, bkey, False)).lower(*avals), ()
     assert self.mode == "auto", self.mode
-    plan = _padding_pass()(self.jaxpr, self.sig.var_order, self._bucket_env(bkey))
+    plan = pad_jaxpr(self.jaxpr, self.sig.var_order, self._bucket_env(bkey))
     nv = len(self.sig.var_order)
 
     def padded_fun(sizes, *xs):
@@ -376,14 +373,6 @@ def _host_pad(x: np.ndarray, shape) -> np.ndarray:
   buf = np.zeros(shape, x.dtype)
   buf[tuple(slice(0, n) for n in x.shape)] = x
   return buf
-
-
-def _padding_pass():
-  try:
-    from dynjax.bucketing._padding import pad_jaxpr
-  except ImportError:
-    return None
-  return pad_jaxpr
 
 
 # -----------------------------------------------------------------------------------------------
