@@ -32,6 +32,7 @@ So keep non-cell work on cell results inside cells.
 from __future__ import annotations
 
 import functools
+import gc
 import sys
 import threading
 import time
@@ -68,15 +69,22 @@ class CellValue:
     Array([2., 2., 2.], dtype=float32)
   """
 
-  __slots__ = ("node", "index", "shape", "dtype", "sig")
+  __slots__ = ("batch", "arena", "slot", "level", "shape", "dtype", "sig", "cell", "nid",
+               "index", "_val")
   __array_priority__ = 100
 
-  def __init__(self, node: _Node, index: int, shape: tuple[int, ...], dtype, sig=None):
-    self.node = node
-    self.index = index
+  def __init__(self, batch, arena, slot, level, shape, dtype, sig, cell, nid, index):
+    self.batch = batch  # the _Batch that records (then holds) it
+    self.arena = arena  # arena index in that batch
+    self.slot = slot  # row in that arena
+    self.level = level
     self.shape = shape
     self.dtype = dtype
-    self.sig = sig or ("node", shape, jnp.dtype(dtype))  # the argument-kind key part
+    self.sig = sig  # the interned "node" _Kind of (shape, dtype)
+    self.cell = cell
+    self.nid = nid
+    self.index = index
+    self._val = None
 
   @property
   def ndim(self) -> int:
@@ -88,10 +96,12 @@ class CellValue:
 
   def materialize(self) -> jax.Array:
     """The concrete value (runs the pending graph first if needed; see module docstring)."""
-    node = self.node
-    if node.values is None:
-      node.graph.flush()
-    return node.values[self.index]
+    if self._val is None:
+      b = self.batch
+      if b.arenas is None:
+        b.graph.flush()
+      self._val = _take_rows(b.arenas[self.arena], [self.slot])[0]
+    return self._val
 
   def __jax_array__(self):
     return self.materialize()
@@ -115,8 +125,8 @@ class CellValue:
     return self.shape[0]
 
   def __repr__(self) -> str:
-    state = "pending" if self.node.values is None else "done"
-    return (f"CellValue({self.node.cell.name}#{self.node.id}[{self.index}], "
+    state = "pending" if self.batch.arenas is None else "done"
+    return (f"CellValue({self.cell.name}#{self.nid}[{self.index}], "
             f"{jnp.dtype(self.dtype).name}{list(self.shape)}, {state})")
 
 
@@ -139,29 +149,45 @@ CellValue.__ne__ = _forcing("__ne__")  # type: ignore[method-assign]
 CellValue.__hash__ = object.__hash__  # type: ignore[method-assign]
 
 
-class _Node:
-  __slots__ = ("id", "graph", "cell", "leaves", "kinds", "level", "outs", "values", "group")
+class _Kind:
+  """An interned argument/result kind: hashed by identity, so group keys hash fast.
 
-  def __init__(self, nid, graph, cell, leaves, kinds, level):
-    self.id = nid
-    self.graph = graph
-    self.cell = cell
-    self.leaves = leaves  # flat argument leaves (CellValue / device array / numpy)
-    self.kinds = kinds  # the group key part contributed by the arguments
-    self.level = level
-    self.outs: tuple[CellValue, ...] = ()
-    self.values: tuple | None = None  # per output leaf device arrays, once run
+  ``kind``: "node" (a pending cell result), "host" (numpy/Python value), "dev" (a device
+  array), "dcont" (a container of device arrays, e.g. the params dict: one entry for all its
+  leaves; ``extra`` = (treedef, leaf kinds)).
+  """
+
+  __slots__ = ("kind", "shape", "dtype", "extra", "flat")
+
+  def __init__(self, kind, shape, dtype, extra):
+    self.kind, self.shape, self.dtype, self.extra = kind, shape, dtype, extra
+    self.flat = (tuple(k.flat[0] for k in extra[1]) if kind == "dcont"
+                 else ((kind, shape, dtype),))
+
+
+_KINDS: dict = {}
+
+
+def _kind(kind, shape, dtype, extra=None) -> _Kind:
+  key = (kind, shape, dtype, extra)
+  k = _KINDS.get(key)
+  if k is None:
+    k = _KINDS[key] = _Kind(kind, shape, dtype, extra)
+  return k
+
+
+_I32 = np.dtype(np.int32)
 
 
 # -- cells ---------------------------------------------------------------------------------
-_SCALAR_SIGS = {t: ("host", (), np.dtype(jax.dtypes.canonicalize_dtype(d)))
-                for t, d in ((int, np.int64), (float, np.float64), (bool, np.bool_))}
+_SCALAR_KINDS = {t: _kind("host", (), np.dtype(jax.dtypes.canonicalize_dtype(d)))
+                 for t, d in ((int, np.int64), (float, np.float64), (bool, np.bool_))}
 
 
 def _leaf_sig(x):
   """(kind, shape, dtype) of one cell argument leaf; converts host values to numpy."""
   if isinstance(x, CellValue):
-    if x.node.values is None:
+    if x.batch.arenas is None:
       return "node", x.shape, jnp.dtype(x.dtype), x
     x = x.materialize()
   if isinstance(x, jax.Array):
@@ -273,20 +299,22 @@ class Cell:
   # -- the batched step executable ---------------------------------------------------------
   def _build_step(self, key):
     (batch, treedef, kinds, arena_sigs, out_arenas) = key
-    # kinds: per flat arg leaf: ("node", arena_pos) / ("host",) / ("bcast",) / ("stack",)
+    # kinds: per flat arg leaf: ("node", arena_pos, ids_row) / ("hostid", ids_row) (int32
+    # scalars ride in the ids array: one transfer per group) / ("host",) / ("bcast",) /
+    # ("stack",); out_arenas: per output leaf (arena_pos, ids_row).
     fn = self.fn
-    n_in_node = sum(1 for k in kinds if k[0] == "node")
-
     n_arenas = len(arena_sigs)
 
     def step(*args):
       arenas, ids, data = list(args[:n_arenas]), args[n_arenas], args[n_arenas + 1:]
-      leaves, axes, di, ni = [], [], 0, 0
+      leaves, axes, di = [], [], 0
       for k in kinds:
         if k[0] == "node":
-          leaves.append(arenas[k[1]][ids[ni]])
+          leaves.append(arenas[k[1]][ids[k[2]]])
           axes.append(0)
-          ni += 1
+        elif k[0] == "hostid":
+          leaves.append(ids[k[1]])
+          axes.append(0)
         else:
           leaves.append(data[di])
           axes.append(None if k[0] == "bcast" else 0)
@@ -296,9 +324,8 @@ class Cell:
         return jax.tree_util.tree_leaves(fn(*jax.tree_util.tree_unflatten(treedef, xs)))
 
       outs = jax.vmap(per_item, in_axes=tuple(axes))(*leaves)
-      for j, (pos, out) in enumerate(zip(out_arenas, outs, strict=True)):
-        arenas[pos] = arenas[pos].at[ids[n_in_node + j]].set(
-            out.astype(arenas[pos].dtype), mode="drop")
+      for (pos, row), out in zip(out_arenas, outs, strict=True):
+        arenas[pos] = arenas[pos].at[ids[row]].set(out.astype(arenas[pos].dtype), mode="drop")
       return tuple(arenas)
 
     del batch
@@ -354,110 +381,239 @@ def _cap(n: int) -> int:
   return max(_ARENA_MIN, 1 << max(0, (n - 1).bit_length()))
 
 
+_TUPLE_TD = [jax.tree_util.treedef_tuple([jax.tree_util.tree_structure(0)] * n)
+             for n in range(9)]
+_LEAF_TD = jax.tree_util.tree_structure(0)
+
+
+class _Group:
+  """The calls of one (level, cell, argument kinds): one batched invoke.
+
+  Filled while recording, column by column: ``cols[j]`` holds, per call, the arena slot
+  ("node"), the host value ("host"), the device array ("dev") or the container entry ("dcont")
+  of argument kind ``j``; ``outs[i]`` the arena slots of output leaf ``i``.
+  """
+
+  __slots__ = ("level", "cell", "kinds", "toks", "treedef", "cols", "outs", "out_info",
+               "out_tree", "unflatten")
+
+  def __init__(self, level, cell, toks, kinds, graph):
+    self.level, self.cell, self.toks, self.kinds = level, cell, toks, kinds
+    self.treedef = graph.treedef_of(toks)
+    flat = tuple(s for k in kinds for s in k.flat)
+    out_tree, out_sigs = cell._signature(self.treedef, flat)
+    self.out_tree = out_tree
+    n_out = len(out_sigs)
+    if out_tree == _LEAF_TD:
+      self.unflatten = 1
+    elif n_out < len(_TUPLE_TD) and out_tree == _TUPLE_TD[n_out]:
+      self.unflatten = 0
+    else:
+      self.unflatten = 2
+    self.cols = [[] for _ in kinds]
+    self.outs = [[] for _ in out_sigs]
+    self.out_info = []
+    for shape, dtype, _ in out_sigs:
+      sig = _kind("node", shape, dtype)
+      self.out_info.append((graph.arena_of(sig), shape, dtype, sig))
+
+
+class _Batch:
+  """One flush worth of recorded calls; ``arenas`` is set once it ran."""
+
+  __slots__ = ("graph", "groups", "arena_sigs", "arena_ix", "counts", "arenas", "count")
+
+  def __init__(self, graph):
+    self.graph = graph
+    self.groups: dict = {}
+    self.arena_sigs: list = []
+    self.arena_ix: dict = {}
+    self.counts: list[int] = []
+    self.arenas = None
+    self.count = 0
+
+
+class _DCont:
+  __slots__ = ("obj", "kind", "leaves")
+
+  def __init__(self, obj, kind, leaves):
+    self.obj, self.kind, self.leaves = obj, kind, leaves
+
+
 class _Graph:
-  """The dataflow graph of one batch: recorded nodes, run by :meth:`flush`."""
+  """The dataflow graph of one ``batch`` call: recorded calls, run by :meth:`flush`.
+
+  Recording is the hot path (one call per cell call of the user's recursion): per argument a
+  type test, interned kinds (identity-hashed), containers of device arrays (params) flattened
+  once per object, and the call appended to its group's columns at once -- level, group and
+  arena slots are all known when the call is recorded, so a flush only turns columns into
+  int32 index arrays.
+  """
 
   def __init__(self, name: str, caps: dict | None = None):
     self.name = name
     self.caps = {} if caps is None else caps  # sticky arena capacities, per signature
-    self.pending: list[_Node] = []
-    self.count = 0
+    self.cur = _Batch(self)
     self.stats = VMStats()
     self.programs: list = []
-    self._dev_sig: dict[int, tuple] = {}
+    self._dev: dict[int, tuple] = {}  # id(array) -> (kind, array): keeps it alive
+    self._cont: dict[int, _DCont] = {}
+    self._tds: dict = {}
+    self.nodes = 0
+
+  @property
+  def pending(self) -> bool:
+    return bool(self.cur.groups)
+
+  def arena_of(self, sig) -> int:
+    b = self.cur
+    a = b.arena_ix.get(sig)
+    if a is None:
+      a = b.arena_ix[sig] = len(b.arena_sigs)
+      b.arena_sigs.append(sig)
+      b.counts.append(0)
+    return a
+
+  def treedef_of(self, toks):
+    td = self._tds.get(toks)
+    if td is None:
+      td = self._tds[toks] = jax.tree_util.treedef_tuple(
+          [_LEAF_TD if t is None else t for t in toks])
+    return td
+
+  def _leaf(self, x):
+    """(kind, value, level) of one non-container argument leaf."""
+    t = type(x)
+    if t is CellValue:
+      if x.batch is self.cur:
+        return x.sig, x.slot, x.level
+      x = x.materialize()
+      t = type(x)
+    k = _SCALAR_KINDS.get(t)
+    if k is not None:
+      return k, x, 0
+    if isinstance(x, jax.Array):
+      hit = self._dev.get(id(x))
+      if hit is None or hit[1] is not x:
+        hit = self._dev[id(x)] = (_kind("dev", tuple(x.shape), x.dtype), x)
+      return hit[0], x, 0
+    kind, shape, dtype, a = _leaf_sig(x)
+    return _kind(kind, shape, dtype), a, 0
 
   def add(self, cell: Cell, args) -> Any:
-    # Hot path of recording (~5 us per call on CPU): per leaf a type test and a cached sig.
-    leaves, treedef = jax.tree_util.tree_flatten(args)
-    kinds, vals, level = [], [], 0
-    dev_sig = self._dev_sig
-    for x in leaves:
-      t = type(x)
-      if t is CellValue:
-        nd = x.node
-        if nd.values is None:
-          kinds.append(x.sig)
-          vals.append(x)
-          if nd.level > level:
-            level = nd.level
+    cur = self.cur
+    toks, kinds, vals, level = [], [], [], 0
+    for a in args:
+      t = type(a)
+      if t is CellValue and a.batch is cur:
+        toks.append(None)
+        kinds.append(a.sig)
+        vals.append(a.slot)
+        if a.level > level:
+          level = a.level
+        continue
+      if t is tuple and len(a) < len(_TUPLE_TD):  # e.g. the (h, c) pair of a cell result
+        for e in a:
+          if type(e) is not CellValue or e.batch is not cur:
+            break
+        else:
+          toks.append(_TUPLE_TD[len(a)])
+          for e in a:
+            kinds.append(e.sig)
+            vals.append(e.slot)
+            if e.level > level:
+              level = e.level
           continue
-        x = x.materialize()
-        t = type(x)
-      sig = _SCALAR_SIGS.get(t)
-      if sig is not None:
-        kinds.append(sig)
-        vals.append(x)
+      hit = self._cont.get(id(a))
+      if hit is not None and hit.obj is a:
+        toks.append(hit.kind.extra[0])
+        kinds.append(hit.kind)
+        vals.append(hit)
         continue
-      if isinstance(x, jax.Array):
-        hit = dev_sig.get(id(x))
-        if hit is None:
-          hit = dev_sig[id(x)] = (("dev", tuple(x.shape), x.dtype), x)  # keeps x alive
-        kinds.append(hit[0])
-        vals.append(x)
+      leaves, td = jax.tree_util.tree_flatten(a)
+      if td == _LEAF_TD:
+        k, v, lv = self._leaf(a)
+        toks.append(None)
+        kinds.append(k)
+        vals.append(v)
+        if lv > level:
+          level = lv
         continue
-      k, shape, dtype, a = _leaf_sig(x)
-      kinds.append((k, shape, dtype))
-      vals.append(a)
-    kinds = tuple(kinds)
-    out_tree, out_sigs = cell._signature(treedef, kinds)
-    node = _Node(self.count, self, cell, vals, (treedef, kinds), level + 1)
-    self.count += 1
-    node.outs = tuple(CellValue(node, i, sh, dt, sg) for i, (sh, dt, sg) in enumerate(out_sigs))
-    self.pending.append(node)
-    return jax.tree_util.tree_unflatten(out_tree, node.outs)
+      sub = [self._leaf(x) for x in leaves]
+      toks.append(td)
+      if sub and all(k.kind == "dev" for k, _, _ in sub):
+        # A container of device arrays (params): flattened once per object per batch.
+        hit = self._cont[id(a)] = _DCont(a, _kind("dcont", None, None,
+                                                  (td, tuple(k for k, _, _ in sub))),
+                                         [v for _, v, _ in sub])
+        kinds.append(hit.kind)
+        vals.append(hit)
+        continue
+      for k, v, lv in sub:
+        kinds.append(k)
+        vals.append(v)
+        if lv > level:
+          level = lv
+    level += 1
+    key = (level, cell, tuple(toks), tuple(kinds))
+    g = cur.groups.get(key)
+    if g is None:
+      g = cur.groups[key] = _Group(level, cell, key[2], key[3], self)
+    for col, v in zip(g.cols, vals):
+      col.append(v)
+    nid = self.nodes
+    self.nodes = nid + 1
+    cur.count += 1
+    counts = cur.counts
+    res = []
+    i = 0
+    for (ar, shape, dtype, sig), slots in zip(g.out_info, g.outs):
+      s = counts[ar]
+      counts[ar] = s + 1
+      slots.append(s)
+      res.append(CellValue(cur, ar, s, level, shape, dtype, sig, cell, nid, i))
+      i += 1
+    if g.unflatten == 0:
+      return tuple(res)
+    if g.unflatten == 1:
+      return res[0]
+    return jax.tree_util.tree_unflatten(g.out_tree, res)
 
   def flush(self) -> None:
-    """Runs every pending node: schedule by level, build a Program, run it on the VM."""
-    nodes, self.pending = self.pending, []
-    if not nodes:
+    """Runs every pending call: one Program (levels in order), run on the VM."""
+    b = self.cur
+    self.cur = _Batch(self)
+    self._cont.clear()  # containers are flattened once per recorded batch
+    if not b.groups:
+      b.arenas = []
       return
-    prog, arena_keys, slot_of = self._build(nodes)
+    prog = self._build(b)
     vm = VM(prog)
     arenas = vm.run()
     st = vm.take_stats()
     st.batches.append(dict(prog.meta))
     self.stats.add(st)
     self.programs.append(prog)
-    arena_of = dict(zip(arena_keys, arenas, strict=True))
-    for node in nodes:
-      node.values = _LazyValues(node, arena_of, slot_of)
+    b.arenas = list(arenas)
 
-  def _build(self, nodes: list[_Node]):
-    # Slots: one per output leaf, per arena signature.
-    arena_index: dict[tuple, int] = {}
-    counts: list[int] = []
-    slot_of: dict[tuple[int, int], tuple[int, int]] = {}
-    for node in nodes:
-      for v in node.outs:
-        sig = (v.shape, jnp.dtype(v.dtype))
-        a = arena_index.get(sig)
-        if a is None:
-          a = arena_index[sig] = len(counts)
-          counts.append(0)
-        slot_of[(node.id, v.index)] = (a, counts[a])
-        counts[a] += 1
-    arena_keys = list(arena_index)
+  def _build(self, b: _Batch):
     # Capacities only grow (per recursive function), so executables compiled for one batch
     # serve the next ones: compiles stop once the largest batch has been seen.
     caps = []
-    for sig, c in zip(arena_keys, counts, strict=True):
-      cap = max(self.caps.get(sig, 0), _cap(c))
-      self.caps[sig] = cap
+    for sig, c in zip(b.arena_sigs, b.counts, strict=True):
+      key = (sig.shape, sig.dtype)
+      cap = max(self.caps.get(key, 0), _cap(c))
+      self.caps[key] = cap
       caps.append(cap)
-    groups: dict[tuple, list[_Node]] = defaultdict(list)
-    for node in nodes:
-      groups[(node.level, id(node.cell), node.kinds)].append(node)
-    order = sorted(groups, key=lambda k: k[0])
-    b = ProgramBuilder(f"{self.name}.batch", num_args=0)
-    arena_regs = [b.emit_alloc_tensor((caps[i], *sig[0]), sig[1])
-                  for i, sig in enumerate(arena_keys)]
-    levels = max(n.level for n in nodes)
+    groups = sorted(b.groups.values(), key=lambda g: g.level)
+    pb = ProgramBuilder(f"{self.name}.batch", num_args=0)
+    arena_regs = [pb.emit_alloc_tensor((caps[i], *sig.shape), sig.dtype)
+                  for i, sig in enumerate(b.arena_sigs)]
+    arena_ix = b.arena_ix
     bucket_hist: dict[int, int] = defaultdict(int)
-    for gk in order:
-      members = groups[gk]
-      cell = members[0].cell
-      treedef, kinds = gk[2]
-      n = len(members)
+    for g in groups:
+      cell = g.cell
+      n = len(g.outs[0]) if g.outs else len(g.cols[0])
       bsz = cell.batch_policy.bucket(n)
       bsz = cell.batch_policy.grow(n) if bsz is None else bsz
       bucket_hist[bsz] += 1
@@ -468,49 +624,64 @@ class _Graph:
           involved.append(a)
         return involved.index(a)
 
-      step_kinds, id_rows, data = [], [], []
-      for j, (kind, _shape, _dtype) in enumerate(kinds):
-        if kind == "node":
-          src = [slot_of.get((m.leaves[j].node.id, m.leaves[j].index)) for m in members]
-          if any(s is None for s in src):
-            raise AssertionError("a node reads a value of another flush")  # levels forbid it
-          step_kinds.append(("node", pos(src[0][0])))
-          row = np.fromiter((s[1] for s in src), np.int32, n)
-          id_rows.append(np.concatenate([row, np.full(bsz - n, row[0], np.int32)]))
-        elif kind == "host":
-          stacked = np.asarray([m.leaves[j] for m in members], dtype=_dtype)
+      step_kinds, rows, pads, data = [], [], [], []
+      for kind, col in zip(g.kinds, g.cols, strict=True):
+        kk = kind.kind
+        if kk == "node":
+          step_kinds.append(("node", pos(arena_ix[kind]), len(rows)))
+          rows.append(col)
+          pads.append(col[0])
+        elif kk == "host":
+          if kind.shape == () and kind.dtype == _I32:
+            step_kinds.append(("hostid", len(rows)))
+            rows.append(col)
+            pads.append(col[0])
+            continue
+          stacked = np.asarray(col, dtype=kind.dtype)
           if bsz > n:
             stacked = np.concatenate([stacked, np.repeat(stacked[:1], bsz - n, 0)])
           step_kinds.append(("host",))
           data.append(stacked)
-        else:  # device array: broadcast when every item passes the same array
-          first = members[0].leaves[j]
-          if all(m.leaves[j] is first for m in members):
+        elif kk == "dev":  # broadcast when every item passes the same array
+          first = col[0]
+          if all(x is first for x in col):
             step_kinds.append(("bcast",))
             data.append(first)
           else:
-            items = [m.leaves[j] for m in members]
-            items += [items[0]] * (bsz - n)
             step_kinds.append(("stack",))
-            data.append(jnp.stack(items))
+            data.append(jnp.stack(col + [first] * (bsz - n)))
+        else:  # "dcont": a container of device arrays
+          first = col[0]
+          if all(x is first for x in col):
+            step_kinds.extend([("bcast",)] * len(first.leaves))
+            data.extend(first.leaves)
+          else:
+            for j in range(len(first.leaves)):
+              items = [e.leaves[j] for e in col]
+              step_kinds.append(("stack",))
+              data.append(jnp.stack(items + [items[0]] * (bsz - n)))
       out_pos = []
-      for i in range(len(members[0].outs)):
-        a = slot_of[(members[0].id, i)][0]
-        out_pos.append(pos(a))
-        row = np.fromiter((slot_of[(m.id, i)][1] for m in members), np.int32, n)
-        id_rows.append(np.concatenate([row, np.full(bsz - n, caps[a], np.int32)]))  # dropped
-      ids = (np.stack(id_rows) if id_rows else np.zeros((0, bsz), np.int32))
-      key = (bsz, treedef, tuple(step_kinds),
-             tuple((arena_keys[a], caps[a]) for a in involved), tuple(out_pos))
-      ids_reg = b.emit_const(ids)
-      data_regs = [b.emit_const(d) for d in data]
+      for (ar, _, _, _), slots in zip(g.out_info, g.outs, strict=True):
+        out_pos.append((pos(ar), len(rows)))
+        rows.append(slots)
+        pads.append(caps[ar])  # dummy items' results are dropped
+      ids = np.empty((len(rows), bsz), np.int32)
+      for r, (row, pad) in enumerate(zip(rows, pads, strict=True)):
+        ids[r, :n] = row
+        ids[r, n:] = pad
+      key = (bsz, g.treedef, tuple(step_kinds),
+             tuple(((b.arena_sigs[a].shape, b.arena_sigs[a].dtype), caps[a])
+                   for a in involved), tuple(out_pos))
+      ids_reg = pb.emit_const(ids)
+      data_regs = [pb.emit_const(d) for d in data]
       inv = [arena_regs[a] for a in involved]
-      b.emit_invoke_into(cell.kernel, key, [*inv, ids_reg, *data_regs], inv)
-    b.emit_ret(arena_regs)
-    b.meta.update(nodes=len(nodes), levels=levels, groups=len(order),
-                  batch_buckets=dict(bucket_hist), arenas=[
-                      (sig[0], str(sig[1]), caps[i]) for i, sig in enumerate(arena_keys)])
-    return b.finish(), arena_keys, slot_of
+      pb.emit_invoke_into(cell.kernel, key, [*inv, ids_reg, *data_regs], inv)
+    pb.emit_ret(arena_regs)
+    pb.meta.update(nodes=b.count, levels=groups[-1].level, groups=len(groups),
+                   batch_buckets=dict(bucket_hist), arenas=[
+                       (sig.shape, str(sig.dtype), caps[i])
+                       for i, sig in enumerate(b.arena_sigs)])
+    return pb.finish()
 
 
 _take_rows_cache: dict = {}
@@ -529,46 +700,23 @@ def _take_rows(arena, slots: Sequence[int]) -> list:
   return list(fn(arena, idx)[:n])
 
 
-class _LazyValues:
-  """A node's values after its flush: cut out of the arenas on first access."""
-
-  __slots__ = ("node", "arenas", "slot_of", "_vals")
-
-  def __init__(self, node, arenas, slot_of):
-    self.node = node
-    self.arenas = arenas
-    self.slot_of = slot_of
-    self._vals = None
-
-  def __getitem__(self, i):
-    if self._vals is None:
-      keys = list(self.arenas)
-      vals = []
-      for v in self.node.outs:
-        a, slot = self.slot_of[(self.node.id, v.index)]
-        vals.append(_take_rows(self.arenas[keys[a]], [slot])[0])
-      self._vals = vals
-    return self._vals[i]
-
-
-def _extract(graph: _Graph, outs: list) -> list:
+def _extract(outs: list) -> list:
   """Replaces every CellValue in ``outs`` by its array: one executable call per arena."""
   leaves, treedef = jax.tree_util.tree_flatten(outs, is_leaf=lambda x: isinstance(x, CellValue))
-  want: dict[int, list[tuple[int, int]]] = defaultdict(list)  # id(arenas) -> (leaf i, slot)
-  arenas_by: dict[int, tuple] = {}
+  want: dict[tuple, list[tuple[int, CellValue]]] = defaultdict(list)
   for i, x in enumerate(leaves):
     if isinstance(x, CellValue):
-      lv = x.node.values
-      if lv is None:
+      if x._val is not None:
+        leaves[i] = x._val
+        continue
+      if x.batch.arenas is None:
         raise AssertionError("extract before flush")
-      a, slot = lv.slot_of[(x.node.id, x.index)]
-      arena = list(lv.arenas.values())[a]
-      want[id(arena)].append((i, slot))
-      arenas_by[id(arena)] = arena
-  for k, items in want.items():
-    rows = _take_rows(arenas_by[k], [s for _, s in items])
-    for (i, _), r in zip(items, rows, strict=True):
-      leaves[i] = r
+      want[(id(x.batch), x.arena)].append((i, x))
+  for items in want.values():
+    x0 = items[0][1]
+    rows = _take_rows(x0.batch.arenas[x0.arena], [x.slot for _, x in items])
+    for (i, x), r in zip(items, rows, strict=True):
+      leaves[i] = x._val = r
   return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
@@ -601,7 +749,7 @@ class Recursive:
   def _step(self, args):
     # A call with the same arguments (structure objects by identity, scalars by value) while
     # that call is still running can only recurse forever: a cycle in the structure.
-    key = tuple(a if type(a) in _SCALARS else id(a) for a in args)
+    key = tuple([a if type(a) in _SCALARS else id(a) for a in args])
     if key in self._active:
       raise ControlFlowError(
           f"{self.name}: the structure has a cycle: it was called again with "
@@ -632,23 +780,36 @@ class Recursive:
       return [self._step(it if isinstance(it, tuple) else (it,)) for it in items]
     graph = _Graph(self.name, self._caps)
     _local.graph = graph
-    t0 = time.perf_counter()
+    # Recording allocates many small objects that live until the flush; the cyclic GC would
+    # re-traverse all of them again and again (it tripled recording time on big batches).
+    gc_on = gc.isenabled()
+    gc.disable()
     try:
-      outs = [self._step(it if isinstance(it, tuple) else (it,)) for it in items]
-    except RecursionError:
-      raise ControlFlowError(
-          f"{self.name}: the structure nests deeper than Python's recursion limit "
-          f"({sys.getrecursionlimit()}). Raise it with sys.setrecursionlimit, or make the "
-          "structure shallower (e.g. binarize wide nodes).") from None
+      t0 = time.perf_counter()
+      try:
+        outs = [self._step(it if isinstance(it, tuple) else (it,)) for it in items]
+      except RecursionError:
+        raise ControlFlowError(
+            f"{self.name}: the structure nests deeper than Python's recursion limit "
+            f"({sys.getrecursionlimit()}). Raise it with sys.setrecursionlimit, or make the "
+            "structure shallower (e.g. binarize wide nodes).") from None
+      finally:
+        _local.graph = None
+        self._active.clear()
+      record_s = time.perf_counter() - t0
+      graph.flush()
+      res = _extract(outs)
+      del outs  # the placeholders go now, while the GC is still off
+      flush_s = time.perf_counter() - t0 - record_s
     finally:
-      _local.graph = None
-      self._active.clear()
-    record_s = time.perf_counter() - t0
-    graph.flush()
-    res = _extract(graph, outs)
+      graph.cur = None  # the only reference cycle (graph <-> batch): freed by refcounts
+      graph._dev.clear()
+      if gc_on:
+        gc.enable()
     st = graph.stats
     for bmeta in st.batches:
       bmeta["record_s"] = record_s
+      bmeta["flush_s"] = flush_s  # build + dispatch (+ waits on CPU, where compute is sync)
     self.last_stats = st
     self.last_programs = graph.programs
     _record_stats(st)
