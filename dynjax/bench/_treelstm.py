@@ -171,6 +171,49 @@ def torch_per_node(p, tree, device="cpu"):
 
 
 # -- the benchmark ----------------------------------------------------------------------------
+CHECK_ATOL = 1e-4  # float32 vs float64 over trees up to ~40 levels deep (CPU: ~1e-6)
+
+
+def _precision_check(p, trees, use_torch: bool) -> dict:
+  """Every mode at full float32 precision vs the float64 numpy oracle, on a few trees.
+
+  On GPUs, JAX's default float32 matmul precision uses TF32 (10-bit mantissa), and it does so
+  for the batched GEMMs of dynjax but not always for the per-node matrix-vector products, so
+  the timed runs can differ by ~1e-2 after tens of levels.  This check runs under
+  ``jax.default_matmul_precision("highest")`` (and torch with TF32 off) so a real error is not
+  hidden by, nor confused with, TF32 rounding.  It also reports the default-precision error.
+  """
+  refs = [reference(p, t)[0] for t in trees]
+
+  def err(hs):
+    return max(float(np.max(np.abs(np.asarray(h, np.float64) - r)))
+               for h, r in zip(hs, refs, strict=True))
+
+  out: dict = {}
+  out["dynjax_default_precision"] = err(
+      [r[0] for r in encode.batch([(p, t) for t in trees])])
+  with jax.default_matmul_precision("highest"):
+    out["dynjax"] = err([r[0] for r in encode.batch([(p, t) for t in trees])])
+    out["jax_per_node"] = err([encode_per_node(p, t)[0] for t in trees])
+  if use_torch:
+    try:
+      import torch
+    except ImportError:
+      pass
+    else:
+      dev = "cuda" if torch.cuda.is_available() else "cpu"
+      saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+      torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+      try:
+        out["torch_per_node"] = err([torch_per_node(p, t, dev)[0].cpu().numpy()
+                                     for t in trees])
+      finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+  checked = {k: v for k, v in out.items() if k != "dynjax_default_precision"}
+  return {"trees": len(trees), "tolerance": f"atol {CHECK_ATOL:g} at highest precision",
+          "max_abs_err": out, "ok": all(v <= CHECK_ATOL for v in checked.values())}
+
+
 def run(flags: dict | None = None, out_dir: str | None = None) -> dict:
   """Tree-LSTM over minibatches of real trees; returns (and writes ``treelstm.json``) a dict.
 
@@ -220,7 +263,8 @@ def run(flags: dict | None = None, out_dir: str | None = None) -> dict:
                "cold_warmup_s": round(cold, 3),
                "invokes_per_batch": float(np.mean([m["groups"] for m in meta])),
                "levels_per_batch": float(np.mean([m["levels"] for m in meta])),
-               "record_ms_per_batch": round(1e3 * float(np.mean([m["record_s"] for m in meta])), 2)})
+               "record_ms_per_batch": round(1e3 * float(np.mean([m["record_s"] for m in meta])), 2),
+               "flush_ms_per_batch": round(1e3 * float(np.mean([m["flush_s"] for m in meta])), 2)})
 
   # JAX per node (jitted cells), warm-up then timed.
   jax.block_until_ready([encode_per_node(p, t) for t in warm[:4]])
@@ -249,13 +293,16 @@ def run(flags: dict | None = None, out_dir: str | None = None) -> dict:
                                                                            strict=True))
       rows.append({"mode": "torch_per_node", "seconds": round(dt, 4),
                    "us_per_node": round(1e6 * dt / n_nodes, 2), "max_abs_diff_vs_dynjax": err})
+  res_check = _precision_check(p, minibatches[0][:int(flags.get("check_trees", 8))],
+                               bool(flags.get("torch", True)))
   base = rows[0]["seconds"]
   for r in rows:
     if "seconds" in r:
       r["x_slower_than_dynjax"] = round(r["seconds"] / base, 2)
   res = {"workload": "treelstm", "backend": jax.default_backend(), "jax": jax.__version__,
          "quick": quick, "config": {"batch": batch, "batches": n_batches, "max_nodes": max_nodes,
-                                    "d_h": d_h, "nodes_timed": n_nodes}, "rows": rows}
+                                    "d_h": d_h, "nodes_timed": n_nodes}, "rows": rows,
+         "check": res_check}
   if out_dir:
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "treelstm.json"), "w") as f:
@@ -265,10 +312,16 @@ def run(flags: dict | None = None, out_dir: str | None = None) -> dict:
 
 def format_table(res: dict) -> str:
   cols = ["mode", "seconds", "us_per_node", "x_slower_than_dynjax", "invokes_per_batch",
-          "levels_per_batch", "record_ms_per_batch", "max_abs_diff_vs_dynjax"]
+          "levels_per_batch", "record_ms_per_batch", "flush_ms_per_batch",
+          "max_abs_diff_vs_dynjax"]
   lines = [" | ".join(cols)]
   for r in res["rows"]:
     lines.append(" | ".join(str(r.get(c, "")) for c in cols))
+  chk = res.get("check")
+  if chk:
+    lines.append(f"correctness ({chk['trees']} trees vs float64 numpy, {chk['tolerance']}): "
+                 + ", ".join(f"{k} {v:.2e}" for k, v in chk["max_abs_err"].items())
+                 + f" -> {'ok' if chk['ok'] else 'FAILED'}")
   return "\n".join(lines)
 
 
