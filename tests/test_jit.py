@@ -362,3 +362,30 @@ def test_background_warmup_with_async_compile_never_blocks_after_the_largest(com
     np.testing.assert_array_equal(f(np.zeros(t, np.float32)), np.ones(t))
   f.wait()
   assert f.stats()["compiles"] == 5 == compiles()
+
+
+def test_parameter_of_a_new_shape_or_dtype_retraces_like_jax_jit(compiles):
+  # Leaves without dims are checked by the executable on the hot path; a change goes to the slow
+  # path and builds a new family instead of failing.
+  f = dynjax.jit(lambda w, x: x @ w, dims={"x": "t, 3"}, padding="trust")
+  x = np.ones((5, 3), np.float32)
+  w2, w4 = jax.device_put(np.ones((3, 2), np.float32)), jax.device_put(np.ones((3, 4), np.float32))
+  w4i = jax.device_put(np.ones((3, 4), np.int32))
+  before = compiles()
+  np.testing.assert_allclose(f(w2, x), np.full((5, 2), 3.0))
+  np.testing.assert_allclose(f(w4, x), np.full((5, 4), 3.0))
+  np.testing.assert_allclose(f(w4i, x), np.full((5, 4), 3.0))
+  np.testing.assert_allclose(f(w2, x), np.full((5, 2), 3.0))
+  assert compiles() - before == 3
+
+
+def test_padded_inside_a_pytree_argument():
+  f = dynjax.jit(lambda x: x * 2, dims={"x": "t"}, padding="trust", return_padded=True,
+                 buckets={"t": dynjax.buckets.pow2(8, 64)})
+  g = dynjax.jit(lambda d: d["a"] + d["b"], dims={"d": {"a": "t", "b": "t"}}, padding="trust",
+                 buckets={"t": dynjax.buckets.pow2(8, 64)})
+  p = f(np.arange(5, dtype=np.float32))
+  out = g({"a": p, "b": np.ones(5, np.float32)})
+  np.testing.assert_array_equal(out, np.arange(5) * 2 + 1)
+  out = g({"a": np.ones(6, np.float32), "b": np.ones(6, np.float32)})  # same g, no Padded
+  np.testing.assert_array_equal(out, np.full(6, 2.0))
