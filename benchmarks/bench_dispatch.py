@@ -14,13 +14,13 @@ import argparse
 import json
 import os
 import platform
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import dynjax
+from dynjax.bench._suite import time_calls
 
 
 def _tiny(x):
@@ -28,22 +28,7 @@ def _tiny(x):
 
 
 def _time(fn, arg, iters: int, sync: bool) -> float:
-  r = None
-  for _ in range(50):
-    r = fn(arg)
-  jax.block_until_ready(r)
-  loops = []
-  for _ in range(5):
-    t0 = time.perf_counter()
-    if sync:
-      for _ in range(iters):
-        np.asarray(fn(arg))
-    else:
-      for _ in range(iters):
-        r = fn(arg)
-      jax.block_until_ready(r)
-    loops.append((time.perf_counter() - t0) / iters * 1e6)
-  return float(np.median(loops))
+  return time_calls(fn, arg, iters, sync, reduce=np.median)
 
 
 def run(iters: int) -> dict:

@@ -486,6 +486,33 @@ def summarize(results: list[dict], wl: Workload, cfg: Config) -> None:
 # -----------------------------------------------------------------------------------------------
 # Dispatch overhead
 # -----------------------------------------------------------------------------------------------
+def time_calls(fn, arg, iters: int, sync: bool, warmup: int = 50, loops: int = 5,
+               reduce=min) -> float:
+  """Microseconds per call of ``fn(arg)``: ``loops`` loops of ``iters`` calls, reduced.
+
+  ``sync``: every result goes to numpy (a host copy and sync per call); otherwise only the
+  last result of each loop is waited for (pure dispatch).
+  """
+  import jax
+
+  r = None
+  for _ in range(warmup):
+    r = fn(arg)
+  jax.block_until_ready(r)
+  times = []
+  for _ in range(loops):
+    t0 = time.perf_counter()
+    if sync:
+      for _ in range(iters):
+        np.asarray(fn(arg))
+    else:
+      for _ in range(iters):
+        r = fn(arg)
+      jax.block_until_ready(r)
+    times.append((time.perf_counter() - t0) / iters * 1e6)
+  return float(reduce(times))
+
+
 def measure_dispatch(iters: int = 2000) -> dict:
   """Per-call cost on a cache hit of a tiny function: dynjax.jit vs jax.jit.
 
@@ -507,21 +534,7 @@ def measure_dispatch(iters: int = 2000) -> dict:
   x13 = np.ones((8, 13), np.float32)
 
   def best(fn, arg, sync):
-    for _ in range(20):
-      r = fn(arg)
-    jax.block_until_ready(r)
-    times = []
-    for _ in range(5):
-      t0 = time.perf_counter()
-      if sync:
-        for _ in range(iters):
-          np.asarray(fn(arg))
-      else:
-        for _ in range(iters):
-          r = fn(arg)
-        jax.block_until_ready(r)
-      times.append((time.perf_counter() - t0) / iters * 1e6)
-    return min(times)
+    return time_calls(fn, arg, iters, sync, warmup=20, reduce=min)
 
   out = {
       "jax_jit_async_us": best(jf, x16, False),
