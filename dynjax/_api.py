@@ -48,7 +48,7 @@ from dynjax._errors import (
 from dynjax._padded import Padded
 from dynjax.bucketing._padding import pad_jaxpr
 from dynjax.bucketing._policies import BucketPolicy, as_policy, pow2
-from dynjax.runtime._cache import ExecutableCache
+from dynjax.runtime._cache import ExecutableCache, enable_compile_log
 
 _PADDING_MODES = ("auto", "trust", "exact")
 _OVERFLOW_MODES = ("error", "exact", "grow")
@@ -451,6 +451,8 @@ class Wrapped:
     cache_dir = cache_dir or config.cache_dir
     if cache_dir:
       _jax_private.enable_persistent_cache(os.fspath(cache_dir))
+    if config.log_compiles:
+      enable_compile_log()
     self._cache = ExecutableCache(max_executables, name=self.__name__, log=config.log_compiles)
     self._families: dict[Any, _Family] = {}
     self._fast: dict[Any, _Family] = {}  # (static, treedef) -> last family used: the hot path

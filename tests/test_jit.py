@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -389,3 +390,15 @@ def test_padded_inside_a_pytree_argument():
   np.testing.assert_array_equal(out, np.arange(5) * 2 + 1)
   out = g({"a": np.ones(6, np.float32), "b": np.ones(6, np.float32)})  # same g, no Padded
   np.testing.assert_array_equal(out, np.full(6, 2.0))
+
+
+def test_log_compiles_env_var_prints_each_compile():
+  script = ("import numpy as np, dynjax\n"
+            "f = dynjax.jit(lambda x: x + 1, dims={'x': 't'}, padding='trust',"
+            " buckets={'t': dynjax.buckets.pow2(4, 16)})\n"
+            "f(np.ones(3, np.float32)); f(np.ones(9, np.float32)); f(np.ones(2, np.float32))\n")
+  r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                     env={**os.environ, "DYNJAX_LOG_COMPILES": "1"})
+  assert r.returncode == 0, r.stderr
+  lines = [ln for ln in r.stderr.splitlines() if "dynjax: compiled <lambda>" in ln]
+  assert len(lines) == 2, r.stderr

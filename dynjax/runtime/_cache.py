@@ -19,6 +19,17 @@ from typing import Any
 logger = logging.getLogger("dynjax")
 
 
+def enable_compile_log() -> None:
+  """DYNJAX_LOG_COMPILES=1: make the compile lines visible (INFO on stderr) unless the
+  application configured the "dynjax" logger itself."""
+  if not logger.handlers:
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
+    logger.addHandler(handler)
+  if logger.level == logging.NOTSET or logger.level > logging.INFO:
+    logger.setLevel(logging.INFO)
+
+
 class ExecutableCache:
   """Maps keys to executables built by a thunk, single-flight, optionally LRU-bounded."""
 
@@ -88,7 +99,7 @@ class ExecutableCache:
           self.evictions += 1
     fut.set_result(exe)
     if self.log:
-      logger.info("dynjax: compiled %s %s in %.3f s", self.name, key, dt)
+      logger.info("compiled %s %s in %.3f s", self.name, key, dt)
     return exe
 
   def building(self, key: Hashable) -> bool:
