@@ -41,6 +41,16 @@ def run(iters: int) -> dict:
                      buckets={"b": [8], "t": dynjax.buckets.pow2(16, 64)})
   auto = dynjax.jit(_tiny, dims={"x": "b, t"}, padding="auto",
                     buckets={"b": [8], "t": dynjax.buckets.pow2(16, 64)})
+  # A model-like call: 200 parameter leaves on the device plus one numpy (8, 13) batch.
+  params = {f"layer{i}": {"kernel": jnp.asarray(np.ones((4, 4), np.float32)),
+                          "bias": jnp.asarray(np.ones(4, np.float32))} for i in range(100)}
+
+  def model(params, x):
+    return x * params["layer0"]["bias"][0] + 1.0
+
+  jm = jax.jit(model)
+  dm = dynjax.jit(model, dims={"x": "b, t"}, padding="trust",
+                  buckets={"b": [8], "t": dynjax.buckets.pow2(16, 64)})
   rows = {
       "jax.jit, device in, async": _time(jf, d16, iters, False),
       "Compiled, device in, async": _time(comp, d16, iters, False),
@@ -53,6 +63,10 @@ def run(iters: int) -> dict:
       "jax.jit, numpy (8,13) in, numpy out": _time(jf, x13, iters, True),
       "dynjax trust, numpy (8,13)->16 in, numpy out": _time(trust, x13, iters, True),
       "dynjax auto, numpy (8,13)->16 in, numpy out": _time(auto, x13, iters, True),
+      "jax.jit, 200 param leaves + numpy (8,13), numpy out": _time(
+          lambda a: jm(params, a), x13, iters, True),
+      "dynjax trust, 200 param leaves + numpy (8,13)->16": _time(
+          lambda a: dm(params, a), x13, iters, True),
   }
   return {
       "us_per_call": rows,
@@ -72,7 +86,7 @@ def main(argv=None) -> None:
   print(f"dispatch cost per call (median of 5 x {args.iters}), python {v['python']}, "
         f"jax {v['jax']}, {v['device']}")
   for k, us in res["us_per_call"].items():
-    print(f"  {k:<48} {us:9.1f} us")
+    print(f"  {k:<52} {us:9.1f} us")
   if args.out:
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "dispatch.json"), "w") as f:
