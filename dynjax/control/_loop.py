@@ -75,6 +75,17 @@ def _keypaths(treedef) -> list[str]:
           jax.tree_util.tree_flatten_with_path(dummy)[0]]
 
 
+def _trace_symbolic(part: str, fn, sym_avals):
+  """``make_jaxpr`` of the loop's body or cond over symbolic carries, errors named for the user."""
+  try:
+    with building(f"while_loop {part}"):
+      return jax.make_jaxpr(fn)(*sym_avals)
+  except ControlFlowError:
+    raise
+  except Exception as e:
+    raise _trace_error(f"{part}_fun", e) from None
+
+
 def _trace_error(what: str, e: Exception) -> ControlFlowError:
   first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
   if isinstance(e, jax.errors.ConcretizationTypeError | jax.errors.TracerBoolConversionError
@@ -194,20 +205,8 @@ def _build_spec(cond_fun, body_fun, treedef, avals, dims, buckets, padding) -> _
   sym_of = dict(zip(var_order, sym, strict=True))
   sym_avals = [jax.ShapeDtypeStruct(tuple(sym_of[d] if isinstance(d, str) else d for d in ld),
                                     a.dtype) for ld, a in zip(leaf_dims, avals, strict=True)]
-  try:
-    with building("while_loop body"):
-      body_closed = jax.make_jaxpr(body_flat)(*sym_avals)
-  except ControlFlowError:
-    raise
-  except Exception as e:
-    raise _trace_error("body_fun", e) from None
-  try:
-    with building("while_loop cond"):
-      cond_closed = jax.make_jaxpr(cond_flat)(*sym_avals)
-  except ControlFlowError:
-    raise
-  except Exception as e:
-    raise _trace_error("cond_fun", e) from None
+  body_closed = _trace_symbolic("body", body_flat, sym_avals)
+  cond_closed = _trace_symbolic("cond", cond_flat, sym_avals)
   outs = body_closed.out_avals
   _check_structure("body_fun", sym_avals, outs, treedef, treedef, paths)
   (pa,) = cond_closed.out_avals if len(cond_closed.out_avals) == 1 else (None,)
