@@ -274,6 +274,17 @@ def run(flags: dict | None = None, out_dir: str | None = None) -> dict:
   progress = flags.get("progress")
   if progress:
     progress(" | ".join(_COLS))
+  def decode(mode, pr, deadline=None, limit=None):
+    """One request in one mode: ``(outputs, host syncs)``."""
+    if mode == "dynjax":
+      out, st = decode_dynjax(params, pr, new_tokens, heads)
+      return out, st.get("host_syncs", 0)
+    if mode == "jit_exact":
+      return decode_jit_exact(params, pr, new_tokens, heads, deadline=deadline, limit=limit)
+    if mode == "pad_max":
+      return decode_pad_max(params, pr, max_len, new_tokens, heads)
+    return decode_while_max(params, pr, max_len, new_tokens, heads)
+
   rows = []
   for batch in batches:
     prompts = _prompts(batch, requests, max_prompt, int(flags.get("seed", 0)))
@@ -289,15 +300,7 @@ def run(flags: dict | None = None, out_dir: str | None = None) -> dict:
           cut = True
           break
         t0 = time.perf_counter()
-        if mode == "dynjax":
-          out, st = decode_dynjax(params, pr, new_tokens, heads)
-          s = st.get("host_syncs", 0)
-        elif mode == "jit_exact":
-          out, s = decode_jit_exact(params, pr, new_tokens, heads, deadline=deadline)
-        elif mode == "pad_max":
-          out, s = decode_pad_max(params, pr, max_len, new_tokens, heads)
-        else:
-          out, s = decode_while_max(params, pr, max_len, new_tokens, heads)
+        out, s = decode(mode, pr, deadline=deadline)
         jax.block_until_ready(out)
         dt = time.perf_counter() - t0
         n_new = int(out[1])
@@ -313,16 +316,9 @@ def run(flags: dict | None = None, out_dir: str | None = None) -> dict:
         outs.append(np.asarray(out[0]))
       # Warm pass (compiles done): the timing we report.
       warm = []
-      for pr, lim in zip(prompts, limits):
+      for pr, lim in zip(prompts, limits, strict=False):  # limits stops where a budget cut
         t0 = time.perf_counter()
-        if mode == "dynjax":
-          out, _ = decode_dynjax(params, pr, new_tokens, heads)
-        elif mode == "jit_exact":
-          out, _ = decode_jit_exact(params, pr, new_tokens, heads, limit=lim)
-        elif mode == "pad_max":
-          out, _ = decode_pad_max(params, pr, max_len, new_tokens, heads)
-        else:
-          out, _ = decode_while_max(params, pr, max_len, new_tokens, heads)
+        out, _ = decode(mode, pr, limit=lim)
         jax.block_until_ready(out)
         warm.append(time.perf_counter() - t0)
       if ref_out is None:

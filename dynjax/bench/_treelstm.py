@@ -73,9 +73,10 @@ def add(a, b):
   return a[0] + b[0], a[1] + b[1]
 
 
-def _pairwise(items):
+def _pairwise(items, add_fn=add):
+  """Sums (h, c) pairs as a balanced tree of ``add_fn`` calls (the cell, or its jitted twin)."""
   while len(items) > 1:
-    nxt = [add(items[i], items[i + 1]) for i in range(0, len(items) - 1, 2)]
+    nxt = [add_fn(items[i], items[i + 1]) for i in range(0, len(items) - 1, 2)]
     if len(items) % 2:
       nxt.append(items[-1])
     items = nxt
@@ -91,12 +92,7 @@ def _encode(p, tree, i):
   if not kids:
     return _jit_leaf(p, tok)
   items = [_jit_forget(p, tok, *_encode(p, tree, k)) for k in kids]
-  while len(items) > 1:
-    nxt = [_jit_add(items[i], items[i + 1]) for i in range(0, len(items) - 1, 2)]
-    if len(items) % 2:
-      nxt.append(items[-1])
-    items = nxt
-  return _jit_node(p, tok, *items[0])
+  return _jit_node(p, tok, *_pairwise(items, _jit_add))
 
 
 @recursive
