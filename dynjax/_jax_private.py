@@ -37,6 +37,30 @@ def enable_persistent_cache(cache_dir: str) -> None:
     pass
 
 
+def jaxlib_version() -> str:
+  import jaxlib
+
+  return getattr(jaxlib, "__version__", "?")
+
+
+# jax configuration that changes what a function lowers to (the executable store's key).
+_LOWERING_CONFIG = ("jax_enable_x64", "jax_default_matmul_precision", "jax_threefry_partitionable",
+                    "jax_default_prng_impl", "jax_numpy_rank_promotion", "jax_numpy_dtype_promotion",
+                    "jax_enable_checks", "jax_debug_nans", "jax_debug_infs",
+                    "jax_use_shardy_partitioner", "jax_pallas_call_guard")
+
+
+def lowering_config() -> tuple:
+  """(name, value) of the jax options that change lowered code (those this jax has)."""
+  out = []
+  for name in _LOWERING_CONFIG:
+    try:
+      out.append((name, repr(getattr(jax.config, name))))
+    except AttributeError:
+      continue
+  return tuple(out)
+
+
 # --- symbolic dimensions (used by the padding pass, dynjax/bucketing/_padding*.py) ---
 
 

@@ -324,14 +324,21 @@ def test_persistent_cache_second_process_compiles_nothing(tmp_path):
       for t in (3, 9, 20, 40):
         f(np.ones((4, t), np.float32))
       print("MISSES", ev["/jax/compilation_cache/cache_misses"],
-            "HITS", ev["/jax/compilation_cache/cache_hits"])
+            "HITS", ev["/jax/compilation_cache/cache_hits"],
+            "LOADED", f.stats()["loaded_from_store"], "COMPILES", f.stats()["compiles"])
+      np.testing.assert_allclose(f(np.full((4, 5), 0.5, np.float32)),
+                                 np.full((4, 3), 5 * np.tanh(0.5), np.float32), rtol=1e-6)
   """)
   runs = [subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          timeout=120) for _ in range(2)]
   for r in runs:
     assert r.returncode == 0, r.stderr
-  assert runs[0].stdout.split() == ["MISSES", "4", "HITS", "0"], runs[0].stdout
-  assert runs[1].stdout.split() == ["MISSES", "0", "HITS", "4"], runs[1].stdout
+  assert runs[0].stdout.split() == ["MISSES", "4", "HITS", "0", "LOADED", "0", "COMPILES",
+                                    "4"], runs[0].stdout
+  # The restarted process neither compiles nor lowers: dynjax's executable store answers
+  # before JAX's persistent cache is even asked.
+  assert runs[1].stdout.split() == ["MISSES", "0", "HITS", "0", "LOADED", "4", "COMPILES",
+                                    "0"], runs[1].stdout
 
 
 def test_async_compile_serves_on_a_larger_bucket_while_compiling(compiles):

@@ -110,6 +110,17 @@ class BucketPolicy:
   def observe(self, n: int) -> None:
     """Records one call's true size (used by profile-guided policies)."""
 
+  def is_bucket(self, b: int) -> bool:
+    """Whether ``b`` is one of this policy's buckets now (no side effects)."""
+    table = self._table
+    if table is not None:
+      i = bisect.bisect_left(table, b)
+      return i < len(table) and table[i] == b
+    return self._aligned_rule(b) == b
+
+  def adopt(self, b: int) -> None:
+    """Told that bucket ``b`` exists already (loaded from an executable store)."""
+
   def record_time(self, bucket: int, seconds: float) -> None:
     """Records a measured run time of ``bucket`` (used by profile-guided policies)."""
 
@@ -284,6 +295,22 @@ class Auto(BucketPolicy):
         if self._n_obs >= self._next_plan_at:
           self._next_plan_at *= 2
           self._replan()
+
+  def is_bucket(self, b: int) -> bool:
+    table = self._table or ()
+    i = bisect.bisect_left(table, b)
+    if i < len(table) and table[i] == b:
+      return True
+    return self.max is None and b > (table[-1] if table else 0) and b == _round_up(
+        self._rule(max(b, self.min)), self.multiple)
+
+  def adopt(self, b: int) -> None:
+    # A bucket compiled by an earlier run is free: part of the plan and of the sunk budget.
+    with self._lock:
+      if self.max is not None and b > _round_up(self.max, self.multiple):
+        return
+      self._used.add(b)
+      self._table = tuple(sorted(set(self._table or ()) | {b}))
 
   def record_time(self, bucket: int, seconds: float) -> None:
     old = self._times.get(bucket)

@@ -41,6 +41,7 @@ class ExecutableCache:
     self._entries: collections.OrderedDict[Hashable, Any] = collections.OrderedDict()
     self._inflight: dict[Hashable, Future] = {}
     self.compiles = 0
+    self.loads = 0  # entries loaded from an executable store (``source == "stored"``)
     self.compile_seconds = 0.0
     self.evictions = 0
     self.compile_log: list[tuple[Hashable, float]] = []
@@ -88,19 +89,32 @@ class ExecutableCache:
       raise
     dt = time.perf_counter() - t0
     with self._lock:
-      self._entries[key] = exe
       del self._inflight[key]
+      self._insert(key, exe, dt)
+    fut.set_result(exe)
+    return exe
+
+  def put(self, key: Hashable, exe, seconds: float) -> None:
+    """Installs (or replaces) ``key``'s executable, built by the caller in ``seconds``."""
+    with self._lock:
+      self._insert(key, exe, seconds)
+
+  def _insert(self, key, exe, dt: float) -> None:
+    stored = getattr(exe, "source", "compiled") == "stored"
+    self._entries[key] = exe
+    self._entries.move_to_end(key)
+    if stored:
+      self.loads += 1
+    else:
       self.compiles += 1
       self.compile_seconds += dt
       self.compile_log.append((key, dt))
-      if self.max_entries is not None:
-        while len(self._entries) > self.max_entries:
-          self._entries.popitem(last=False)
-          self.evictions += 1
-    fut.set_result(exe)
+    if self.max_entries is not None:
+      while len(self._entries) > self.max_entries:
+        self._entries.popitem(last=False)
+        self.evictions += 1
     if self.log:
-      logger.info("compiled %s %s in %.3f s", self.name, key, dt)
-    return exe
+      logger.info("%s %s %s in %.3f s", "loaded" if stored else "compiled", self.name, key, dt)
 
   def building(self, key: Hashable) -> bool:
     return key in self._inflight

@@ -1,0 +1,196 @@
+"""Background compiles, most valuable first: the engine of progressive serving.
+
+A :class:`CompileScheduler` owns a few worker threads (XLA compiles release the GIL, so they
+run truly in parallel with each other and with serving).  Jobs are *not* ordered when they are
+submitted: each time a worker is free it asks ``value(job)`` of every pending job and runs the
+best one, so a plan that changed, or a histogram that grew, re-orders the queue for free.  A
+job whose value is ``<= 0`` waits until it becomes positive (or is cancelled).
+
+Only runtime code lives here: a job carries a ``build()`` thunk supplied by the build side
+(``dynjax._api``), which also decides what a job is worth (expected serving time saved per
+second of compiling).
+
+Measured (H100 host, 16 cores, BERT-base, triton gemm off): one bucket compiles in 3.4 s
+alone; six at once take 7.5 s wall (2.7x the throughput of one at a time); three workers get
+most of that gain while leaving cores for the serving thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Hashable
+from concurrent.futures import Future
+from typing import Any
+
+logger = logging.getLogger("dynjax")
+
+
+class Job:
+  """One pending compile: ``key`` (unique), ``build()``, and ``future`` (its result)."""
+
+  __slots__ = ("key", "build", "future", "urgent", "submitted", "started", "info")
+
+  def __init__(self, key: Hashable, build: Callable[[], Any], urgent: bool, info: Any):
+    self.key = key
+    self.build = build
+    self.future: Future = Future()
+    self.urgent = urgent
+    self.submitted = time.perf_counter()
+    self.started: float | None = None
+    self.info = info
+
+
+class CompileScheduler:
+  """Runs compile jobs on ``workers`` daemon threads, highest ``value(job)`` first.
+
+  Args:
+    workers: number of threads (>= 1).
+    value: ``job -> float``; called under the scheduler's lock, must be cheap and must not
+      call back into the scheduler.  Urgent jobs (a caller is blocked on them) go first.
+    name: for thread names and logs.
+  """
+
+  def __init__(self, workers: int, value: Callable[[Job], float], name: str = ""):
+    if workers < 1:
+      raise ValueError(f"workers must be >= 1, got {workers}")
+    self.workers = workers
+    self._value = value
+    self.name = name
+    self._cv = threading.Condition()
+    self._pending: dict[Hashable, Job] = {}
+    self._running: dict[Hashable, Job] = {}
+    self._threads: list[threading.Thread] = []
+    self._closed = False
+    self.done = 0
+    self.failed = 0
+    self.busy_seconds = 0.0
+    self.log: list[tuple[Hashable, float, float]] = []  # (key, start offset, seconds)
+    self._t0 = time.perf_counter()
+
+  # -- submitting --------------------------------------------------------------------------
+  def submit(self, key: Hashable, build: Callable[[], Any], urgent: bool = False,
+             info: Any = None) -> Future:
+    """Queues ``build`` under ``key`` (or returns the future of the job already queued or
+    running under it; ``urgent`` raises a queued job's priority)."""
+    with self._cv:
+      job = self._pending.get(key) or self._running.get(key)
+      if job is not None:
+        if urgent and not job.urgent:
+          job.urgent = True
+          self._cv.notify()
+        return job.future
+      job = Job(key, build, urgent, info)
+      self._pending[key] = job
+      self._ensure_threads()
+      self._cv.notify()
+      return job.future
+
+  def cancel(self, key: Hashable) -> bool:
+    """Drops a job that has not started (its future is cancelled)."""
+    with self._cv:
+      job = self._pending.pop(key, None)
+    if job is None:
+      return False
+    job.future.cancel()
+    return True
+
+  def poke(self) -> None:
+    """Re-evaluates values now (a plan or histogram changed)."""
+    with self._cv:
+      self._cv.notify_all()
+
+  def in_flight(self) -> dict[Hashable, Future]:
+    """Futures of every pending or running job, by key."""
+    with self._cv:
+      return {k: j.future for k, j in (*self._pending.items(), *self._running.items())}
+
+  def running(self) -> list[Hashable]:
+    with self._cv:
+      return list(self._running)
+
+  def pending(self) -> list[Hashable]:
+    with self._cv:
+      return list(self._pending)
+
+  def idle(self) -> bool:
+    with self._cv:
+      return not self._pending and not self._running
+
+  def wait_idle(self, timeout: float | None = None, include_waiting: bool = False) -> bool:
+    """Blocks until no job runs and no job with a positive value is pending."""
+    deadline = None if timeout is None else time.perf_counter() + timeout
+    with self._cv:
+      while True:
+        ready = [j for j in self._pending.values()
+                 if include_waiting or j.urgent or self._safe_value(j) > 0]
+        if not self._running and not ready:
+          return True
+        left = None if deadline is None else deadline - time.perf_counter()
+        if left is not None and left <= 0:
+          return False
+        self._cv.wait(0.05 if left is None else min(left, 0.05))
+
+  def close(self) -> None:
+    with self._cv:
+      self._closed = True
+      for job in self._pending.values():
+        job.future.cancel()
+      self._pending.clear()
+      self._cv.notify_all()
+
+  # -- workers -----------------------------------------------------------------------------
+  def _ensure_threads(self) -> None:
+    while len(self._threads) < self.workers:
+      t = threading.Thread(target=self._work, daemon=True,
+                           name=f"dynjax-compile-{self.name}-{len(self._threads)}")
+      self._threads.append(t)
+      t.start()
+
+  def _safe_value(self, job: Job) -> float:
+    try:
+      return float(self._value(job))
+    except Exception:  # noqa: BLE001 - a broken value function must not stall compiles
+      logger.exception("dynjax: compile priority of %s failed", job.key)
+      return 1.0
+
+  def _pick(self) -> Job | None:
+    best, best_v = None, 0.0
+    for job in self._pending.values():
+      v = float("inf") if job.urgent else self._safe_value(job)
+      if v > best_v:
+        best, best_v = job, v
+    return best
+
+  def _work(self) -> None:
+    while True:
+      with self._cv:
+        job = None
+        while not self._closed:
+          job = self._pick()
+          if job is not None:
+            break
+          self._cv.wait(0.25)  # values change with traffic: look again now and then
+        if self._closed:
+          return
+        del self._pending[job.key]
+        self._running[job.key] = job
+        job.started = time.perf_counter()
+      try:
+        result = job.build()
+      except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
+        with self._cv:
+          self._running.pop(job.key, None)
+          self.failed += 1
+          self._cv.notify_all()
+        job.future.set_exception(e)
+        continue
+      dt = time.perf_counter() - job.started
+      with self._cv:
+        self._running.pop(job.key, None)
+        self.done += 1
+        self.busy_seconds += dt
+        self.log.append((job.key, job.started - self._t0, dt))
+        self._cv.notify_all()
+      job.future.set_result(result)

@@ -1,0 +1,147 @@
+"""An on-disk store of compiled bucket executables: a restarted server loads, never lowers.
+
+JAX's persistent compilation cache is keyed by the *lowered* module, so a restarted process
+must still trace and lower every bucket before the cache can answer (H100, BERT-base: 0.33 s
+of GIL-bound lowering per bucket plus 0.16 s load; 3 s for six buckets).  This store is keyed
+by what the build side knows *before* lowering (a fingerprint of the family's symbolic jaxpr,
+constants, options and versions, plus the bucket), and holds executables serialized with
+``jax.experimental.serialize_executable``: six BERT-base buckets load in 0.29 s in parallel.
+
+Layout: ``<dir>/<fingerprint[:24]>/<bucket>.<tier>.exe`` (pickle of the serialized executable
+and its pytree defs) and ``<fingerprint[:24]>/family.json`` (what the fingerprint covered, for
+people).  Writes go to a temporary file first and are renamed into place, so a reader never
+sees a half-written file; a file that fails to load is treated as missing (and logged).
+
+Loading runs code from the file (pickle + XLA executables): only point ``cache_dir`` at a
+directory you trust, as with any executable cache.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import tempfile
+import threading
+from collections.abc import Hashable
+
+logger = logging.getLogger("dynjax")
+
+
+def _bucket_name(bkey: tuple) -> str:
+  return "x".join(str(int(b)) for b in bkey) or "scalar"
+
+
+class ExecutableStore:
+  """Serialized executables of one family (``fingerprint``) under ``root``."""
+
+  def __init__(self, root: str, fingerprint: str, describe: dict | None = None):
+    self.root = root
+    self.fingerprint = fingerprint
+    self.dir = os.path.join(root, fingerprint[:24])
+    self._lock = threading.Lock()
+    self.saved = 0
+    self.loaded = 0
+    self.load_errors = 0
+    self._described = describe
+
+  def path(self, bkey: tuple, tier: int) -> str:
+    return os.path.join(self.dir, f"{_bucket_name(bkey)}.{tier}.exe")
+
+  def stored(self) -> list[tuple[tuple[int, ...], int]]:
+    """(bucket, tier) of every stored executable of this family."""
+    try:
+      names = os.listdir(self.dir)
+    except OSError:
+      return []
+    out = []
+    for n in names:
+      parts = n.split(".")
+      if len(parts) != 3 or parts[2] != "exe":
+        continue
+      try:
+        bkey = tuple(int(x) for x in parts[0].split("x")) if parts[0] != "scalar" else ()
+        out.append((bkey, int(parts[1])))
+      except ValueError:
+        continue
+    return sorted(out)
+
+  def save(self, bkey: tuple, tier: int, compiled) -> bool:
+    """Serializes ``compiled`` (a ``jax.stages.Compiled``); False when it cannot be."""
+    from jax.experimental import serialize_executable
+
+    try:
+      payload, in_tree, out_tree = serialize_executable.serialize(compiled)
+      devices = _device_ids(compiled)
+      blob = pickle.dumps((payload, in_tree, out_tree, devices),
+                          protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as e:  # noqa: BLE001 - e.g. executables with constants; not fatal
+      logger.info("dynjax: executable of bucket %s not stored (%s: %s)", bkey,
+                  type(e).__name__, e)
+      return False
+    try:
+      os.makedirs(self.dir, exist_ok=True)
+      with self._lock:
+        if self._described is not None:
+          with open(os.path.join(self.dir, "family.json"), "w") as fh:
+            json.dump(self._described, fh, indent=1, default=str)
+          self._described = None
+      fd, tmp = tempfile.mkstemp(dir=self.dir, suffix=".tmp")
+      with os.fdopen(fd, "wb") as fh:
+        fh.write(blob)
+      os.replace(tmp, self.path(bkey, tier))
+    except OSError as e:
+      logger.warning("dynjax: cannot write %s: %s", self.dir, e)
+      return False
+    with self._lock:
+      self.saved += 1
+    return True
+
+  def load(self, bkey: tuple, tier: int):
+    """The stored ``jax.stages.Compiled`` for (bucket, tier), or None."""
+    from jax.experimental import serialize_executable
+
+    path = self.path(bkey, tier)
+    try:
+      with open(path, "rb") as fh:
+        payload, in_tree, out_tree, device_ids = pickle.load(fh)
+      import jax
+
+      by_id = {d.id: d for d in jax.devices()}
+      exe = serialize_executable.deserialize_and_load(
+          payload, in_tree, out_tree, execution_devices=[by_id[i] for i in device_ids])
+    except FileNotFoundError:
+      return None
+    except Exception as e:  # noqa: BLE001 - a stale or broken file is a cache miss
+      logger.warning("dynjax: stored executable %s did not load (%s: %s); compiling instead",
+                     path, type(e).__name__, e)
+      with self._lock:
+        self.load_errors += 1
+      return None
+    with self._lock:
+      self.loaded += 1
+    return exe
+
+
+def _device_ids(compiled) -> list[int]:
+  """Ids of the devices the executable runs on (in the order of its device assignment)."""
+  import jax
+
+  for sh in jax.tree_util.tree_leaves(compiled.input_shardings):
+    return sorted(d.id for d in sh.device_set)  # the store holds one-device executables
+  return [jax.devices()[0].id]
+
+
+def fingerprint_parts(parts: dict[str, Hashable | str]) -> str:
+  """A stable sha256 over named text parts (sorted by name)."""
+  import hashlib
+
+  h = hashlib.sha256()
+  for k in sorted(parts):
+    h.update(k.encode())
+    h.update(b"\0")
+    v = parts[k]
+    h.update(v if isinstance(v, bytes) else str(v).encode())
+    h.update(b"\1")
+  return h.hexdigest()
