@@ -8,8 +8,13 @@ tracing or compilation caches.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import json
 import os
+import subprocess
+import sys
+import tempfile
 
 import numpy as np
 
@@ -64,25 +69,52 @@ def _array_workload(name: str, description: str, cfg: Config, *, make_fun, param
     return Mode("jit", lambda r: jf(params, r.tokens, r.lengths), label="jax.jit per exact shape")
 
   def oracle_mode(ctx: ModeContext) -> Mode:
-    jf = ctx.shared.get("jit_fn")
     reqs = ctx.workload.requests
     idx = ctx.oracle_indices
-    if jf is None:
-      jf = jax.jit(make_fun())
+    jf = jax.jit(make_fun())
     reps = {}
     for i in idx:
       reps.setdefault(reqs[i].tokens.shape, reqs[i])
+    exes = {}
 
     def setup():
-      # Compile every exact shape beforehand, concurrently (XLA compiles release the GIL); a
-      # shape the jit mode already compiled is a cache hit.
-      _pool_map(lambda r: jax.block_until_ready(jf(params, r.tokens, r.lengths)),
-                list(reps.values()), min(8, os.cpu_count() or 2))
+      # AOT-compile every exact shape beforehand, concurrently (XLA compiles release the GIL),
+      # and call the Compiled objects directly: no jax.jit dispatch or cache lookup per call.
+      def build(r):
+        exes[r.tokens.shape] = jf.lower(params, r.tokens, r.lengths).compile()
+      _pool_map(build, list(reps.values()), min(8, os.cpu_count() or 2))
 
     sub = "" if len(idx) == len(reqs) else f" ({len(reps)} shapes, {len(idx)} requests)"
-    return Mode("oracle", lambda r: jf(params, r.tokens, r.lengths), setup=setup,
-                setup_counted=False, only=idx,
-                label="exact-shape executables compiled beforehand" + sub)
+    return Mode("oracle", lambda r: exes[r.tokens.shape](params, r.tokens, r.lengths),
+                setup=setup, setup_counted=False, only=idx,
+                label="exact-shape AOT executables compiled beforehand" + sub)
+
+  def aot_bucket_mode(ctx: ModeContext) -> Mode:
+    # The bucket executables without dynjax: jax AOT at each pow2 bucket shape, fed requests
+    # host-padded to their bucket.  dynjax_pow2 / this = dynjax's host cost; this / oracle =
+    # the padding waste.
+    jf = jax.jit(make_fun())
+    pol = dynjax.buckets.pow2(MIN_BUCKET, cfg.max_len)
+    reqs = ctx.workload.requests
+    shapes = sorted({(r.tokens.shape[0], pol.bucket(r.tokens.shape[1])) for r in reqs})
+    exes, pads = {}, {}
+
+    def setup():
+      def build(shape):
+        lens = np.ones(shape[0], np.int32)
+        exes[shape] = jf.lower(params, np.zeros(shape, np.int32), lens).compile()
+      _pool_map(build, shapes, min(8, os.cpu_count() or 2))
+
+    def run(r):
+      b, t = r.tokens.shape
+      shape = (b, pol.bucket(t))
+      pad = pads.get(shape[1])
+      if pad is None:
+        pad = pads[shape[1]] = _HostPad(shape[1])
+      return exes[shape](params, pad(r.tokens), r.lengths)
+
+    return Mode("aot_bucket", run, setup=setup, setup_counted=False,
+                label=f"jax AOT at the pow2 bucket shapes ({len(shapes)}), host-padded inputs")
 
   def pad_max_mode(ctx: ModeContext) -> Mode:
     jf = jax.jit(make_fun())
@@ -98,24 +130,35 @@ def _array_workload(name: str, description: str, cfg: Config, *, make_fun, param
     return Mode("pad_max", run, label=f"jax.jit, host-padded to {cfg.max_len}",
                 padded_fraction=lambda: 1.0 - true[0] / max(padded[0], 1))
 
-  def dynjax_fn(policy):
+  def dynjax_fn(policy, serving=False, cache_dir=None):
     kw = dict(dims=DIMS, buckets={"t": policy}, padding=cfg.padding,
-              cache_dir=cfg.persistent_cache_dir, async_compile=cfg.async_compile)
+              cache_dir=cache_dir or cfg.persistent_cache_dir, async_compile=cfg.async_compile,
+              serving=serving)
     if linen_module is not None:
       from dynjax import flax as dynjax_flax
 
       return dynjax_flax.jit(linen_module, **kw)
     return dynjax.jit(make_fun(), **kw)
 
-  def dynjax_mode(name, policy, warm=False):
+  def dynjax_mode(name, policy, warm=False, serving=False):
     def factory(ctx: ModeContext) -> Mode:
-      f = dynjax_fn(policy)
+      cache_dir = None
+      if serving:
+        # A fresh cache per serving mode: no mode profits from another's compiles.  The
+        # restart modes serve from it in a new process (dynjax.bench._restart).
+        cache_dir = ctx.shared.get("restart_cache", {}).get(name)
+        if cache_dir is None:
+          cache_dir = tempfile.mkdtemp(prefix=f"dynjax_{name}_")
+          ctx.shared.setdefault("serve_cache", {})[name] = cache_dir
+      f = dynjax_fn(policy, serving=serving, cache_dir=cache_dir)
       setup = None
       if warm:
         r0 = ctx.workload.requests[0]
         setup = functools.partial(f.warmup, params, r0.tokens, r0.lengths, progress=False)
       label = f"dynjax.jit, {policy!r}" + (", warmup() first" if warm else "")
-      if cfg.async_compile:
+      if serving:
+        label += ", serving=True (fresh cache_dir)"
+      elif cfg.async_compile:
         label += ", async_compile"
       return Mode(name, lambda r: f(params, r.tokens, r.lengths), label=label, setup=setup,
                   between_passes=getattr(f, "wait", None), stats=f.stats,
@@ -130,11 +173,49 @@ def _array_workload(name: str, description: str, cfg: Config, *, make_fun, param
       "dynjax_auto", dynjax.buckets.auto(max_compiles=8, min=MIN_BUCKET, max=cfg.max_len))
   modes["dynjax_warmup"] = dynjax_mode(
       "dynjax_warmup", dynjax.buckets.pow2(MIN_BUCKET, cfg.max_len), warm=True)
+  modes["aot_bucket"] = aot_bucket_mode
+  modes["dynjax_serve"] = dynjax_mode(
+      "dynjax_serve", dynjax.buckets.pow2(MIN_BUCKET, cfg.max_len), serving=True)
+  modes["dynjax_serve_auto"] = dynjax_mode(
+      "dynjax_serve_auto", dynjax.buckets.auto(max_compiles=8, min=MIN_BUCKET, max=cfg.max_len),
+      serving=True)
+  modes["dynjax_restart"] = functools.partial(_restart_mode, "dynjax_serve")
+  modes["dynjax_restart_auto"] = functools.partial(_restart_mode, "dynjax_serve_auto")
   if torch_factory is not None:
     modes["torch_eager"] = _torch_mode("torch_eager", torch_factory, compiled=False)
     modes["torch_compile"] = _torch_mode("torch_compile", torch_factory, compiled=True)
   return Workload(name=name, description=description, requests=requests, modes=modes,
                   shape_key=lambda r: r.tokens.shape, info=dict(info or {}))
+
+
+def _restart_mode(serve_mode: str, ctx: ModeContext) -> Mode:
+  """A restarted server: a NEW process serves the whole stream cold with ``serve_mode``'s
+  configuration and its cache_dir (filled by this run's ``serve_mode``).  Its total counts
+  from building the function (after imports, data and parameters) to the last result, like
+  every other mode's; steady-state latencies are ``serve_mode``'s."""
+  cache = ctx.shared.get("serve_cache", {}).get(serve_mode)
+  if cache is None:
+    raise ModeUnavailable(f"needs {serve_mode} earlier in --modes (it fills the cache)")
+  name = "dynjax_restart" + serve_mode[len("dynjax_serve"):]
+  cfg = dataclasses.replace(ctx.config, modes=(serve_mode,), out=None, plot=False,
+                            progress=False, dispatch_iters=0)
+  payload = json.dumps({"config": dataclasses.asdict(cfg), "mode": serve_mode,
+                        "cache_dir": cache})
+  result: dict = {}
+
+  def setup():
+    proc = subprocess.run([sys.executable, "-m", "dynjax.bench._restart", payload],
+                          capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+      raise RuntimeError(f"restart process failed: {proc.stderr[-2000:]}")
+    result.update(json.loads(proc.stdout.strip().splitlines()[-1]))
+
+  def run(r):
+    raise AssertionError("not called: the restart runs in its own process")
+
+  return Mode(name, run, setup=setup, setup_counted=False, only=[],
+              label=f"{serve_mode} restarted in a new process from its cache_dir",
+              external=result)
 
 
 def _torch_mode(name: str, torch_factory, compiled: bool):
