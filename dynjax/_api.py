@@ -626,6 +626,8 @@ class Wrapped:
     self._checks = 0
     self._scheduler: CompileScheduler | None = None
     self._sched_lock = threading.Lock()
+    self._force_tier_up = False
+    self._calls_at_compile = 0  # calls so far when the last tier-0 compile finished
     self._served_larger = 0  # calls served on a larger compiled bucket than their own
     self._waits = 0  # calls that waited for a compile (or a stored executable) to finish
     self._wait_seconds = 0.0
@@ -1012,6 +1014,8 @@ class Wrapped:
     """Builds (loads or compiles) one bucket; ``tier`` 1 replaces a quick tier-0 executable."""
     if tier == 0:
       entry = self._cache.get_or_build((fam.fid, bkey), lambda: fam.build_bucket(bkey, 0))
+      if entry.source == "compiled":
+        self._calls_at_compile = self._calls
     else:
       t0 = time.perf_counter()
       entry = fam.build_bucket(bkey, tier, stored_min=tier)
@@ -1031,7 +1035,6 @@ class Wrapped:
     """Serves a call whose own bucket is not compiled: the smallest compiled bucket that
     covers it, else the first covering compile in flight (waited for).  The own bucket is
     queued for the background compiler in every case (it runs when it is worth the most)."""
-    own = self._schedule(fam, bkey, 0)
     if not fam.preloaded:
       fam.preloaded = True
       store = fam.store()
@@ -1041,6 +1044,7 @@ class Wrapped:
     while True:
       best = self._larger_bucket(fam, bkey)
       if best is not None:
+        self._schedule(fam, bkey, 0)  # value-driven: compiles when worth it
         with self._stats_lock:
           if best[0] != bkey:
             self._served_larger += 1
@@ -1050,17 +1054,21 @@ class Wrapped:
         return best
       if t_wait is None:
         t_wait = time.perf_counter()
-      # Nothing compiled covers this call: it waits for the first covering executable, and
-      # makes its own bucket (and, serving, the bucket covering everything) urgent.
-      own = self._schedule(fam, bkey, 0, urgent=True)
-      if self._opts.serving:
-        top = _top_bucket(fam)
-        if top is not None and top != bkey:
-          self._schedule(fam, top, 0, urgent=True)
-      futs = self._covering_futures(fam, bkey) or [own]
+      # Nothing compiled covers this call: it waits for the first covering executable.
+      # Serving: the bucket covering everything compiles first, alone (a second compile at
+      # the same time slows it down); the own bucket follows in the background.  Otherwise
+      # (or with no declared max): the own bucket, now.
+      top = _top_bucket(fam) if self._opts.serving else None
+      if top is not None and all(t >= b for t, b in zip(top, bkey, strict=True)):
+        urgent = self._schedule(fam, top, 0, urgent=True)
+        self._schedule(fam, bkey, 0)
+      else:
+        urgent = self._schedule(fam, bkey, 0, urgent=True)
+      futs = self._covering_futures(fam, bkey) or [urgent]
       done, _ = concurrent.futures.wait(futs, return_when=concurrent.futures.FIRST_COMPLETED)
-      if own in done and own.exception() is not None:
-        raise own.exception()
+      for f in done:
+        if f.exception() is not None and (f is urgent or len(futs) == 1):
+          raise f.exception()
 
   def _sched(self) -> CompileScheduler:
     sched = self._scheduler
@@ -1096,6 +1104,8 @@ class Wrapped:
     fam, bkey, tier = job.info
     sched = self._scheduler
     if tier > 0:
+      if not self._force_tier_up and self._calls - self._calls_at_compile < _TIER_UP_AFTER:
+        return 0.0  # the traffic is not steady yet: recompiling now would slow it down
       if sched._running:
         return 0.0
       for other in sched._pending.values():
@@ -1333,6 +1343,8 @@ class Wrapped:
     ``warmup(background=True)``), including queued tier-1 recompiles; False on timeout."""
     if self._scheduler is None:
       return True
+    self._force_tier_up = True  # whoever waits lets the tier-1 recompiles run now
+    self._scheduler.poke()
     return self._scheduler.wait_idle(timeout)
 
   def stats(self) -> dict:
@@ -1676,6 +1688,10 @@ _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 # of 5.5-5.9 s per bucket, six at once 7.5 s instead of 17.2 s; run time within 2% at T=128
 # and 512, up to 21% slower at T=256 (tier 1 recompiles with XLA's defaults later).
 _QUICK_GPU_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
+# Tier-1 recompiles (serving on GPU) wait for this many calls after the last tier-0 compile:
+# measured, they slow serving by ~40% while they run (GPU autotuning, cores), and pay back
+# only after minutes of traffic.  wait() runs them at once.
+_TIER_UP_AFTER = 1000
 _cache_logger = logging.getLogger("dynjax")
 
 

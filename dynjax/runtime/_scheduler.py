@@ -156,9 +156,16 @@ class CompileScheduler:
       return 1.0
 
   def _pick(self) -> Job | None:
+    # Urgent jobs (a caller waits on them) first; while one runs, nothing else starts: a
+    # concurrent compile would slow it down (XLA compiles share cores and the GPU autotuner).
+    urgent = [j for j in self._pending.values() if j.urgent]
+    if urgent:
+      return min(urgent, key=lambda j: j.submitted)
+    if any(j.urgent for j in self._running.values()):
+      return None
     best, best_v = None, 0.0
     for job in self._pending.values():
-      v = float("inf") if job.urgent else self._safe_value(job)
+      v = self._safe_value(job)
       if v > best_v:
         best, best_v = job, v
     return best
@@ -171,7 +178,7 @@ class CompileScheduler:
           job = self._pick()
           if job is not None:
             break
-          self._cv.wait(0.25)  # values change with traffic: look again now and then
+          self._cv.wait(1.0)  # values change with traffic: look again now and then
         if self._closed:
           return
         del self._pending[job.key]

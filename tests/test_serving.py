@@ -1,0 +1,250 @@
+"""Progressive serving (``serving=True``), the background compile scheduler, the executable
+store behind ``cache_dir``, and the top-level-argument hot path."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dynjax
+from dynjax import _api
+from dynjax.runtime._scheduler import CompileScheduler
+
+
+def _model(params, x):
+  h = jnp.tanh(x @ params["w"] + params["b"])
+  return jax.nn.softmax(h, axis=-1).sum(1)
+
+
+def _params(d=4):
+  rng = np.random.RandomState(0)
+  return {"w": jnp.asarray(rng.randn(d, d).astype(np.float32)),
+          "b": jnp.asarray(rng.randn(d).astype(np.float32))}
+
+
+def _x(t, b=2, d=4, seed=1):
+  return np.random.RandomState(seed + t).randn(b, t, d).astype(np.float32)
+
+
+EXACT = jax.jit(_model)
+
+
+def _serving(**kw):
+  return dynjax.jit(_model, dims={"x": "b, t, 4"}, padding="auto", serving=True,
+                    buckets={"b": [2], "t": dynjax.buckets.pow2(4, 64)}, **kw)
+
+
+def test_first_call_compiles_only_the_covering_bucket_then_every_call_is_served(compiles):
+  p = _params()
+  f = _serving(compile_workers=1)
+  np.testing.assert_allclose(f(p, _x(5)), EXACT(p, _x(5)), rtol=1e-6, atol=1e-6)
+  s = f.stats()
+  assert s["per_bucket_calls"] == {"b=2, t=64": 1}  # served on the covering bucket, which
+  assert f._cache.compile_log[0][0][1] == (2, 64)  # compiled first (t=8 follows, background)
+  assert s["waited_for_compile"] == 1
+  for t in (3, 9, 17, 33, 5):  # never wait again: the top bucket covers everything
+    np.testing.assert_allclose(f(p, _x(t)), EXACT(p, _x(t)), rtol=1e-6, atol=1e-6)
+  assert f.stats()["waited_for_compile"] == 1
+  f.wait()
+  before = compiles()
+  for t in (3, 9, 17, 33, 5):
+    np.testing.assert_allclose(f(p, _x(t)), EXACT(p, _x(t)), rtol=1e-6, atol=1e-6)
+  s = f.stats()
+  assert compiles() == before  # every observed bucket was compiled in the background
+  assert {"b=2, t=4", "b=2, t=16", "b=2, t=32"} <= set(s["per_bucket_calls"])
+  assert s["compiles"] == len(s["per_bucket_calls"])  # t=64 plus each observed bucket, once
+  assert s["background"]["failed"] == 0
+
+
+def test_calls_never_wait_behind_a_compile_a_compiled_bucket_covers(monkeypatch):
+  p = _params()
+  f = _serving(compile_workers=2)
+  f(p, _x(40))  # compiles the top bucket (64)
+  fam = next(iter(f._families.values()))
+  slow = threading.Event()
+  real = fam.build_bucket
+
+  def build(bkey, *a, **k):
+    slow.wait(10)  # background compiles hang until released
+    return real(bkey, *a, **k)
+
+  monkeypatch.setattr(fam, "build_bucket", build)
+  t0 = time.perf_counter()
+  for t in (3, 7, 12, 20, 3, 7):
+    np.testing.assert_allclose(f(p, _x(t)), EXACT(p, _x(t)), rtol=1e-6, atol=1e-6)
+  assert time.perf_counter() - t0 < 5  # served on t=64 while t=4..32 "compile"
+  s = f.stats()
+  assert s["served_on_larger_bucket"] == 6 and s["per_bucket_calls"]["b=2, t=64"] == 7
+  slow.set()
+  f.wait()
+  f(p, _x(3))
+  assert "b=2, t=4" in f.stats()["per_bucket_calls"]
+
+
+def test_scheduler_runs_the_most_valuable_job_first_and_urgent_jobs_alone():
+  values = {"a": 1.0, "b": 5.0, "c": 3.0, "zero": 0.0}
+  order, gate = [], threading.Event()
+  running_with_urgent = []
+  sched = CompileScheduler(2, lambda job: values[job.key])
+
+  def job(name):
+    def build():
+      if name == "urgent":
+        gate.wait(5)
+      else:
+        running_with_urgent.append(any(k == "urgent" for k in sched.running()))
+      order.append(name)
+      return name
+    return build
+
+  fu = sched.submit("urgent", job("urgent"), urgent=True)
+  time.sleep(0.1)
+  futs = [sched.submit(k, job(k)) for k in ("a", "b", "c", "zero")]
+  time.sleep(0.3)
+  assert order == []  # nothing starts beside a running urgent job
+  gate.set()
+  assert fu.result(5) == "urgent"
+  for f in futs[:3]:
+    f.result(5)
+  assert order[0] == "urgent" and set(order[1:]) == {"a", "b", "c"}
+  assert order[1] == "b"  # the most valuable first
+  assert not any(running_with_urgent)
+  assert not futs[3].done()  # worth nothing: never runs
+  assert sched.wait_idle(2)
+  sched.close()
+  assert futs[3].cancelled()
+
+
+def test_gpu_tiers_quick_compile_first_then_full_options_replace_it(monkeypatch):
+  monkeypatch.setattr(_api, "_on_gpu", lambda: True)
+  seen = []
+  real_compile = jax.stages.Lowered.compile
+
+  def compile_spy(self, compiler_options=None):
+    seen.append(dict(compiler_options or {}))
+    return real_compile(self, compiler_options=compiler_options)
+
+  monkeypatch.setattr(jax.stages.Lowered, "compile", compile_spy)
+  p = _params()
+  f = _serving(compile_workers=1)
+  np.testing.assert_allclose(f(p, _x(5)), EXACT(p, _x(5)), rtol=1e-6, atol=1e-6)
+  fam = next(iter(f._families.values()))
+  assert fam.buckets[(2, 64)].tier == 0
+  assert seen and all(o == {"xla_gpu_enable_triton_gemm": False} for o in seen)
+  assert f._scheduler.wait_idle(5)  # tier 0 of t=8 (background); tier 1 waits for traffic
+  assert all(o == {"xla_gpu_enable_triton_gemm": False} for o in seen)
+  f.wait()  # runs the queued tier-1 recompiles now
+  assert fam.buckets[(2, 64)].tier == 1 and fam.buckets[(2, 8)].tier == 1 and {} in seen
+  np.testing.assert_allclose(f(p, _x(5)), EXACT(p, _x(5)), rtol=1e-6, atol=1e-6)
+
+
+def test_no_tiers_with_explicit_compiler_options_or_off_gpu(monkeypatch):
+  f = _serving()
+  assert f._tiers() == 1  # CPU
+  monkeypatch.setattr(_api, "_on_gpu", lambda: True)
+  assert f._tiers() == 2
+  g = _serving(compiler_options={"xla_gpu_autotune_level": 2})
+  assert g._tiers() == 1 and g._compile_options(0) == {"xla_gpu_autotune_level": 2}
+
+
+def test_bad_serving_options_say_what_is_expected():
+  with pytest.raises(dynjax.SpecError, match="compile_workers must be a positive integer"):
+    dynjax.jit(_model, compile_workers=0)
+  with pytest.raises(dynjax.SpecError, match="compiler_options must be a dict"):
+    dynjax.jit(_model, compiler_options=[("a", 1)])
+  with pytest.raises(dynjax.SpecError, match=r"compiler_options: \[3\] are not name"):
+    dynjax.jit(_model, compiler_options={3: 1})
+
+
+_RESTART = """
+import jax, jax.numpy as jnp, numpy as np, dynjax
+W = jnp.asarray(np.linspace(-1, 1, 16, dtype=np.float32).reshape(4, 4) * {scale})
+def model(x):
+  return jax.nn.softmax(jnp.tanh(x @ W), axis=-1).sum(1)
+f = dynjax.jit(model, dims={{"x": "b, t, 4"}}, padding="auto", serving=True,
+               cache_dir={cache!r}, buckets={{"b": [2], "t": dynjax.buckets.pow2(4, 32)}})
+exact = jax.jit(model)
+for t in (3, 9, 20, 3, 9, 20):
+  x = np.random.RandomState(t).randn(2, t, 4).astype(np.float32)
+  np.testing.assert_allclose(f(x), exact(x), rtol=1e-6, atol=1e-6)
+f.wait()
+s = f.stats()
+print("COMPILES", s["compiles"], "LOADED", s["loaded_from_store"], "WAITS",
+      s["waited_for_compile"])
+"""
+
+
+def _run(script):
+  r = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True,
+                     text=True, timeout=240)
+  assert r.returncode == 0, r.stderr[-3000:]
+  return r.stdout.split()
+
+
+def test_restarted_server_loads_every_bucket_and_compiles_nothing(tmp_path):
+  cache = str(tmp_path / "cache")
+  first = _run(_RESTART.format(cache=cache, scale=1.0))
+  assert first[:4] == ["COMPILES", "3", "LOADED", "0"], first  # t = 4, 16 and 32 (the top)
+  second = _run(_RESTART.format(cache=cache, scale=1.0))
+  assert second[:4] == ["COMPILES", "0", "LOADED", "3"], second
+  # Another closed-over constant is another function: its executables are not reused.
+  other = _run(_RESTART.format(cache=cache, scale=2.0))
+  assert other[:4] == ["COMPILES", "3", "LOADED", "0"], other
+
+
+def test_a_broken_stored_executable_is_compiled_again(tmp_path):
+  p = _params()
+  f = dynjax.jit(_model, dims={"x": "b, t, 4"}, cache_dir=str(tmp_path),
+                 buckets={"b": [2], "t": dynjax.buckets.pow2(4, 64)})
+  f(p, _x(5))
+  store = next(iter(f._families.values())).store()
+  (bkey, tier), = store.stored()
+  with open(store.path(bkey, tier), "wb") as fh:
+    fh.write(b"not an executable")
+  g = dynjax.jit(_model, dims={"x": "b, t, 4"}, cache_dir=str(tmp_path),
+                 buckets={"b": [2], "t": dynjax.buckets.pow2(4, 64)})
+  np.testing.assert_allclose(g(p, _x(5)), EXACT(p, _x(5)), rtol=1e-6, atol=1e-6)
+  s = g.stats()
+  assert s["compiles"] == 1 and s["loaded_from_store"] == 0
+  assert next(iter(g._families.values())).store().load_errors == 1
+
+
+def test_top_level_path_rechecks_parameters_through_the_executable(compiles):
+  f = dynjax.jit(_model, dims={"x": "b, t, 4"}, padding="auto",
+                 buckets={"b": [2], "t": dynjax.buckets.pow2(4, 64)})
+  p = _params()
+  f(p, _x(5))
+  fam = next(iter(f._families.values()))
+  assert fam.top is not None and f._top  # f(params, x): x is a whole argument
+  # New parameter values, same shapes: served by the same executable, never stale.
+  p2 = {k: v * 2 for k, v in p.items()}
+  np.testing.assert_allclose(f(p2, _x(5)), EXACT(p2, _x(5)), rtol=1e-6, atol=1e-6)
+  # New parameter shapes: the executable rejects them, a new family serves them.
+  p8 = {"w": p["w"], "b": p["b"][None]}
+  np.testing.assert_allclose(f(p8, _x(5)), EXACT(p8, _x(5)), rtol=1e-6, atol=1e-6)
+  # Another structure: the same.
+  p3 = {**p, "extra": jnp.zeros(3)}
+  np.testing.assert_allclose(f(p3, _x(5)), EXACT(p, _x(5)), rtol=1e-6, atol=1e-6)
+  assert len(f._families) == 3
+
+
+def test_trailing_defaults_and_keywords_take_the_same_executable():
+  def model(params, x, scale=2.0):
+    return _model(params, x) * scale
+
+  f = dynjax.jit(model, dims={"x": "b, t, 4"}, padding="auto",
+                 buckets={"b": [2], "t": dynjax.buckets.pow2(4, 64)})
+  p = _params()
+  want = 2.0 * np.asarray(EXACT(p, _x(5)))
+  np.testing.assert_allclose(f(p, _x(5)), want, rtol=1e-6)
+  np.testing.assert_allclose(f(p, x=_x(5)), want, rtol=1e-6)
+  np.testing.assert_allclose(f(p, _x(5), 2.0), want, rtol=1e-6)
+  assert f.stats()["compiles"] == 1
