@@ -50,6 +50,11 @@ _DISPATCH = flags.DEFINE_integer("dispatch_iters", None,
                                  "calls per loop of the dispatch-overhead measurement (0: skip)")
 _PLOT = flags.DEFINE_boolean("plot", True, "write the PNG plot")
 _PROGRESS = flags.DEFINE_boolean("progress", True, "progress bars on stderr")
+_ISOLATE = flags.DEFINE_list(
+    "isolate", None, "modes that run start to end in a fresh process each (XLA's in-process "
+    "caches, e.g. GPU autotuning results, would make a mode run after another compile faster "
+    "than a user's fresh process); default on GPU/TPU: every dynjax_*, pad_max and torch_* "
+    "mode; on CPU: none ('' for none)")
 _QUICK = flags.DEFINE_boolean("quick", False, "a short run for a CPU: 48 requests, fewer "
                               "dispatch iterations (about a minute on 2 cores for bert tiny)")
 
@@ -65,6 +70,11 @@ def config_from_flags(argv: list[str]) -> _suite.Config:
   requests = _REQUESTS.value
   if requests is None:
     requests = 48 if _QUICK.value else (1000 if accel else 200)
+  isolate = _ISOLATE.value
+  if isolate is None:
+    isolate = [m for m in _MODES.value
+               if m.startswith(("dynjax_pow2", "dynjax_auto", "dynjax_warmup", "dynjax_serve",
+                                "pad_max", "torch_"))] if accel else []
   dispatch = _DISPATCH.value
   if dispatch is None:
     dispatch = 300 if _QUICK.value else 2000
@@ -75,7 +85,8 @@ def config_from_flags(argv: list[str]) -> _suite.Config:
       out=_OUT.value or None, padding=_PADDING.value, steady_passes=_STEADY.value,
       jit_budget_s=_JIT_BUDGET.value, oracle_max_shapes=_ORACLE_SHAPES.value,
       async_compile=_ASYNC.value, dispatch_iters=dispatch, plot=_PLOT.value,
-      progress=_PROGRESS.value and sys.stderr.isatty(), quick=_QUICK.value, extra_args=extra)
+      progress=_PROGRESS.value and sys.stderr.isatty(), quick=_QUICK.value, extra_args=extra,
+      isolate=tuple(m for m in isolate if m))
 
 
 def main(argv: list[str]) -> int:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import importlib
 import json
 import math
@@ -133,6 +134,7 @@ class Config:
   progress: bool = True
   quick: bool = False
   extra_args: tuple[str, ...] = ()
+  isolate: tuple[str, ...] = ()  # modes run start to end in a fresh process each
 
 
 @dataclasses.dataclass
@@ -206,6 +208,46 @@ class ModeContext:
 
 class ModeUnavailable(Exception):
   """Raised by a mode factory when the mode cannot run here (e.g. torch is not installed)."""
+
+
+def child_mode(name: str, ctx: ModeContext, run_as: str | None = None,
+               steady: bool = True) -> Mode:
+  """Runs mode ``run_as`` (default ``name``) in a NEW process (``dynjax.bench._child``): its
+  cold pass (timed as in :func:`cold_mode`) and, with ``steady``, one steady pass right after.
+
+  Why: XLA keeps in-process caches (GPU autotuning results per gemm shape, among others), so
+  a mode run after another that compiled the same shapes compiles faster than a user's fresh
+  process would.  Isolated modes start from nothing; serving modes get the cache directory
+  ``ctx.shared["cache_dirs"][run_as]`` (made here), which a later restart mode reuses.
+  """
+  run_as = run_as or name
+  dirs = ctx.shared.setdefault("cache_dirs", {})
+  if not steady and run_as not in dirs:
+    raise ModeUnavailable(f"needs {run_as} earlier in --modes (it fills the cache)")
+  if run_as.startswith("dynjax_serve") and run_as not in dirs:
+    import tempfile
+
+    dirs[run_as] = tempfile.mkdtemp(prefix=f"dynjax_{run_as}_")
+  cfg = dataclasses.replace(ctx.config, modes=(run_as,), out=None, plot=False, progress=False,
+                            dispatch_iters=0, isolate=())
+  payload = json.dumps({"config": dataclasses.asdict(cfg), "mode": run_as,
+                        "cache_dirs": dirs, "steady": steady})
+  result: dict = {}
+
+  def setup():
+    proc = subprocess.run([sys.executable, "-m", "dynjax.bench._child", payload],
+                          capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+      raise RuntimeError(f"the {run_as} process failed: {proc.stderr[-2000:]}")
+    result.update(json.loads(proc.stdout.strip().splitlines()[-1]))
+
+  def run(r):
+    raise AssertionError("not called: the mode runs in its own process")
+
+  label = ("restarted in a new process from " + run_as + "'s cache_dir" if not steady
+           else "in its own process")
+  return Mode(name, run, setup=setup, setup_counted=False, only=[], label=label,
+              external=result)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -340,15 +382,10 @@ def cold_mode(name: str, factory, ctx: ModeContext, counter: CompileCounter):
       mode.setup()
       setup_s = time.perf_counter() - t0
     if mode.external is not None:  # ran in its own process: take its record as it is
-      ext = dict(mode.external)
-      lat = ext.pop("pass1_latency_ms", None)
-      res.update(ext)
-      res.update({"measured_requests": len(reqs) if lat else 0, "requests_in_mode": len(reqs),
-                  "external_process": True, "setup_s": setup_s, "setup_counted": False})
-      if lat:
-        res["pass1_latency_ms"] = lat
-      if isinstance(ext.get("stats"), dict):
-        res["fallbacks"] = len(ext["stats"].get("fallbacks", []))
+      label = res.get("label", "")
+      res.update(mode.external)
+      res["label"] = (res.get("label") or "") + " [" + label + "]"
+      res.update({"external_process": True, "process_s": setup_s, "setup_counted": False})
       return res, None, []
     c_setup = counter.snapshot()
     budget = cfg.jit_budget_s if name == "jit" else None
@@ -858,6 +895,11 @@ def run(cfg: Config) -> dict | int:
 
   if cfg.persistent_cache_dir:
     os.makedirs(cfg.persistent_cache_dir, exist_ok=True)
+  if cfg.isolate and not os.environ.get("DYNJAX_BENCH_STREAM_CACHE"):
+    import tempfile
+
+    # Child processes read the request stream from here instead of parsing the stdlib again.
+    os.environ["DYNJAX_BENCH_STREAM_CACHE"] = tempfile.mkdtemp(prefix="dynjax_stream_")
   counter = CompileCounter.get()
   wl = load_workload(cfg)
   if isinstance(wl, int):
@@ -892,6 +934,8 @@ def run(cfg: Config) -> dict | int:
   live = []
   for name in cfg.modes:
     factory = wl.modes.get(name)
+    if factory is not None and name in cfg.isolate:
+      factory = functools.partial(child_mode, name)
     if factory is None:
       report["modes"].append({"name": name, "skipped": f"not defined for {wl.name}"})
       continue

@@ -10,16 +10,21 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import os
-import subprocess
-import sys
 import tempfile
 
 import numpy as np
 
 from dynjax.bench import data, models
-from dynjax.bench._suite import Config, Mode, ModeContext, ModeUnavailable, Workload, _pool_map
+from dynjax.bench._suite import (
+    Config,
+    Mode,
+    ModeContext,
+    ModeUnavailable,
+    Workload,
+    _pool_map,
+    child_mode,
+)
 
 DIMS = {"tokens": "b, t", "lengths": "b"}
 MIN_BUCKET = 16
@@ -145,11 +150,11 @@ def _array_workload(name: str, description: str, cfg: Config, *, make_fun, param
       cache_dir = None
       if serving:
         # A fresh cache per serving mode: no mode profits from another's compiles.  The
-        # restart modes serve from it in a new process (dynjax.bench._restart).
-        cache_dir = ctx.shared.get("restart_cache", {}).get(name)
+        # restart modes serve from it in a new process (dynjax.bench._child).
+        dirs = ctx.shared.setdefault("cache_dirs", {})
+        cache_dir = dirs.get(name)
         if cache_dir is None:
-          cache_dir = tempfile.mkdtemp(prefix=f"dynjax_{name}_")
-          ctx.shared.setdefault("serve_cache", {})[name] = cache_dir
+          cache_dir = dirs[name] = tempfile.mkdtemp(prefix=f"dynjax_{name}_")
       f = dynjax_fn(policy, serving=serving, cache_dir=cache_dir)
       setup = None
       if warm:
@@ -179,43 +184,15 @@ def _array_workload(name: str, description: str, cfg: Config, *, make_fun, param
   modes["dynjax_serve_auto"] = dynjax_mode(
       "dynjax_serve_auto", dynjax.buckets.auto(max_compiles=8, min=MIN_BUCKET, max=cfg.max_len),
       serving=True)
-  modes["dynjax_restart"] = functools.partial(_restart_mode, "dynjax_serve")
-  modes["dynjax_restart_auto"] = functools.partial(_restart_mode, "dynjax_serve_auto")
+  modes["dynjax_restart"] = functools.partial(
+      child_mode, "dynjax_restart", run_as="dynjax_serve", steady=False)
+  modes["dynjax_restart_auto"] = functools.partial(
+      child_mode, "dynjax_restart_auto", run_as="dynjax_serve_auto", steady=False)
   if torch_factory is not None:
     modes["torch_eager"] = _torch_mode("torch_eager", torch_factory, compiled=False)
     modes["torch_compile"] = _torch_mode("torch_compile", torch_factory, compiled=True)
   return Workload(name=name, description=description, requests=requests, modes=modes,
                   shape_key=lambda r: r.tokens.shape, info=dict(info or {}))
-
-
-def _restart_mode(serve_mode: str, ctx: ModeContext) -> Mode:
-  """A restarted server: a NEW process serves the whole stream cold with ``serve_mode``'s
-  configuration and its cache_dir (filled by this run's ``serve_mode``).  Its total counts
-  from building the function (after imports, data and parameters) to the last result, like
-  every other mode's; steady-state latencies are ``serve_mode``'s."""
-  cache = ctx.shared.get("serve_cache", {}).get(serve_mode)
-  if cache is None:
-    raise ModeUnavailable(f"needs {serve_mode} earlier in --modes (it fills the cache)")
-  name = "dynjax_restart" + serve_mode[len("dynjax_serve"):]
-  cfg = dataclasses.replace(ctx.config, modes=(serve_mode,), out=None, plot=False,
-                            progress=False, dispatch_iters=0)
-  payload = json.dumps({"config": dataclasses.asdict(cfg), "mode": serve_mode,
-                        "cache_dir": cache})
-  result: dict = {}
-
-  def setup():
-    proc = subprocess.run([sys.executable, "-m", "dynjax.bench._restart", payload],
-                          capture_output=True, text=True, timeout=1800)
-    if proc.returncode != 0:
-      raise RuntimeError(f"restart process failed: {proc.stderr[-2000:]}")
-    result.update(json.loads(proc.stdout.strip().splitlines()[-1]))
-
-  def run(r):
-    raise AssertionError("not called: the restart runs in its own process")
-
-  return Mode(name, run, setup=setup, setup_counted=False, only=[],
-              label=f"{serve_mode} restarted in a new process from its cache_dir",
-              external=result)
 
 
 def _torch_mode(name: str, torch_factory, compiled: bool):
