@@ -49,7 +49,8 @@ from dynjax._errors import (
 )
 from dynjax._padded import Padded
 from dynjax.bucketing._padding import pad_jaxpr
-from dynjax.bucketing._policies import BucketPolicy, as_policy, pow2
+from dynjax.bucketing._joint import JointPlan
+from dynjax.bucketing._policies import Auto, BucketPolicy, as_policy, pow2
 from dynjax.runtime._cache import ExecutableCache, enable_compile_log
 from dynjax.runtime._scheduler import CompileScheduler
 from dynjax.runtime._store import ExecutableStore, fingerprint_parts
@@ -270,6 +271,14 @@ class _Family:
       self.mode = "exact"  # nothing dynamic: a plain jit, one compile per shape
     self._trace()
     self.shard = _sharding.attach(self)  # None without in/out_shardings; aligns policies
+    # Two or more auto-planned variables: plan bucket tuples jointly (not their product).
+    auto_idx = [i for i, p in enumerate(self.policies) if isinstance(p, Auto)]
+    self.joint = None
+    if len(auto_idx) >= 2:
+      self.joint = JointPlan(self.policies, auto_idx,
+                             min(self.policies[i].max_compiles for i in auto_idx))
+      self.observers = tuple((i, p) for i, p in self.observers if i not in auto_idx)
+    self.dynamic_plan = bool(self.observers) or self.joint is not None
     # One device: executables take the arguments' own pytrees (jax flattens them in C++), so
     # the hot path never flattens model parameters in Python.  Sharded: flat leaves.
     self.structured = self.shard is None
@@ -941,7 +950,7 @@ class Wrapped:
     # Per distinct sizes: (bucket, output shapes, true elements), computed once (~0.2 us a
     # lookup instead of ~3 us of policy bisects and shape functions on the CPU box).
     known = fam.per_sizes.get(sizes)
-    if known is None or fam.observers:
+    if known is None or fam.dynamic_plan:
       known = self._size_info(fam, sizes)
       if known[0] is None:  # overflow="exact", or a size of 0
         leaves = _tree_flatten(vals, is_leaf=_is_padded)[0] if top else vals
@@ -1002,7 +1011,7 @@ class Wrapped:
     bkey = self._bucket_key(fam, sizes)
     info = (bkey, tuple(fn(sizes) for fn in fam.out_shape_fns),
             sum(math.prod(fn(sizes)) for fn in fam.in_shape_fns if fn is not None))
-    if bkey is not None and not fam.observers:
+    if bkey is not None and not fam.dynamic_plan:
       if len(fam.per_sizes) > 4096:
         fam.per_sizes.clear()
       fam.per_sizes[sizes] = info
@@ -1012,9 +1021,21 @@ class Wrapped:
     """The bucket of ``sizes`` (observed by the policies), or None: run exact."""
     for i, p in fam.observers:
       p.observe(sizes[i])
+    joint = fam.joint
+    if joint is not None:
+      sub = joint.sub(sizes)
+      joint.observe(sub)
+      jb = joint.bucket(sub)
+      if jb is None:
+        if self._opts.overflow == "error":
+          self._raise_overflow(fam, sizes)
+        elif self._opts.overflow == "exact":
+          return None
+        jb = tuple(fam.policies[i].grow(sizes[i]) for i in joint.idx)
+      jmap = dict(zip(joint.idx, jb, strict=True))
     bkey = []
-    for n, p in zip(sizes, fam.policies, strict=True):
-      b = p.bucket(n)
+    for i, (n, p) in enumerate(zip(sizes, fam.policies, strict=True)):
+      b = jmap[i] if joint is not None and i in jmap else p.bucket(n)
       if b is None:
         if self._opts.overflow == "error":
           self._raise_overflow(fam, sizes)
@@ -1048,9 +1069,12 @@ class Wrapped:
       entry = fam.build_bucket(bkey, tier, stored_min=tier)
       self._cache.put((fam.fid, bkey), entry, time.perf_counter() - t0)
     fam.buckets[bkey] = entry
-    if entry.source == "stored":
-      for p, b in zip(fam.policies, bkey, strict=True):
-        p.adopt(b)  # a restarted auto policy starts from the buckets it had
+    if entry.source == "stored":  # a restarted auto policy starts from the buckets it had
+      for i, (p, b) in enumerate(zip(fam.policies, bkey, strict=True)):
+        if fam.joint is None or i not in fam.joint.idx:
+          p.adopt(b)
+      if fam.joint is not None:
+        fam.joint.adopt(fam.joint.sub(bkey))
     if (entry.tier + 1 < self._tiers() and bkey not in fam.tiered
         and self._scheduler is not None):
       fam.tiered.add(bkey)
@@ -1145,7 +1169,7 @@ class Wrapped:
   def _tier0_value(self, fam: _Family, bkey) -> float:
     if (fam.fid, bkey) in self._cache or not fam.tuple_hist:
       return 0.0
-    if not all(p.is_bucket(b) for p, b in zip(fam.policies, bkey, strict=True)):
+    if not _planned(fam, bkey):
       return 0.0  # re-planned away (auto): retired while still queued
     sizes = np.array(list(fam.tuple_hist), np.int64)
     counts = np.array(list(fam.tuple_hist.values()), float)
@@ -1340,6 +1364,10 @@ class Wrapped:
     for n, p in zip(traced.sizes, fam.policies, strict=True):
       per_var.append(p.sizes() if p.max is not None else (p.bucket(n),))
     todo = list(itertools.product(*per_var))
+    if fam.joint is not None:  # the planned tuples, not the product of the auto tables
+      jidx = fam.joint.idx
+      todo = sorted({tuple(jt[jidx.index(i)] if i in jidx else b[i] for i in range(len(b)))
+                     for b in todo for jt in fam.joint.sizes()})
     store = fam.store()
     if store is not None:
       todo = sorted(set(todo) | {b for b, _ in store.stored() if len(b) == len(fam.policies)})
@@ -1451,6 +1479,9 @@ class Wrapped:
             lines.append(f"       observed {len(hist)} distinct sizes in {len(sizes)} calls "
                          f"(min {min(hist)}, max {max(hist)}); expected padded fraction of "
                          f"this plan: {p.expected_waste(sizes):.1%}")
+      if fam.joint is not None:
+        lines.append(f"    jointly planned {[sig.var_order[i] for i in fam.joint.idx]}: "
+                     f"{list(fam.joint.sizes())} ({fam.joint.replans} re-plans)")
       used = sorted(k for k in fam.buckets)
       if used:
         lines.append(f"  compiled buckets: {used}")
@@ -1745,6 +1776,15 @@ def _pad_leaf(x, shape, target):
   if not isinstance(x, np.ndarray):
     x = np.asarray(x)  # device array of a non-bucket shape: one host round trip
   return _host_pad(x, target)
+
+
+def _planned(fam, bkey) -> bool:
+  """Whether ``bkey`` is still one of the buckets the family's policies want."""
+  joint = fam.joint
+  for i, (p, b) in enumerate(zip(fam.policies, bkey, strict=True)):
+    if (joint is None or i not in joint.idx) and not p.is_bucket(b):
+      return False
+  return joint is None or joint.is_bucket(joint.sub(bkey))
 
 
 def _top_bucket(fam) -> tuple | None:

@@ -42,6 +42,17 @@ def _round_up(n: int, multiple: int) -> int:
   return -(-n // multiple) * multiple
 
 
+def early_budget(budget: int, observations: int) -> int:
+  """New buckets a plan may add now: small samples mislead, so while fewer than 256 calls
+  were seen, half of what is left is kept for later plans."""
+  if observations < EARLY_OBSERVATIONS and budget > 1:
+    return budget // 2
+  return budget
+
+
+EARLY_OBSERVATIONS = 256
+
+
 class BucketPolicy:
   """Base class: maps a true size to a padded size.
 
@@ -342,8 +353,7 @@ class Auto(BucketPolicy):
     q = self._quantum()
     sunk = sorted(self._used)
     budget = self.max_compiles - len(sunk)
-    if self._n_obs < 256 and budget > 1:
-      budget = budget // 2  # small samples mislead: keep half the budget for later plans
+    budget = early_budget(budget, self._n_obs)
     top_needed = max(self._hist) if self._hist else self.min
     cands = {_round_up(max(n, self.min), q) for n in self._hist}
     if self.max is not None:
