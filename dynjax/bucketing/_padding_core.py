@@ -50,14 +50,45 @@ class PaddedValue:
   val: Any
   fill: Any = None
 
+  def __post_init__(self):
+    # Fills come from jaxpr literals (jax's ``TypedNdArray``, an unhashable 0-d ndarray), NumPy
+    # scalars or Python numbers: keep one hashable NumPy scalar, or None if it is not a scalar.
+    if self.fill is not None:
+      object.__setattr__(self, "fill", normalize_fill(self.fill))
+
+
+def normalize_fill(fill):
+  """A known padded-region constant as a hashable NumPy scalar (None when not a scalar)."""
+  if fill is None:
+    return None
+  try:
+    f = np.asarray(fill)
+  except Exception:
+    return None
+  if f.ndim != 0 or f.dtype == object:
+    return None
+  return f[()]
+
+
+def common_fill(fills):
+  """The fill shared by every value (same value and sign, e.g. not 0.0 vs -0.0), else None."""
+  fills = list(fills)
+  if not fills or fills[0] is None:
+    return None
+  return fills[0] if all(_same_fill(f, fills[0]) for f in fills[1:]) else None
+
 
 def _same_fill(fill, identity) -> bool:
   if fill is None:
     return False
   try:
     f, i = np.asarray(fill), np.asarray(identity)
+    if f.ndim or i.ndim:
+      return False
     if f.dtype == np.bool_ or i.dtype == np.bool_:
       return bool(f) == bool(i)
+    if np.iscomplexobj(f) or np.iscomplexobj(i):
+      return bool(f == i)
     return bool(f == i) and bool(np.signbit(f) == np.signbit(i))
   except Exception:
     return False
@@ -395,6 +426,7 @@ __all__ = [
   "Context",
   "PaddedValue",
   "bind_plain",
+  "common_fill",
   "dynamic_axes",
   "identity_for",
   "interpret",

@@ -28,6 +28,7 @@ from dynjax import _jax_private as jp
 from dynjax.bucketing._padding_core import (
   Context,
   PaddedValue,
+  common_fill,
   dynamic_axes,
   has_dim_expr,
   identity_for,
@@ -487,8 +488,10 @@ def _concatenate_rule(ctx, eqn, invals):
   out_aval = eqn.outvars[0].aval
   vals = [pv.val for pv in invals]
   if not is_dynamic_dim(out_aval.shape[dim]):
-    fills = {pv.fill for pv in invals}
-    fill = invals[0].fill if len(fills) == 1 else None
+    # static concatenated axis: operands without a dynamic axis (constants, literals) add no
+    # padded region, the others must agree on their fill
+    fill = common_fill(pv.fill for v, pv in zip(eqn.invars, invals, strict=True)
+                       if dynamic_axes(v.aval))
     return [PaddedValue(o, fill) for o in _bind(ctx, eqn, vals)]
   # Each operand lands at the true offset; a later one overwrites the padded tail of the one
   # before.  offset_i + padded_i <= sum of padded sizes, so no start index is ever clamped.
@@ -882,15 +885,7 @@ def _remat_rule(ctx, eqn, invals):
 
 
 def _join_fills(fill_lists):
-  out = []
-  for fills in zip(*fill_lists, strict=False):
-    f0 = fills[0]
-    same = all(
-      f is not None and f0 is not None and np.asarray(f == f0).all() and type(f) is type(f0)
-      for f in fills
-    )
-    out.append(f0 if same else None)
-  return out
+  return [common_fill(fills) for fills in zip(*fill_lists, strict=False)]
 
 
 @register(P.cond_p)
