@@ -387,7 +387,9 @@ def interpret(ctx: Context, jaxpr, consts: Sequence[PaddedValue], args: Sequence
       except PaddingUnsupportedError:
         raise
       except Exception as e:  # a rule that cannot build its rewrite: fall back, never guess
-        raise unsupported(eqn, f"its rule failed ({type(e).__name__}: {e})") from e
+        raise unsupported(
+          eqn, f"its rule crashed ({type(e).__name__}: {e}), a dynjax bug: please report it"
+        ) from e
       for want, got in shapes:
         if want != got:
           raise unsupported(eqn, f"padded result has shape {got}, expected {want}")
