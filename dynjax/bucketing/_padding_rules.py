@@ -490,8 +490,9 @@ def _concatenate_rule(ctx, eqn, invals):
   if not is_dynamic_dim(out_aval.shape[dim]):
     # static concatenated axis: operands without a dynamic axis (constants, literals) add no
     # padded region, the others must agree on their fill
-    fill = common_fill(pv.fill for v, pv in zip(eqn.invars, invals, strict=True)
-                       if dynamic_axes(v.aval))
+    fill = common_fill(
+      pv.fill for v, pv in zip(eqn.invars, invals, strict=True) if dynamic_axes(v.aval)
+    )
     return [PaddedValue(o, fill) for o in _bind(ctx, eqn, vals)]
   # Each operand lands at the true offset; a later one overwrites the padded tail of the one
   # before.  offset_i + padded_i <= sum of padded sizes, so no start index is ever clamped.
