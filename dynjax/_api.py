@@ -39,6 +39,7 @@ from dynjax._config import config
 from dynjax._errors import (
     DtypeMismatchError,
     OutOfBucketsError,
+    PaddingFallbackError,
     PaddingMismatchError,
     PaddingUnsupportedError,
     ShapeMismatchError,
@@ -52,6 +53,7 @@ from dynjax.runtime._cache import ExecutableCache, enable_compile_log
 
 _PADDING_MODES = ("auto", "trust", "exact")
 _OVERFLOW_MODES = ("error", "exact", "grow")
+_ON_FALLBACK = ("warn", "error")
 _tree_flatten = jax.tree_util.tree_flatten
 _tree_unflatten = jax.tree_util.tree_unflatten
 
@@ -90,6 +92,7 @@ def jit(
     async_compile: bool = False,
     in_shardings: Any = None,
     out_shardings: Any = None,
+    on_fallback: str = "warn",
 ):
   """Compiles ``fun`` into a family of bucketed, padded XLA executables.
 
@@ -125,6 +128,10 @@ def jit(
       the mesh axis size; padded host inputs go to their devices with their sharding.
     out_shardings: one sharding for every output or a pytree prefix of the output (None:
       GSPMD chooses).  Kept by ``return_padded=True`` and device-input calls.
+    on_fallback: what happens when ``padding="auto"``/``"trust"`` cannot pad a function and it
+      would run unpadded (one compile per shape): ``"warn"`` (one warning; counted in
+      ``stats()["fallbacks"]``) or ``"error"`` (raise :class:`dynjax.PaddingFallbackError`
+      naming the primitive and source line, for servers that refuse the compile storm).
 
   Returns:
     A :class:`Wrapped` function (or a decorator, when ``fun`` is omitted).
@@ -141,7 +148,7 @@ def jit(
                 return_padded=return_padded, constraints=constraints,
                 max_executables=max_executables, cache_dir=cache_dir, check=check,
                 async_compile=async_compile, in_shardings=in_shardings,
-                out_shardings=out_shardings)
+                out_shardings=out_shardings, on_fallback=on_fallback)
   if fun is None:
     return lambda f: Wrapped(f, **kwargs)
   if not callable(fun):
@@ -185,6 +192,7 @@ class _Options:
   check: bool
   async_compile: bool
   sharding: Any = None  # dynjax._sharding.ShardingOptions, or None (one device)
+  on_fallback: str = "warn"
 
 
 # -----------------------------------------------------------------------------------------------
@@ -321,9 +329,16 @@ class _Family:
     return tuple(sizes)
 
   def _fall_back(self, reason: str) -> None:
+    w = self.wrapped
+    if w._opts.on_fallback == "error":
+      raise PaddingFallbackError(
+          f"dynjax.jit({w.__name__}): padding={w._opts.padding!r} cannot pad this function and "
+          f"on_fallback='error' refuses to run it unpadded (one compile per shape): {reason}. "
+          "Fix: rewrite the named line (see the padding section of the README for the exact "
+          "idioms), use padding='trust' if the function is pad-safe, or on_fallback='warn' to "
+          "accept one compile per shape") from None
     self.fallback = reason
     self.mode = "exact"
-    w = self.wrapped
     w._fallbacks.append(reason)
     warnings.warn(
         f"dynjax.jit({w.__name__}): running unpadded, one compile per shape: {reason}",
@@ -417,7 +432,7 @@ class Wrapped:
 
   def __init__(self, fun, *, dims, buckets, padding, overflow, static_argnames, donate_argnames,
                return_padded, constraints, max_executables, cache_dir, check, async_compile,
-               in_shardings=None, out_shardings=None):
+               in_shardings=None, out_shardings=None, on_fallback="warn"):
     self.fun = fun
     self.__name__ = getattr(fun, "__name__", type(fun).__name__)
     self.__doc__ = getattr(fun, "__doc__", None)
@@ -443,7 +458,8 @@ class Wrapped:
         static_argnames=static, donate_argnames=donate, return_padded=bool(return_padded),
         constraints=tuple(constraints), max_executables=max_executables,
         check=config.check if check is None else bool(check),
-        async_compile=bool(async_compile))
+        async_compile=bool(async_compile),
+        on_fallback=_choice(on_fallback, _ON_FALLBACK, "on_fallback"))
     self._static_pos = tuple(i for i, p in enumerate(self._params) if p.name in static)
     self._dyn_names = tuple(p.name for p in self._params if p.name not in static)
     self._opts.sharding = _sharding.check_options(in_shardings, out_shardings, self._dyn_names,

@@ -85,3 +85,39 @@ def test_auto_check_mode_agrees():
   for t in (3, 9, 17):
     f(np.random.RandomState(t).randn(2, t).astype(np.float32))
   assert f.stats()["calls"] == 3
+
+
+def test_on_fallback_error_refuses_the_compile_storm():
+  f = dynjax.jit(lambda x: jnp.abs(jnp.fft.fft(x)), dims={"x": "t"}, on_fallback="error")
+  x = np.ones(7, np.float32)
+  with pytest.raises(dynjax.PaddingFallbackError) as e:
+    f(x)
+  msg = str(e.value)
+  assert msg.startswith(
+    "dynjax.jit(<lambda>): padding='auto' cannot pad this function and on_fallback='error' "
+    "refuses to run it unpadded (one compile per shape): the padding pass has no exact rule: "
+    "the padding pass has no exact rule for 'fft' at "
+  )
+  assert "test_jit_auto.py" in msg and msg.endswith(
+    "or on_fallback='warn' to accept one compile per shape"
+  )
+  assert isinstance(e.value, RuntimeError)
+  assert f.stats()["fallbacks"] == []  # nothing ran unpadded
+  with pytest.raises(dynjax.PaddingFallbackError):
+    f(x)  # every call refuses, not only the first
+
+
+def test_on_fallback_is_validated_and_passes_through_flax():
+  with pytest.raises(
+    dynjax.SpecError, match=r"on_fallback='loud' is not valid; use one of 'warn', 'error'"
+  ):
+    dynjax.jit(lambda x: x, on_fallback="loud")
+  flax_nn = pytest.importorskip("flax.linen")
+
+  class Fft(flax_nn.Module):
+    def __call__(self, x):
+      return jnp.abs(jnp.fft.fft(x))
+
+  f = dynjax.flax.jit(Fft(), dims={"x": "t"}, on_fallback="error")
+  with pytest.raises(dynjax.PaddingFallbackError, match="'fft'"):
+    f({}, np.ones(5, np.float32))
