@@ -387,6 +387,82 @@ register(P.reduce_window_max_p)(_reduce_window_rule("max"))
 register(P.reduce_window_min_p)(_reduce_window_rule("min"))
 
 
+def _select_kind(eqn) -> str:
+  name = eqn.params["select_prim"].name
+  if name in ("ge", "gt"):
+    return "max"
+  if name in ("le", "lt"):
+    return "min"
+  raise unsupported(eqn, f"select_prim {name} is not a max/min chooser")
+
+
+def _window_specs(ctx, eqn, aval, out_aval, base_dilation=None):
+  p = eqn.params
+  specs = []
+  for a in range(aval.ndim):
+    if has_dim_expr(p["padding"][a]) and base_dilation is not None and base_dilation[a] != 1:
+      raise unsupported(eqn, "size-dependent padding with base dilation")
+    dil = p.get("window_dilation", (1,) * aval.ndim)[a]
+    win = (p["window_dimensions"][a] - 1) * dil + 1
+    specs.append((a, p["padding"][a], win, p["window_strides"][a], out_aval.shape[a]))
+  return specs
+
+
+@register(P.select_and_scatter_add_p)
+def _select_and_scatter_add_rule(ctx, eqn, invals):
+  # The gradient of max/min pooling.  The padded tail of the operand reads as the chooser's
+  # identity (-inf for max), so a window at a true output position never selects it over a valid
+  # element (it comes later in window order and loses ties, like the exact op's own "hi"
+  # padding); windows past the true output extent scatter -0.0 (x + -0.0 == x).
+  p = eqn.params
+  _require_static(eqn, p, ["window_dimensions", "window_strides"])
+  sa, oa = eqn.invars[0].aval, eqn.invars[1].aval
+  ident = identity_for(_select_kind(eqn), oa.dtype)
+  zero = identity_for("sum", sa.dtype)
+  if jnp.issubdtype(sa.dtype, jnp.floating):
+    zero = np.asarray(-0.0, sa.dtype)[()]
+  source = ctx.mask(invals[0], sa, range(sa.ndim), zero, eqn, "source")
+  x = ctx.mask(invals[1], oa, range(oa.ndim), ident, eqn, "operand")
+  n_in = x.shape
+  specs = _window_specs(ctx, eqn, oa, sa)
+  x, pads = _shift_symbolic_padding(ctx, eqn, x, oa, specs, ident)
+  # the shifted operand must have exactly as many windows as the source has rows
+  src_pad = []
+  for a, (lo, hi) in enumerate(pads):
+    _, _, win, stride, _ = specs[a]
+    n_win = max(0, (x.shape[a] + lo + hi - win) // int(stride) + 1)
+    if n_win < source.shape[a]:
+      raise unsupported(eqn, f"padded windows of axis {a} fewer than the padded source rows")
+    src_pad.append((0, n_win - source.shape[a], 0))
+  if any(c != (0, 0, 0) for c in src_pad):
+    source = lax.pad(source, jnp.asarray(zero, source.dtype), src_pad)
+  params = dict(p, padding=tuple(pads))
+  out = P.select_and_scatter_add_p.bind(source, x, **params)
+  for a, (lo, _hi), _, _, _ in specs:
+    if has_dim_expr(lo):  # undo the true-size shift of _shift_symbolic_padding
+      out = _remap_axis(out, a, ctx.true_dim(lo) + _iota(n_in[a]))
+  return [PaddedValue(out)]
+
+
+@register(P.select_and_gather_add_p)
+def _select_and_gather_add_rule(ctx, eqn, invals):
+  # The JVP of max/min pooling: like reduce_window_max, with the tangent moved alongside.
+  p = eqn.params
+  _require_static(
+    eqn, p, ["window_dimensions", "window_strides", "base_dilation", "window_dilation"]
+  )
+  ta, oa = eqn.invars[0].aval, eqn.invars[1].aval
+  ident = identity_for(_select_kind(eqn), oa.dtype)
+  x = ctx.mask(invals[1], oa, range(oa.ndim), ident, eqn, "operand")
+  specs = _window_specs(ctx, eqn, oa, eqn.outvars[0].aval, p["base_dilation"])
+  x, pads = _shift_symbolic_padding(ctx, eqn, x, oa, specs, ident)
+  t, _ = _shift_symbolic_padding(ctx, eqn, invals[0].val, ta, specs, 0)
+  params = ctx.subst_params(p)
+  params["padding"] = tuple(pads)
+  out = P.select_and_gather_add_p.bind(t, x, **params)
+  return [PaddedValue(_crop_to(ctx, out, eqn.outvars[0].aval))]
+
+
 # --------------------------------------------------------------------------------------------
 # relayout rules
 

@@ -29,6 +29,12 @@ def _conv(x, w, stride=1, padding="SAME", dil=1):
   )
 
 
+def _max_pool(x, window, stride):
+  return lax.reduce_window(
+    x, -jnp.inf, lax.max, (1, window, 1), (1, stride, 1), "SAME"
+  )  # what flax.linen.max_pool builds
+
+
 @jax.custom_vjp
 def _clip_grad(x):
   return jnp.sin(x)
@@ -311,6 +317,32 @@ CASES = [
     "checkpoint_grad_closure",
     lambda x: jax.grad(lambda z: jax.checkpoint(lambda y: (jnp.sin(y) * x[:1]).sum())(z))(x),
     BT,
+    {},
+  ),
+  (
+    "max_pool_grad_same_stride2",
+    lambda x: jax.grad(lambda y: (_max_pool(y, 2, 2) ** 2).sum())(x),
+    BTC,
+    {},
+  ),
+  (
+    "max_pool_grad_window3_shifted",
+    lambda x: jax.grad(lambda y: (_max_pool(y, 3, 2) * jnp.arange(3.0)).sum())(x),
+    BTC,
+    {},
+  ),
+  (
+    "min_pool_grad_stride1",
+    lambda x: jax.grad(
+      lambda y: jnp.sin(lax.reduce_window(y, jnp.inf, lax.min, (1, 3, 1), (1, 1, 1), "SAME")).sum()
+    )(x),
+    BTC,
+    {},
+  ),
+  (
+    "max_pool_jvp",
+    lambda x: jax.jvp(lambda y: _max_pool(y, 3, 2), (x,), (jnp.cos(x),)),
+    BTC,
     {},
   ),
   ("random_normal", lambda x: x + jax.random.normal(jax.random.key(1), x.shape), BT, {}),
