@@ -124,9 +124,7 @@ def _linen_models():
       pos = self.param("pos", nn.initializers.normal(0.02), (1, self.max_len, self.d))
       s, t = src.shape[1], tgt.shape[1]
       src_valid, tgt_valid = _length_mask(src_len, s), _length_mask(tgt_len, t)
-      enc = Block(name="enc")(
-        embed(src) + pos[:, :s], nn.make_attention_mask(src_valid, src_valid)
-      )
+      enc = Block(name="enc")(embed(src) + pos[:, :s], nn.make_attention_mask(src_valid, src_valid))
       enc = nn.LayerNorm()(enc)
       self_mask = nn.combine_masks(
         nn.make_causal_mask(tgt), nn.make_attention_mask(tgt_valid, tgt_valid)
