@@ -75,10 +75,10 @@ def common_fill(fills):
   fills = list(fills)
   if not fills or fills[0] is None:
     return None
-  return fills[0] if all(_same_fill(f, fills[0]) for f in fills[1:]) else None
+  return fills[0] if all(same_fill(f, fills[0]) for f in fills[1:]) else None
 
 
-def _same_fill(fill, identity) -> bool:
+def same_fill(fill, identity) -> bool:
   if fill is None:
     return False
   try:
@@ -284,7 +284,7 @@ class Context:
     dyn = [a for a in axes if is_dynamic_dim(aval.shape[a])]
     if not dyn:
       return pv.val
-    if _same_fill(pv.fill, identity):
+    if same_fill(pv.fill, identity):
       if eqn is not None:
         self.note(eqn, f"no mask needed on {what or 'operand'}: padded region already {identity}")
       return pv.val
@@ -429,6 +429,7 @@ __all__ = [
   "PaddedValue",
   "bind_plain",
   "common_fill",
+  "same_fill",
   "dynamic_axes",
   "identity_for",
   "interpret",

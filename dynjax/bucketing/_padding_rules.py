@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.extend.core.primitives as P
 import jax.numpy as jnp
 import numpy as np
@@ -35,6 +36,7 @@ from dynjax.bucketing._padding_core import (
   interpret_closed,
   is_dynamic_dim,
   register,
+  same_fill,
   unsupported,
 )
 
@@ -385,6 +387,80 @@ def _reduce_window_rule(kind: str):
 register(P.reduce_window_sum_p)(_reduce_window_rule("sum"))
 register(P.reduce_window_max_p)(_reduce_window_rule("max"))
 register(P.reduce_window_min_p)(_reduce_window_rule("min"))
+
+
+def _mask_with_values(ctx, eqn, pv, aval, axes, init, what):
+  """``pv`` with its padded region along ``axes`` set to the (possibly traced) scalar ``init``."""
+  m = ctx.valid_mask(aval, axes)
+  if m is None:
+    return pv.val
+  if same_fill(pv.fill, init):
+    ctx.note(eqn, f"no mask needed on {what}: padded region already its init value")
+    return pv.val
+  ctx.note(eqn, f"masked {what} with its init value (the computation's identity)")
+  return jnp.where(m, pv.val, jnp.asarray(init, pv.val.dtype))
+
+
+@register(P.reduce_p)
+def _generic_reduce_rule(ctx, eqn, invals):
+  # lax.reduce's contract: init_values are an identity of the (associative) computation, so
+  # padding elements set to the init value leave every reduction unchanged.
+  n = len(eqn.invars) // 2
+  dims = eqn.params["dimensions"]
+  vals = [
+    _mask_with_values(ctx, eqn, pv, v.aval, dims, init.val, f"operand {i}")
+    for i, (v, pv, init) in enumerate(zip(eqn.invars[:n], invals[:n], invals[n:], strict=True))
+  ]
+  outs = _bind(ctx, eqn, vals + [pv.val for pv in invals[n:]])
+  return [PaddedValue(o) for o in outs]
+
+
+@register(P.reduce_window_p)
+def _generic_reduce_window_rule(ctx, eqn, invals):
+  # As the reduce rule: the init value is the computation's identity (lax.reduce_window's
+  # contract), and it is also the value of the exact op's implicit window padding.
+  p = eqn.params
+  _require_static(
+    eqn, p, ["window_dimensions", "window_strides", "base_dilation", "window_dilation"]
+  )
+  n = len(eqn.invars) // 2
+  aval = eqn.invars[0].aval
+  oa = eqn.outvars[0].aval
+  specs = _window_specs(ctx, eqn, aval, oa, p["base_dilation"])
+  vals, pads = [], None
+  for i, (v, pv, init) in enumerate(zip(eqn.invars[:n], invals[:n], invals[n:], strict=True)):
+    x = _mask_with_values(ctx, eqn, pv, v.aval, range(aval.ndim), init.val, f"operand {i}")
+    x, pads = _shift_symbolic_padding(ctx, eqn, x, v.aval, specs, init.val)
+    vals.append(x)
+  params = ctx.subst_params(p)
+  params["padding"] = tuple(pads)
+  outs = eqn.primitive.bind(*vals, *[pv.val for pv in invals[n:]], **params)
+  return [PaddedValue(_crop_to(ctx, o, v.aval)) for o, v in zip(outs, eqn.outvars, strict=True)]
+
+
+if hasattr(P, "approx_top_k_p"):
+
+  @register(P.approx_top_k_p)
+  def _approx_top_k_rule(ctx, eqn, invals):
+    p = eqn.params
+    aval = eqn.invars[0].aval
+    axis = p["reduction_dimension"] % aval.ndim
+    x = invals[0].val
+    if is_dynamic_dim(aval.shape[axis]):
+      if jax.default_backend() == "tpu":
+        raise unsupported(
+          eqn,
+          "on TPU approx_top_k is approximate and its recall depends on the reduced length, so "
+          "the padded and the exact results differ (use lax.top_k)",
+        )
+      if any(is_dynamic_dim(d) for v in eqn.outvars for d in v.aval.shape[axis : axis + 1]):
+        raise unsupported(eqn, "approx_top_k with aggregate_to_topk=False over a dynamic axis")
+      if p["reduction_input_size_override"] != -1:
+        raise unsupported(eqn, "approx_top_k with reduction_input_size_override")
+      # Off TPU it is an exact sort-based top-k: padding reads as the chooser's identity.
+      kind = "max" if p["is_max_k"] else "min"
+      x = ctx.mask(invals[0], aval, [axis], identity_for(kind, aval.dtype), eqn)
+    return [PaddedValue(o) for o in _bind(ctx, eqn, [x])]
 
 
 def _select_kind(eqn) -> str:
@@ -938,6 +1014,19 @@ def _random_flat_rule(ctx, eqn, invals):
 
 
 register(P.random_bits_p, P.random_split_p)(_random_flat_rule)
+
+
+@register(P.rng_bit_generator_p)
+def _rng_bit_generator_rule(ctx, eqn, invals):
+  if not any(is_dynamic_dim(d) for d in eqn.params["shape"]):
+    return [PaddedValue(o) for o in _bind(ctx, eqn, [invals[0].val])]
+  raise unsupported(
+    eqn,
+    "XLA's RngBitGenerator leaves the mapping from key and output shape to bits to the backend "
+    f"(algorithm {eqn.params['algorithm']}), with no guarantee that a draw of the padded shape "
+    "holds the unpadded draw at any positions, nor that the new key does not depend on the "
+    "shape; use jax.random with the default threefry implementation (bit-identical when padded)",
+  )
 
 
 # --------------------------------------------------------------------------------------------

@@ -29,6 +29,16 @@ def _conv(x, w, stride=1, padding="SAME", dil=1):
   )
 
 
+def _argmax_pair(reduce, x, *args):
+  """A variadic (value, index) reduction: a generic reduce / reduce_window."""
+  i = lax.broadcasted_iota(jnp.int32, x.shape, 1)
+
+  def pick(a, b):
+    return jnp.maximum(a[0], b[0]), jnp.where(a[0] >= b[0], a[1], b[1])
+
+  return reduce((x, i), (-jnp.inf, 0), pick, *args)
+
+
 def _max_pool(x, window, stride):
   return lax.reduce_window(
     x, -jnp.inf, lax.max, (1, window, 1), (1, stride, 1), "SAME"
@@ -345,6 +355,22 @@ CASES = [
     BTC,
     {},
   ),
+  ("generic_reduce_argmax_pair", lambda x: _argmax_pair(lax.reduce, x, (1,)), BT, {}),
+  ("generic_reduce_prod", lambda x: lax.reduce(x, 1.0, lambda a, b: a * b * 1.0, (0, 1)), BT, {}),
+  (
+    "generic_reduce_window_pair",
+    lambda x: _argmax_pair(lax.reduce_window, x, (1, 3), (1, 2), "SAME"),
+    BT,
+    {},
+  ),
+  (
+    "generic_reduce_window_prod",
+    lambda x: lax.reduce_window(x, 1.0, lambda a, b: a * b + 0.0, (2, 2), (1, 1), "SAME"),
+    BT,
+    {},
+  ),
+  ("approx_max_k", lambda x: lax.approx_max_k(x, 1), BT, {}),
+  ("approx_min_k", lambda x: lax.approx_min_k(x * 2.0, 1), BT, {}),
   ("random_normal", lambda x: x + jax.random.normal(jax.random.key(1), x.shape), BT, {}),
   (
     "random_split",

@@ -77,6 +77,28 @@ CASES = {
     lambda x: lax.reduce_window(x * 0.0, jnp.inf, lax.min, (2, 3), (1, 1), "VALID"),
     _t3,
   ),
+  "select_and_scatter_add": (
+    lambda x: jax.grad(
+      lambda y: lax.reduce_window(y + C3, -jnp.inf, lax.max, (2, 1), (2, 1), "SAME").sum()
+    )(jnp.zeros_like(x)),
+    _t3,
+  ),
+  "select_and_gather_add": (
+    lambda x: jax.jvp(
+      lambda y: lax.reduce_window(y, -jnp.inf, lax.max, (2, 1), (1, 1), "SAME"),
+      (jnp.zeros_like(x),),
+      (jnp.ones_like(x),),
+    ),
+    _t3,
+  ),
+  "reduce": (lambda x: lax.reduce(jnp.ones_like(x), 1.0, lambda a, b: a * b + 0.0, (0,)), _t3),
+  "reduce_window": (
+    lambda x: lax.reduce_window(
+      x * 0.0 + C3, 0.0, lambda a, b: a + b * 1.0, (2, 1), (1, 1), "SAME"
+    ),
+    _t3,
+  ),
+  "approx_top_k": (lambda x: lax.approx_max_k(jnp.zeros_like(x).T + 1.0, 1), _t3),
   # relayout rules with constant operands
   "reshape": (lambda x: jnp.ones_like(x).reshape(-1) + 2.0, _t3),
   "concatenate_const": (lambda x: jnp.concatenate([jnp.zeros((1, 3)), x, C3[None]], 0), _t3),
@@ -153,6 +175,7 @@ NOT_REACHED = {
   "sharding_constraint": "layout pass-through shared with transpose (reached)",
   "device_put": "layout pass-through shared with transpose (reached)",
   "closed_call": "the call rule shared with jit (reached)",
+  "rng_bit_generator": "its key is static: only a dynamic draw shape touches it, and that refuses",
 }
 
 
