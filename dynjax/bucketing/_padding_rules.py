@@ -925,7 +925,7 @@ def _scatter_rule(ctx, eqn, invals):
   if kind is None:
     for a, w in window.items():
       if is_dynamic_dim(w) and (a in sdo or not (w == oa.shape[a])):
-        raise unsupported(eqn, "overwriting scatter with a dynamic window not spanning its axis")
+        return _scatter_by_element(ctx, eqn, invals, window)
   # per scatter-batch element: drop (padding, or out of bounds at true sizes in fill mode)
   drop = None
   cols = []
@@ -981,6 +981,72 @@ def _scatter_rule(ctx, eqn, invals):
   out = eqn.primitive.bind(xp, idx, upd, *[pv.val for pv in invals[3:]], **params)
   if padded:
     out = lax.slice(out, [0] * oa.ndim, x.shape)
+  return [PaddedValue(out, invals[0].fill)]
+
+
+def _scatter_by_element(ctx, eqn, invals, window):
+  """An overwriting scatter whose window is dynamic and partial (``x.at[:, 1:].set(y)``).
+
+  The padded tail of such a window would overwrite valid operand elements, and no identity
+  exists for an overwrite.  So every update element is scattered on its own, at its true
+  operand index (start clamped or dropped at the true sizes, as the exact op does, plus its
+  window offset); elements in the padded tail of the window or of the scatter batch get an
+  out-of-bounds index and are dropped.  Exact, including the order-free semantics of duplicate
+  indices; costs an index array of the update's size times the operand rank.
+  """
+  p = eqn.params
+  dn = p["dimension_numbers"]
+  oa, ua = eqn.invars[0].aval, eqn.invars[2].aval
+  x, idx, upd = (pv.val for pv in invals[:3])
+  if dn.operand_batching_dims:
+    raise unsupported(eqn, "overwriting scatter with a dynamic partial window and batching dims")
+  mode_name = getattr(p["mode"], "name", str(p["mode"]))
+  fill_mode = "FILL" in mode_name
+  sdo = dn.scatter_dims_to_operand_dims
+  scatter_batch = [d for d in range(ua.ndim) if d not in dn.update_window_dims]
+  win_axes = [a for a in range(oa.ndim) if a not in dn.inserted_window_dims]
+  ushape = tuple(upd.shape)
+
+  def on_update(col):  # a per-scatter-batch-element array, broadcast over the update's shape
+    shape = [1] * len(ushape)
+    for d, n in zip(scatter_batch, col.shape, strict=True):
+      shape[d] = n
+    return jnp.broadcast_to(col.reshape(shape), ushape)
+
+  keep = jnp.ones(ushape, bool)
+  idx_batch_dyn = [d for d in dynamic_axes(eqn.invars[1].aval) if d != idx.ndim - 1]
+  if idx_batch_dyn:
+    keep = keep & on_update(ctx.valid_mask(eqn.invars[1].aval, idx_batch_dyn)[..., 0])
+  starts = {}
+  for k, a in enumerate(sdo):
+    col = idx[..., k].astype(jnp.int32)
+    hi = ctx.true_dim(oa.shape[a]) - ctx.true_dim(window[a])
+    if fill_mode:
+      keep = keep & on_update((col >= 0) & (col <= hi))
+    starts[a] = on_update(jnp.clip(col, 0, hi))
+  coords = []
+  for a in range(oa.ndim):
+    c = starts.get(a, jnp.zeros(ushape, jnp.int32))
+    if a in win_axes:
+      d = dn.update_window_dims[win_axes.index(a)]
+      off = lax.broadcasted_iota(jnp.int32, ushape, d)
+      c = c + off
+      if is_dynamic_dim(ua.shape[d]):
+        keep = keep & (off < ctx.true_dim(ua.shape[d]))
+    coords.append(c)
+  sentinel = jnp.iinfo(jnp.int32).max // 2
+  full = jnp.stack([jnp.where(keep, c, sentinel) for c in coords], axis=-1)
+  params = ctx.subst_params(p)
+  params["dimension_numbers"] = lax.ScatterDimensionNumbers(
+    update_window_dims=(),
+    inserted_window_dims=tuple(range(oa.ndim)),
+    scatter_dims_to_operand_dims=tuple(range(oa.ndim)),
+  )
+  params["mode"] = lax.GatherScatterMode.FILL_OR_DROP
+  params["unique_indices"] = False
+  params["indices_are_sorted"] = False
+  ctx.note(eqn, "partial dynamic window: scattered element by element at true indices")
+  out = eqn.primitive.bind(x, full, upd, *[pv.val for pv in invals[3:]], **params)
   return [PaddedValue(out, invals[0].fill)]
 
 

@@ -371,6 +371,19 @@ CASES = [
   ),
   ("approx_max_k", lambda x: lax.approx_max_k(x, 1), BT, {}),
   ("approx_min_k", lambda x: lax.approx_min_k(x * 2.0, 1), BT, {}),
+  ("scatter_set_partial_window", lambda x: jnp.zeros_like(x).at[:, 1:].set(x[:, :-1]), BT, {}),
+  (
+    "scatter_set_partial_window_clip",
+    lambda x: jnp.full_like(x, 7.0).at[:, :-1].set(x[:, 1:] * 2, mode="clip"),
+    BT,
+    {},
+  ),
+  (
+    "scatter_set_window_into_wider",
+    lambda x: jnp.zeros((x.shape[0], x.shape[1] + 2)).at[:, 2:].set(x),
+    BT,
+    {},
+  ),
   ("random_normal", lambda x: x + jax.random.normal(jax.random.key(1), x.shape), BT, {}),
   (
     "random_split",

@@ -136,6 +136,7 @@ CASES = {
   "scatter_min": (lambda x: jnp.zeros_like(x).at[0].min(C3), _t3),
   "scatter_max": (lambda x: jnp.zeros_like(x).at[-1].max(1.0), _t3),
   "scatter": (lambda x: jnp.zeros_like(x).at[0].set(C3), _t3),
+  "scatter_partial_window": (lambda x: jnp.ones_like(x).at[1:].set(2.0), _t3),
   "random_bits": (
     lambda x: x + jax.random.uniform(jax.random.key(0), x.shape),
     _t3,
