@@ -35,6 +35,8 @@ Rule = Callable[["Context", Any, list["PaddedValue"]], list["PaddedValue"]]
 
 # primitive -> rule.  Filled by dynjax.bucketing._padding_rules (imported by _padding).
 RULES: dict[Any, Rule] = {}
+# primitive name -> why it has no exact rule (for the fallback message).
+WHY_NO_RULE: dict[str, str] = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -376,7 +378,8 @@ def interpret(ctx: Context, jaxpr, consts: Sequence[PaddedValue], args: Sequence
     else:
       rule = RULES.get(eqn.primitive)
       if rule is None:
-        raise unsupported(eqn, "it touches a dynamic axis")
+        why = WHY_NO_RULE.get(eqn.primitive.name, "no rule is implemented for it")
+        raise unsupported(eqn, f"it touches a dynamic axis: {why}")
       try:
         with enclosing(eqn):
           outs = rule(ctx, eqn, invals)
@@ -425,6 +428,7 @@ def register(*prims) -> Callable[[Rule], Rule]:
 
 __all__ = [
   "RULES",
+  "WHY_NO_RULE",
   "Context",
   "PaddedValue",
   "bind_plain",

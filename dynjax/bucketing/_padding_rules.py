@@ -27,6 +27,7 @@ from jax.extend import core as jex_core
 
 from dynjax import _jax_private as jp
 from dynjax.bucketing._padding_core import (
+  WHY_NO_RULE,
   Context,
   PaddedValue,
   common_fill,
@@ -1197,21 +1198,21 @@ def _scan_rule(ctx, eqn, invals):
   return [PaddedValue(c) for c in carry] + [PaddedValue(y) for y in ys]
 
 
-# primitives whose absence from RULES is worth reporting (no exact padded semantics yet)
-NOTABLE_WITHOUT_RULE = (
-  "reduce",
-  "reduce_window",
-  "select_and_scatter_add",
-  "select_and_gather_add",
-  "fft",
-  "cholesky",
-  "triangular_solve",
-  "eigh",
-  "lu",
-  "qr",
-  "svd",
-  "approx_top_k",
-  "rng_bit_generator",
-  "rng_uniform",
-  "linear_solve",
+# Why the notable primitives without a rule cannot be padded exactly (the fallback message says it).
+WHY_NO_RULE.update(
+  {
+    "fft": "a DFT of length n has n-dependent twiddle factors, so no padding of the input gives "
+    "the unpadded transform; it runs at the exact length",
+    "cholesky": "a factorisation over a dynamic matrix axis has no masking rule yet (padding "
+    "with an identity block would keep it exact: not implemented)",
+    "triangular_solve": "a solve over a dynamic matrix axis has no masking rule yet",
+    "eigh": "eigen-decompositions mix every element and sort the spectrum: padding adds "
+    "eigenvalues that change the order",
+    "lu": "pivoting over a dynamic axis depends on the padded rows",
+    "qr": "Householder reflections over a dynamic axis depend on the padded rows",
+    "svd": "singular values of the padded matrix include the padding's",
+    "custom_linear_solve": "its solver is opaque: no rule",
+    "pure_callback": "a host callback sees the padded buffer, not the unpadded one",
+    "io_callback": "a host callback sees the padded buffer, not the unpadded one",
+  }
 )
