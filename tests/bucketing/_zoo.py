@@ -441,6 +441,8 @@ def main(reps: int = 20) -> None:
 
   import tests.conftest as conftest  # the jax.monitoring compile counter
 
+  for k in (1, 2, 3):  # jax's one-off "stage" compile of dynjax's int32[k] sizes vector
+    jnp.asarray(np.zeros(k, np.int32))
   rows = []
   for entry in build():
     for train in (False, True):
