@@ -193,7 +193,7 @@ def _case(name: str) -> Case:
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_rule_with_constant_operands(name):
   case = _case(name)
-  for true in (1, 6, 8):
+  for true in (1, 6):  # size 1 and a padded middle (bucket edges: test_padding.py)
     case.check((true,), (8,), seed=true)
 
 
