@@ -335,9 +335,9 @@ class _Family:
           f"dynjax.jit({w.__name__}): padding={w._opts.padding!r} cannot pad this function and "
           f"on_fallback='error' refuses to run it unpadded (one compile per shape): "
           f"{reason.rstrip('.')}. "
-          "Fix: rewrite the named line (see the padding section of the README for the exact "
-          "idioms), use padding='trust' if the function is pad-safe, or on_fallback='warn' to "
-          "accept one compile per shape") from None
+          "Fix: rewrite the named line with primitives the pass supports "
+          "(dynjax.bucketing.rule_coverage() lists them), use padding='trust' if the function "
+          "is pad-safe, or on_fallback='warn' to accept one compile per shape") from None
     self.fallback = reason
     self.mode = "exact"
     w._fallbacks.append(reason)
