@@ -1083,19 +1083,6 @@ def _random_flat_rule(ctx, eqn, invals):
 register(P.random_bits_p, P.random_split_p)(_random_flat_rule)
 
 
-@register(P.rng_bit_generator_p)
-def _rng_bit_generator_rule(ctx, eqn, invals):
-  if not any(is_dynamic_dim(d) for d in eqn.params["shape"]):
-    return [PaddedValue(o) for o in _bind(ctx, eqn, [invals[0].val])]
-  raise unsupported(
-    eqn,
-    "XLA's RngBitGenerator leaves the mapping from key and output shape to bits to the backend "
-    f"(algorithm {eqn.params['algorithm']}), with no guarantee that a draw of the padded shape "
-    "holds the unpadded draw at any positions, nor that the new key does not depend on the "
-    "shape; use jax.random with the default threefry implementation (bit-identical when padded)",
-  )
-
-
 # --------------------------------------------------------------------------------------------
 # sub-jaxprs
 
@@ -1212,6 +1199,10 @@ WHY_NO_RULE.update(
     "qr": "Householder reflections over a dynamic axis depend on the padded rows",
     "svd": "singular values of the padded matrix include the padding's",
     "custom_linear_solve": "its solver is opaque: no rule",
+    "rng_bit_generator": "XLA's RngBitGenerator leaves the mapping from key and shape to bits "
+    "to the backend, with no guarantee that a draw of the padded shape holds the unpadded draw "
+    "anywhere (nor that the new key ignores the shape); use jax.random with the default "
+    "threefry implementation, which the pass keeps bit-identical",
     "pure_callback": "a host callback sees the padded buffer, not the unpadded one",
     "io_callback": "a host callback sees the padded buffer, not the unpadded one",
   }

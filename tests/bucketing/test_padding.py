@@ -470,6 +470,18 @@ def test_unsupported_primitive_names_primitive_and_line():
   assert isinstance(e.value, NotImplementedError)
 
 
+def test_rng_bit_generator_over_a_dynamic_shape_says_why():
+  (t,) = export.symbolic_shape("t")
+  fun = lambda k, x: x + lax.rng_bit_generator(k, x.shape)[1].astype(jnp.float32)
+  cj = jax.make_jaxpr(fun)(
+    jax.ShapeDtypeStruct((4,), jnp.uint32), jax.ShapeDtypeStruct((t,), jnp.float32)
+  )
+  with pytest.raises(PaddingUnsupportedError, match="no exact rule for 'rng_bit_generator' at"):
+    pad_jaxpr(cj, ("t",), {"t": 8})
+  with pytest.raises(PaddingUnsupportedError, match="leaves the mapping from key and shape"):
+    pad_jaxpr(cj, ("t",), {"t": 8})
+
+
 def test_unsupported_inside_library_jit_names_user_line():
   (t,) = export.symbolic_shape("t")
   fun = lambda x: jax.jit(jnp.linalg.cholesky)(x)  # LINE_CHOL
@@ -535,4 +547,6 @@ def test_rule_coverage():
   ]:
     assert name in covered
   assert "fft" in missing and "dot_general" not in missing
+  for name in ["select_and_scatter_add", "select_and_gather_add", "reduce", "reduce_window"]:
+    assert name in covered
   assert not set(covered) & set(missing)

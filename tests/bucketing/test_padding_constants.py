@@ -176,7 +176,6 @@ NOT_REACHED = {
   "sharding_constraint": "layout pass-through shared with transpose (reached)",
   "device_put": "layout pass-through shared with transpose (reached)",
   "closed_call": "the call rule shared with jit (reached)",
-  "rng_bit_generator": "its key is static: only a dynamic draw shape touches it, and that refuses",
 }
 
 
