@@ -770,6 +770,18 @@ if "split" in _PRIVATE:
     return outs
 
 
+if "unstack" in _PRIVATE:
+
+  @register(_PRIVATE["unstack"])
+  def _unstack_rule(ctx, eqn, invals):
+    # The unstacked axis is static (one result per element); the other axes keep their layout.
+    aval = eqn.invars[0].aval
+    if is_dynamic_dim(aval.shape[eqn.params["axis"]]):
+      raise unsupported(eqn, "unstack along a dynamic axis")
+    outs = _bind(ctx, eqn, [invals[0].val])
+    return [PaddedValue(o, invals[0].fill) for o in outs]
+
+
 @register(P.dynamic_slice_p)
 def _dynamic_slice_rule(ctx, eqn, invals):
   aval = eqn.invars[0].aval

@@ -11,8 +11,11 @@ import numpy as np
 import pytest
 from jax import lax
 
+from dynjax import _jax_private as jp
 from dynjax.bucketing._padding_core import RULES
 from tests.bucketing._harness import Case
+
+UNSTACK = jp.private_primitives()["unstack"]  # jnp.roll under vmap emits it (jax >= 0.11)
 
 C3 = np.array([0.5, -2.0, 3.0], np.float32)  # closed-over NumPy constant
 J3 = jnp.array([1.5, 0.0, -1.0], jnp.float32)  # closed-over device constant
@@ -116,6 +119,11 @@ CASES = {
   ),
   "pad": (lambda x: jnp.pad(jnp.ones_like(x), ((1, 2), (0, 0)), constant_values=3.0), _t3),
   "slice": (lambda x: jnp.ones_like(x)[1:] + x[:-1], _t3),
+  "lax_slice": (lambda x: lax.slice_in_dim(jnp.ones_like(x) * C3, 1, x.shape[0], 1, 0), _t3),
+  "unstack": (
+    lambda x: sum(UNSTACK.bind(x * C3, axis=1)),
+    _t3,
+  ),
   "split": (lambda x: jnp.split(jnp.concatenate([x, jnp.ones_like(x)], 0), 2, 0)[1], _t3),
   "dynamic_slice": (lambda x: lax.dynamic_slice_in_dim(jnp.ones_like(x) + x, 1, 1, 0), _t3),
   "dynamic_update_slice": (
