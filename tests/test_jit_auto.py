@@ -121,3 +121,23 @@ def test_on_fallback_is_validated_and_passes_through_flax():
   f = dynjax.flax.jit(Fft(), dims={"x": "t"}, on_fallback="error")
   with pytest.raises(dynjax.PaddingFallbackError, match="'fft'"):
     f({}, np.ones(5, np.float32))
+
+
+def test_per_row_flip_roll_under_vmap_pads_without_fallback(compiles):
+  # issue 11: the backward direction of a BiLSTM reverses each padded row by its own length;
+  # a literal fill (TypedNdArray) made the concatenate rule crash and the function fall back.
+  def flip_rows(x, lengths):
+    max_len = x.shape[1]
+    one = lambda xi, li: jnp.flip(jnp.roll(xi, max_len - li, axis=0), axis=0)
+    return jax.vmap(one)(x, lengths)
+
+  f = dynjax.jit(
+    flip_rows, dims={"x": "b, t, 4", "lengths": "b"}, buckets=[4, 8], on_fallback="error"
+  )
+  ref = jax.jit(flip_rows)
+  rng = np.random.default_rng(0)
+  for b, t in [(1, 1), (3, 4), (2, 7)]:
+    x = rng.normal(size=(b, t, 4)).astype(np.float32)
+    lengths = np.concatenate([[t], rng.integers(1, t + 1, b - 1)]).astype(np.int32)
+    np.testing.assert_array_equal(f(x, lengths), ref(x, lengths))
+  assert f.stats()["fallbacks"] == [] and f.stats()["compiles"] == 2
