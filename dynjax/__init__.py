@@ -19,6 +19,7 @@ from dynjax._errors import ControlFlowError as ControlFlowError
 from dynjax._errors import DtypeMismatchError as DtypeMismatchError
 from dynjax._errors import DynjaxError as DynjaxError
 from dynjax._errors import OutOfBucketsError as OutOfBucketsError
+from dynjax._errors import PaddingFallbackError as PaddingFallbackError
 from dynjax._errors import PaddingMismatchError as PaddingMismatchError
 from dynjax._errors import PolicyError as PolicyError
 from dynjax._errors import RoutingError as RoutingError
@@ -41,6 +42,7 @@ __all__ = [
     "Lowered",
     "OutOfBucketsError",
     "Padded",
+    "PaddingFallbackError",
     "PaddingMismatchError",
     "PolicyError",
     "RoutingError",

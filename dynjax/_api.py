@@ -41,6 +41,7 @@ from dynjax._config import config
 from dynjax._errors import (
   DtypeMismatchError,
   OutOfBucketsError,
+  PaddingFallbackError,
   PaddingMismatchError,
   PaddingUnsupportedError,
   ShapeMismatchError,
@@ -48,8 +49,8 @@ from dynjax._errors import (
   format_list,
 )
 from dynjax._padded import Padded
-from dynjax.bucketing._padding import pad_jaxpr
 from dynjax.bucketing._joint import JointPlan
+from dynjax.bucketing._padding import pad_jaxpr
 from dynjax.bucketing._policies import Auto, BucketPolicy, as_policy, pow2
 from dynjax.runtime._cache import ExecutableCache, enable_compile_log
 from dynjax.runtime._scheduler import CompileScheduler
@@ -57,6 +58,7 @@ from dynjax.runtime._store import ExecutableStore, fingerprint_parts
 
 _PADDING_MODES = ("auto", "trust", "exact")
 _OVERFLOW_MODES = ("error", "exact", "grow")
+_ON_FALLBACK = ("warn", "error")
 _tree_flatten = jax.tree_util.tree_flatten
 _tree_unflatten = jax.tree_util.tree_unflatten
 
@@ -98,6 +100,7 @@ def jit(
     serving: bool = False,
     compile_workers: int | None = None,
     compiler_options: Mapping[str, Any] | None = None,
+    on_fallback: str = "warn",
 ):
   """Compiles ``fun`` into a family of bucketed, padded XLA executables.
 
@@ -146,6 +149,10 @@ def jit(
       ``min(4, cores // 4)``).
     compiler_options: XLA options for every compile of this function, as
       ``jax.stages.Lowered.compile(compiler_options=...)``; part of the executable keys.
+    on_fallback: what happens when ``padding="auto"``/``"trust"`` cannot pad a function and it
+      would run unpadded (one compile per shape): ``"warn"`` (one warning; counted in
+      ``stats()["fallbacks"]``) or ``"error"`` (raise :class:`dynjax.PaddingFallbackError`
+      naming the primitive and source line, for servers that refuse the compile storm).
 
   Returns:
     A :class:`Wrapped` function (or a decorator, when ``fun`` is omitted).
@@ -163,7 +170,7 @@ def jit(
                 max_executables=max_executables, cache_dir=cache_dir, check=check,
                 async_compile=async_compile, in_shardings=in_shardings,
                 out_shardings=out_shardings, serving=serving, compile_workers=compile_workers,
-                compiler_options=compiler_options)
+                compiler_options=compiler_options, on_fallback=on_fallback)
   if fun is None:
     return lambda f: Wrapped(f, **kwargs)
   if not callable(fun):
@@ -211,6 +218,7 @@ class _Options:
   compile_workers: int = 1
   compiler_options: tuple = ()  # sorted (name, value) pairs
   store_root: str | None = None  # where serialized executables live (cache_dir)
+  on_fallback: str = "warn"
 
 
 # -----------------------------------------------------------------------------------------------
@@ -379,9 +387,17 @@ class _Family:
     return tuple(sizes)
 
   def _fall_back(self, reason: str) -> None:
+    w = self.wrapped
+    if w._opts.on_fallback == "error":
+      raise PaddingFallbackError(
+          f"dynjax.jit({w.__name__}): padding={w._opts.padding!r} cannot pad this function and "
+          f"on_fallback='error' refuses to run it unpadded (one compile per shape): "
+          f"{reason.rstrip('.')}. "
+          "Fix: rewrite the named line with primitives the pass supports "
+          "(dynjax.bucketing.rule_coverage() lists them), use padding='trust' if the function "
+          "is pad-safe, or on_fallback='warn' to accept one compile per shape") from None
     self.fallback = reason
     self.mode = "exact"
-    w = self.wrapped
     w._fallbacks.append(reason)
     warnings.warn(
         f"dynjax.jit({w.__name__}): running unpadded, one compile per shape: {reason}",
@@ -570,7 +586,7 @@ class Wrapped:
   def __init__(self, fun, *, dims, buckets, padding, overflow, static_argnames, donate_argnames,
                return_padded, constraints, max_executables, cache_dir, check, async_compile,
                in_shardings=None, out_shardings=None, serving=False, compile_workers=None,
-               compiler_options=None):
+               compiler_options=None, on_fallback="warn"):
     self.fun = fun
     self.__name__ = getattr(fun, "__name__", type(fun).__name__)
     self.__doc__ = getattr(fun, "__doc__", None)
@@ -602,7 +618,8 @@ class Wrapped:
         check=config.check if check is None else bool(check),
         async_compile=bool(async_compile) or bool(serving), serving=bool(serving),
         compile_workers=compile_workers or _default_workers(),
-        compiler_options=_check_compiler_options(compiler_options))
+        compiler_options=_check_compiler_options(compiler_options),
+        on_fallback=_choice(on_fallback, _ON_FALLBACK, "on_fallback"))
     self._static_pos = tuple(i for i, p in enumerate(self._params) if p.name in static)
     self._dyn_names = tuple(p.name for p in self._params if p.name not in static)
     self._opts.sharding = _sharding.check_options(in_shardings, out_shardings, self._dyn_names,

@@ -41,6 +41,10 @@ class PaddingUnsupportedError(DynjaxError, NotImplementedError):
   """The padding pass has no exact rule for an equation (internal: triggers exact fallback)."""
 
 
+class PaddingFallbackError(DynjaxError, RuntimeError):
+  """``on_fallback="error"``: the function would run unpadded (one compile per shape)."""
+
+
 class ControlFlowError(DynjaxError, ValueError):
   """A ``while_loop``/``cond``/``recursive`` program cannot be built or run as written."""
 

@@ -125,6 +125,12 @@ def private_primitives() -> dict:
     out["split"] = lax_internal.split_p
   except Exception:  # pragma: no cover
     pass
+  try:
+    from jax._src.lax import lax as lax_internal
+
+    out["unstack"] = lax_internal.unstack_p  # jnp.roll under vmap emits it (jax >= 0.11)
+  except Exception:  # pragma: no cover
+    pass
   return out
 
 

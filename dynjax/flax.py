@@ -101,7 +101,7 @@ def jit(module, method: str | Callable = "__call__", *, dims: Mapping[str, Any] 
     buckets: as in :func:`dynjax.jit`.
     mutable: as in ``Module.apply``; when not False, ``fn`` returns ``(out, updates)``.
     static_argnames: parameters of ``method`` that are static (hashable) values.
-    **jit_kwargs: any other :func:`dynjax.jit` option (``padding``, ``overflow``,
+    **jit_kwargs: any other :func:`dynjax.jit` option (``padding``, ``on_fallback``, ``overflow``,
       ``return_padded``, ``max_executables``, ``cache_dir``, ...).  Pass ``rngs=`` at call time
       for methods that need randomness (dropout): it is a dynamic argument like ``variables``.
 
@@ -328,7 +328,7 @@ def nnx_jit(fun: Callable | None = None, *, dims: Mapping[str, Any] | str = "aut
       :func:`dynjax.jit`), or ``"auto"``.  Arguments holding graph nodes need no entry.
     buckets: as in :func:`dynjax.jit`.
     static_argnames: parameters that are static (hashable) values.
-    **jit_kwargs: any other :func:`dynjax.jit` option (``padding``, ``overflow``, ...).
+    **jit_kwargs: any other :func:`dynjax.jit` option (``padding``, ``on_fallback``, ``overflow``, ...).
 
   Returns:
     An :class:`NnxWrapped` callable (or a decorator), with ``stats()``, ``explain()``,

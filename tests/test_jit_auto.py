@@ -85,3 +85,59 @@ def test_auto_check_mode_agrees():
   for t in (3, 9, 17):
     f(np.random.RandomState(t).randn(2, t).astype(np.float32))
   assert f.stats()["calls"] == 3
+
+
+def test_on_fallback_error_refuses_the_compile_storm():
+  f = dynjax.jit(lambda x: jnp.abs(jnp.fft.fft(x)), dims={"x": "t"}, on_fallback="error")
+  x = np.ones(7, np.float32)
+  with pytest.raises(dynjax.PaddingFallbackError) as e:
+    f(x)
+  msg = str(e.value)
+  assert msg.startswith(
+    "dynjax.jit(<lambda>): padding='auto' cannot pad this function and on_fallback='error' "
+    "refuses to run it unpadded (one compile per shape): the padding pass has no exact rule: "
+    "the padding pass has no exact rule for 'fft' at "
+  )
+  assert "test_jit_auto.py" in msg and msg.endswith(
+    "or on_fallback='warn' to accept one compile per shape"
+  )
+  assert isinstance(e.value, RuntimeError)
+  assert f.stats()["fallbacks"] == []  # nothing ran unpadded
+  with pytest.raises(dynjax.PaddingFallbackError):
+    f(x)  # every call refuses, not only the first
+
+
+def test_on_fallback_is_validated_and_passes_through_flax():
+  with pytest.raises(
+    dynjax.SpecError, match=r"on_fallback='loud' is not valid; use one of 'warn', 'error'"
+  ):
+    dynjax.jit(lambda x: x, on_fallback="loud")
+  flax_nn = pytest.importorskip("flax.linen")
+
+  class Fft(flax_nn.Module):
+    def __call__(self, x):
+      return jnp.abs(jnp.fft.fft(x))
+
+  f = dynjax.flax.jit(Fft(), dims={"x": "t"}, on_fallback="error")
+  with pytest.raises(dynjax.PaddingFallbackError, match="'fft'"):
+    f({}, np.ones(5, np.float32))
+
+
+def test_per_row_flip_roll_under_vmap_pads_without_fallback(compiles):
+  # issue 11: the backward direction of a BiLSTM reverses each padded row by its own length;
+  # a literal fill (TypedNdArray) made the concatenate rule crash and the function fall back.
+  def flip_rows(x, lengths):
+    max_len = x.shape[1]
+    one = lambda xi, li: jnp.flip(jnp.roll(xi, max_len - li, axis=0), axis=0)
+    return jax.vmap(one)(x, lengths)
+
+  f = dynjax.jit(
+    flip_rows, dims={"x": "b, t, 4", "lengths": "b"}, buckets=[4, 8], on_fallback="error"
+  )
+  ref = jax.jit(flip_rows)
+  rng = np.random.default_rng(0)
+  for b, t in [(1, 1), (3, 4), (2, 7)]:
+    x = rng.normal(size=(b, t, 4)).astype(np.float32)
+    lengths = np.concatenate([[t], rng.integers(1, t + 1, b - 1)]).astype(np.int32)
+    np.testing.assert_array_equal(f(x, lengths), ref(x, lengths))
+  assert f.stats()["fallbacks"] == [] and f.stats()["compiles"] == 2

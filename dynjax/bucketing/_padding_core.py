@@ -35,6 +35,8 @@ Rule = Callable[["Context", Any, list["PaddedValue"]], list["PaddedValue"]]
 
 # primitive -> rule.  Filled by dynjax.bucketing._padding_rules (imported by _padding).
 RULES: dict[Any, Rule] = {}
+# primitive name -> why it has no exact rule (for the fallback message).
+WHY_NO_RULE: dict[str, str] = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,14 +52,45 @@ class PaddedValue:
   val: Any
   fill: Any = None
 
+  def __post_init__(self):
+    # Fills come from jaxpr literals (jax's ``TypedNdArray``, an unhashable 0-d ndarray), NumPy
+    # scalars or Python numbers: keep one hashable NumPy scalar, or None if it is not a scalar.
+    if self.fill is not None:
+      object.__setattr__(self, "fill", normalize_fill(self.fill))
 
-def _same_fill(fill, identity) -> bool:
+
+def normalize_fill(fill):
+  """A known padded-region constant as a hashable NumPy scalar (None when not a scalar)."""
+  if fill is None:
+    return None
+  try:
+    f = np.asarray(fill)
+  except Exception:
+    return None
+  if f.ndim != 0 or f.dtype == object:
+    return None
+  return f[()]
+
+
+def common_fill(fills):
+  """The fill shared by every value (same value and sign, e.g. not 0.0 vs -0.0), else None."""
+  fills = list(fills)
+  if not fills or fills[0] is None:
+    return None
+  return fills[0] if all(same_fill(f, fills[0]) for f in fills[1:]) else None
+
+
+def same_fill(fill, identity) -> bool:
   if fill is None:
     return False
   try:
     f, i = np.asarray(fill), np.asarray(identity)
+    if f.ndim or i.ndim:
+      return False
     if f.dtype == np.bool_ or i.dtype == np.bool_:
       return bool(f) == bool(i)
+    if np.iscomplexobj(f) or np.iscomplexobj(i):
+      return bool(f == i)
     return bool(f == i) and bool(np.signbit(f) == np.signbit(i))
   except Exception:
     return False
@@ -253,7 +286,7 @@ class Context:
     dyn = [a for a in axes if is_dynamic_dim(aval.shape[a])]
     if not dyn:
       return pv.val
-    if _same_fill(pv.fill, identity):
+    if same_fill(pv.fill, identity):
       if eqn is not None:
         self.note(eqn, f"no mask needed on {what or 'operand'}: padded region already {identity}")
       return pv.val
@@ -345,7 +378,8 @@ def interpret(ctx: Context, jaxpr, consts: Sequence[PaddedValue], args: Sequence
     else:
       rule = RULES.get(eqn.primitive)
       if rule is None:
-        raise unsupported(eqn, "it touches a dynamic axis")
+        why = WHY_NO_RULE.get(eqn.primitive.name, "no rule is implemented for it")
+        raise unsupported(eqn, f"it touches a dynamic axis: {why}")
       try:
         with enclosing(eqn):
           outs = rule(ctx, eqn, invals)
@@ -356,7 +390,9 @@ def interpret(ctx: Context, jaxpr, consts: Sequence[PaddedValue], args: Sequence
       except PaddingUnsupportedError:
         raise
       except Exception as e:  # a rule that cannot build its rewrite: fall back, never guess
-        raise unsupported(eqn, f"its rule failed ({type(e).__name__}: {e})") from e
+        raise unsupported(
+          eqn, f"its rule crashed ({type(e).__name__}: {e}), a dynjax bug: please report it"
+        ) from e
       for want, got in shapes:
         if want != got:
           raise unsupported(eqn, f"padded result has shape {got}, expected {want}")
@@ -392,9 +428,12 @@ def register(*prims) -> Callable[[Rule], Rule]:
 
 __all__ = [
   "RULES",
+  "WHY_NO_RULE",
   "Context",
   "PaddedValue",
   "bind_plain",
+  "common_fill",
+  "same_fill",
   "dynamic_axes",
   "identity_for",
   "interpret",

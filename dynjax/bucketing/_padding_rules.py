@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.extend.core.primitives as P
 import jax.numpy as jnp
 import numpy as np
@@ -26,14 +27,17 @@ from jax.extend import core as jex_core
 
 from dynjax import _jax_private as jp
 from dynjax.bucketing._padding_core import (
+  WHY_NO_RULE,
   Context,
   PaddedValue,
+  common_fill,
   dynamic_axes,
   has_dim_expr,
   identity_for,
   interpret_closed,
   is_dynamic_dim,
   register,
+  same_fill,
   unsupported,
 )
 
@@ -386,6 +390,156 @@ register(P.reduce_window_max_p)(_reduce_window_rule("max"))
 register(P.reduce_window_min_p)(_reduce_window_rule("min"))
 
 
+def _mask_with_values(ctx, eqn, pv, aval, axes, init, what):
+  """``pv`` with its padded region along ``axes`` set to the (possibly traced) scalar ``init``."""
+  m = ctx.valid_mask(aval, axes)
+  if m is None:
+    return pv.val
+  if same_fill(pv.fill, init):
+    ctx.note(eqn, f"no mask needed on {what}: padded region already its init value")
+    return pv.val
+  ctx.note(eqn, f"masked {what} with its init value (the computation's identity)")
+  return jnp.where(m, pv.val, jnp.asarray(init, pv.val.dtype))
+
+
+@register(P.reduce_p)
+def _generic_reduce_rule(ctx, eqn, invals):
+  # lax.reduce's contract: init_values are an identity of the (associative) computation, so
+  # padding elements set to the init value leave every reduction unchanged.
+  n = len(eqn.invars) // 2
+  dims = eqn.params["dimensions"]
+  vals = [
+    _mask_with_values(ctx, eqn, pv, v.aval, dims, init.val, f"operand {i}")
+    for i, (v, pv, init) in enumerate(zip(eqn.invars[:n], invals[:n], invals[n:], strict=True))
+  ]
+  outs = _bind(ctx, eqn, vals + [pv.val for pv in invals[n:]])
+  return [PaddedValue(o) for o in outs]
+
+
+@register(P.reduce_window_p)
+def _generic_reduce_window_rule(ctx, eqn, invals):
+  # As the reduce rule: the init value is the computation's identity (lax.reduce_window's
+  # contract), and it is also the value of the exact op's implicit window padding.
+  p = eqn.params
+  _require_static(
+    eqn, p, ["window_dimensions", "window_strides", "base_dilation", "window_dilation"]
+  )
+  n = len(eqn.invars) // 2
+  aval = eqn.invars[0].aval
+  oa = eqn.outvars[0].aval
+  specs = _window_specs(ctx, eqn, aval, oa, p["base_dilation"])
+  vals, pads = [], None
+  for i, (v, pv, init) in enumerate(zip(eqn.invars[:n], invals[:n], invals[n:], strict=True)):
+    x = _mask_with_values(ctx, eqn, pv, v.aval, range(aval.ndim), init.val, f"operand {i}")
+    x, pads = _shift_symbolic_padding(ctx, eqn, x, v.aval, specs, init.val)
+    vals.append(x)
+  params = ctx.subst_params(p)
+  params["padding"] = tuple(pads)
+  outs = eqn.primitive.bind(*vals, *[pv.val for pv in invals[n:]], **params)
+  return [PaddedValue(_crop_to(ctx, o, v.aval)) for o, v in zip(outs, eqn.outvars, strict=True)]
+
+
+if hasattr(P, "approx_top_k_p"):
+
+  @register(P.approx_top_k_p)
+  def _approx_top_k_rule(ctx, eqn, invals):
+    p = eqn.params
+    aval = eqn.invars[0].aval
+    axis = p["reduction_dimension"] % aval.ndim
+    x = invals[0].val
+    if is_dynamic_dim(aval.shape[axis]):
+      if jax.default_backend() == "tpu":
+        raise unsupported(
+          eqn,
+          "on TPU approx_top_k is approximate and its recall depends on the reduced length, so "
+          "the padded and the exact results differ (use lax.top_k)",
+        )
+      if any(is_dynamic_dim(d) for v in eqn.outvars for d in v.aval.shape[axis : axis + 1]):
+        raise unsupported(eqn, "approx_top_k with aggregate_to_topk=False over a dynamic axis")
+      if p["reduction_input_size_override"] != -1:
+        raise unsupported(eqn, "approx_top_k with reduction_input_size_override")
+      # Off TPU it is an exact sort-based top-k: padding reads as the chooser's identity.
+      kind = "max" if p["is_max_k"] else "min"
+      x = ctx.mask(invals[0], aval, [axis], identity_for(kind, aval.dtype), eqn)
+    return [PaddedValue(o) for o in _bind(ctx, eqn, [x])]
+
+
+def _select_kind(eqn) -> str:
+  name = eqn.params["select_prim"].name
+  if name in ("ge", "gt"):
+    return "max"
+  if name in ("le", "lt"):
+    return "min"
+  raise unsupported(eqn, f"select_prim {name} is not a max/min chooser")
+
+
+def _window_specs(ctx, eqn, aval, out_aval, base_dilation=None):
+  p = eqn.params
+  specs = []
+  for a in range(aval.ndim):
+    if has_dim_expr(p["padding"][a]) and base_dilation is not None and base_dilation[a] != 1:
+      raise unsupported(eqn, "size-dependent padding with base dilation")
+    dil = p.get("window_dilation", (1,) * aval.ndim)[a]
+    win = (p["window_dimensions"][a] - 1) * dil + 1
+    specs.append((a, p["padding"][a], win, p["window_strides"][a], out_aval.shape[a]))
+  return specs
+
+
+@register(P.select_and_scatter_add_p)
+def _select_and_scatter_add_rule(ctx, eqn, invals):
+  # The gradient of max/min pooling.  The padded tail of the operand reads as the chooser's
+  # identity (-inf for max), so a window at a true output position never selects it over a valid
+  # element (it comes later in window order and loses ties, like the exact op's own "hi"
+  # padding); windows past the true output extent scatter -0.0 (x + -0.0 == x).
+  p = eqn.params
+  _require_static(eqn, p, ["window_dimensions", "window_strides"])
+  sa, oa = eqn.invars[0].aval, eqn.invars[1].aval
+  ident = identity_for(_select_kind(eqn), oa.dtype)
+  zero = identity_for("sum", sa.dtype)
+  if jnp.issubdtype(sa.dtype, jnp.floating):
+    zero = np.asarray(-0.0, sa.dtype)[()]
+  source = ctx.mask(invals[0], sa, range(sa.ndim), zero, eqn, "source")
+  x = ctx.mask(invals[1], oa, range(oa.ndim), ident, eqn, "operand")
+  n_in = x.shape
+  specs = _window_specs(ctx, eqn, oa, sa)
+  x, pads = _shift_symbolic_padding(ctx, eqn, x, oa, specs, ident)
+  # the shifted operand must have exactly as many windows as the source has rows
+  src_pad = []
+  for a, (lo, hi) in enumerate(pads):
+    _, _, win, stride, _ = specs[a]
+    n_win = max(0, (x.shape[a] + lo + hi - win) // int(stride) + 1)
+    if n_win < source.shape[a]:
+      raise unsupported(eqn, f"padded windows of axis {a} fewer than the padded source rows")
+    src_pad.append((0, n_win - source.shape[a], 0))
+  if any(c != (0, 0, 0) for c in src_pad):
+    source = lax.pad(source, jnp.asarray(zero, source.dtype), src_pad)
+  params = dict(p, padding=tuple(pads))
+  out = P.select_and_scatter_add_p.bind(source, x, **params)
+  for a, (lo, _hi), _, _, _ in specs:
+    if has_dim_expr(lo):  # undo the true-size shift of _shift_symbolic_padding
+      out = _remap_axis(out, a, ctx.true_dim(lo) + _iota(n_in[a]))
+  return [PaddedValue(out)]
+
+
+@register(P.select_and_gather_add_p)
+def _select_and_gather_add_rule(ctx, eqn, invals):
+  # The JVP of max/min pooling: like reduce_window_max, with the tangent moved alongside.
+  p = eqn.params
+  _require_static(
+    eqn, p, ["window_dimensions", "window_strides", "base_dilation", "window_dilation"]
+  )
+  ta, oa = eqn.invars[0].aval, eqn.invars[1].aval
+  ident = identity_for(_select_kind(eqn), oa.dtype)
+  x = ctx.mask(invals[1], oa, range(oa.ndim), ident, eqn, "operand")
+  specs = _window_specs(ctx, eqn, oa, eqn.outvars[0].aval, p["base_dilation"])
+  x, pads = _shift_symbolic_padding(ctx, eqn, x, oa, specs, ident)
+  t, _ = _shift_symbolic_padding(ctx, eqn, invals[0].val, ta, specs, 0)
+  params = ctx.subst_params(p)
+  params["padding"] = tuple(pads)
+  out = P.select_and_gather_add_p.bind(t, x, **params)
+  return [PaddedValue(_crop_to(ctx, out, eqn.outvars[0].aval))]
+
+
 # --------------------------------------------------------------------------------------------
 # relayout rules
 
@@ -487,8 +641,11 @@ def _concatenate_rule(ctx, eqn, invals):
   out_aval = eqn.outvars[0].aval
   vals = [pv.val for pv in invals]
   if not is_dynamic_dim(out_aval.shape[dim]):
-    fills = {pv.fill for pv in invals}
-    fill = invals[0].fill if len(fills) == 1 else None
+    # static concatenated axis: operands without a dynamic axis (constants, literals) add no
+    # padded region, the others must agree on their fill
+    fill = common_fill(
+      pv.fill for v, pv in zip(eqn.invars, invals, strict=True) if dynamic_axes(v.aval)
+    )
     return [PaddedValue(o, fill) for o in _bind(ctx, eqn, vals)]
   # Each operand lands at the true offset; a later one overwrites the padded tail of the one
   # before.  offset_i + padded_i <= sum of padded sizes, so no start index is ever clamped.
@@ -611,6 +768,18 @@ if "split" in _PRIVATE:
       outs.append(PaddedValue(_remap_axis(invals[0].val, axis, offset + _iota(n))))
       offset = offset + ctx.true_dim(s)
     return outs
+
+
+if "unstack" in _PRIVATE:
+
+  @register(_PRIVATE["unstack"])
+  def _unstack_rule(ctx, eqn, invals):
+    # The unstacked axis is static (one result per element); the other axes keep their layout.
+    aval = eqn.invars[0].aval
+    if is_dynamic_dim(aval.shape[eqn.params["axis"]]):
+      raise unsupported(eqn, "unstack along a dynamic axis")
+    outs = _bind(ctx, eqn, [invals[0].val])
+    return [PaddedValue(o, invals[0].fill) for o in outs]
 
 
 @register(P.dynamic_slice_p)
@@ -769,7 +938,7 @@ def _scatter_rule(ctx, eqn, invals):
   if kind is None:
     for a, w in window.items():
       if is_dynamic_dim(w) and (a in sdo or not (w == oa.shape[a])):
-        raise unsupported(eqn, "overwriting scatter with a dynamic window not spanning its axis")
+        return _scatter_by_element(ctx, eqn, invals, window)
   # per scatter-batch element: drop (padding, or out of bounds at true sizes in fill mode)
   drop = None
   cols = []
@@ -828,6 +997,72 @@ def _scatter_rule(ctx, eqn, invals):
   return [PaddedValue(out, invals[0].fill)]
 
 
+def _scatter_by_element(ctx, eqn, invals, window):
+  """An overwriting scatter whose window is dynamic and partial (``x.at[:, 1:].set(y)``).
+
+  The padded tail of such a window would overwrite valid operand elements, and no identity
+  exists for an overwrite.  So every update element is scattered on its own, at its true
+  operand index (start clamped or dropped at the true sizes, as the exact op does, plus its
+  window offset); elements in the padded tail of the window or of the scatter batch get an
+  out-of-bounds index and are dropped.  Exact, including the order-free semantics of duplicate
+  indices; costs an index array of the update's size times the operand rank.
+  """
+  p = eqn.params
+  dn = p["dimension_numbers"]
+  oa, ua = eqn.invars[0].aval, eqn.invars[2].aval
+  x, idx, upd = (pv.val for pv in invals[:3])
+  if dn.operand_batching_dims:
+    raise unsupported(eqn, "overwriting scatter with a dynamic partial window and batching dims")
+  mode_name = getattr(p["mode"], "name", str(p["mode"]))
+  fill_mode = "FILL" in mode_name
+  sdo = dn.scatter_dims_to_operand_dims
+  scatter_batch = [d for d in range(ua.ndim) if d not in dn.update_window_dims]
+  win_axes = [a for a in range(oa.ndim) if a not in dn.inserted_window_dims]
+  ushape = tuple(upd.shape)
+
+  def on_update(col):  # a per-scatter-batch-element array, broadcast over the update's shape
+    shape = [1] * len(ushape)
+    for d, n in zip(scatter_batch, col.shape, strict=True):
+      shape[d] = n
+    return jnp.broadcast_to(col.reshape(shape), ushape)
+
+  keep = jnp.ones(ushape, bool)
+  idx_batch_dyn = [d for d in dynamic_axes(eqn.invars[1].aval) if d != idx.ndim - 1]
+  if idx_batch_dyn:
+    keep = keep & on_update(ctx.valid_mask(eqn.invars[1].aval, idx_batch_dyn)[..., 0])
+  starts = {}
+  for k, a in enumerate(sdo):
+    col = idx[..., k].astype(jnp.int32)
+    hi = ctx.true_dim(oa.shape[a]) - ctx.true_dim(window[a])
+    if fill_mode:
+      keep = keep & on_update((col >= 0) & (col <= hi))
+    starts[a] = on_update(jnp.clip(col, 0, hi))
+  coords = []
+  for a in range(oa.ndim):
+    c = starts.get(a, jnp.zeros(ushape, jnp.int32))
+    if a in win_axes:
+      d = dn.update_window_dims[win_axes.index(a)]
+      off = lax.broadcasted_iota(jnp.int32, ushape, d)
+      c = c + off
+      if is_dynamic_dim(ua.shape[d]):
+        keep = keep & (off < ctx.true_dim(ua.shape[d]))
+    coords.append(c)
+  sentinel = jnp.iinfo(jnp.int32).max // 2
+  full = jnp.stack([jnp.where(keep, c, sentinel) for c in coords], axis=-1)
+  params = ctx.subst_params(p)
+  params["dimension_numbers"] = lax.ScatterDimensionNumbers(
+    update_window_dims=(),
+    inserted_window_dims=tuple(range(oa.ndim)),
+    scatter_dims_to_operand_dims=tuple(range(oa.ndim)),
+  )
+  params["mode"] = lax.GatherScatterMode.FILL_OR_DROP
+  params["unique_indices"] = False
+  params["indices_are_sorted"] = False
+  ctx.note(eqn, "partial dynamic window: scattered element by element at true indices")
+  out = eqn.primitive.bind(x, full, upd, *[pv.val for pv in invals[3:]], **params)
+  return [PaddedValue(out, invals[0].fill)]
+
+
 # --------------------------------------------------------------------------------------------
 # random bits
 
@@ -882,15 +1117,7 @@ def _remat_rule(ctx, eqn, invals):
 
 
 def _join_fills(fill_lists):
-  out = []
-  for fills in zip(*fill_lists, strict=False):
-    f0 = fills[0]
-    same = all(
-      f is not None and f0 is not None and np.asarray(f == f0).all() and type(f) is type(f0)
-      for f in fills
-    )
-    out.append(f0 if same else None)
-  return out
+  return [common_fill(fills) for fills in zip(*fill_lists, strict=False)]
 
 
 @register(P.cond_p)
@@ -970,21 +1197,25 @@ def _scan_rule(ctx, eqn, invals):
   return [PaddedValue(c) for c in carry] + [PaddedValue(y) for y in ys]
 
 
-# primitives whose absence from RULES is worth reporting (no exact padded semantics yet)
-NOTABLE_WITHOUT_RULE = (
-  "reduce",
-  "reduce_window",
-  "select_and_scatter_add",
-  "select_and_gather_add",
-  "fft",
-  "cholesky",
-  "triangular_solve",
-  "eigh",
-  "lu",
-  "qr",
-  "svd",
-  "approx_top_k",
-  "rng_bit_generator",
-  "rng_uniform",
-  "linear_solve",
+# Why the notable primitives without a rule cannot be padded exactly (the fallback message says it).
+WHY_NO_RULE.update(
+  {
+    "fft": "a DFT of length n has n-dependent twiddle factors, so no padding of the input gives "
+    "the unpadded transform; it runs at the exact length",
+    "cholesky": "a factorisation over a dynamic matrix axis has no masking rule yet (padding "
+    "with an identity block would keep it exact: not implemented)",
+    "triangular_solve": "a solve over a dynamic matrix axis has no masking rule yet",
+    "eigh": "eigen-decompositions mix every element and sort the spectrum: padding adds "
+    "eigenvalues that change the order",
+    "lu": "pivoting over a dynamic axis depends on the padded rows",
+    "qr": "Householder reflections over a dynamic axis depend on the padded rows",
+    "svd": "singular values of the padded matrix include the padding's",
+    "custom_linear_solve": "its solver is opaque: no rule",
+    "rng_bit_generator": "XLA's RngBitGenerator leaves the mapping from key and shape to bits "
+    "to the backend, with no guarantee that a draw of the padded shape holds the unpadded draw "
+    "anywhere (nor that the new key ignores the shape); use jax.random with the default "
+    "threefry implementation, which the pass keeps bit-identical",
+    "pure_callback": "a host callback sees the padded buffer, not the unpadded one",
+    "io_callback": "a host callback sees the padded buffer, not the unpadded one",
+  }
 )

@@ -29,6 +29,22 @@ def _conv(x, w, stride=1, padding="SAME", dil=1):
   )
 
 
+def _argmax_pair(reduce, x, *args):
+  """A variadic (value, index) reduction: a generic reduce / reduce_window."""
+  i = lax.broadcasted_iota(jnp.int32, x.shape, 1)
+
+  def pick(a, b):
+    return jnp.maximum(a[0], b[0]), jnp.where(a[0] >= b[0], a[1], b[1])
+
+  return reduce((x, i), (-jnp.inf, 0), pick, *args)
+
+
+def _max_pool(x, window, stride):
+  return lax.reduce_window(
+    x, -jnp.inf, lax.max, (1, window, 1), (1, stride, 1), "SAME"
+  )  # what flax.linen.max_pool builds
+
+
 @jax.custom_vjp
 def _clip_grad(x):
   return jnp.sin(x)
@@ -313,6 +329,61 @@ CASES = [
     BT,
     {},
   ),
+  (
+    "max_pool_grad_same_stride2",
+    lambda x: jax.grad(lambda y: (_max_pool(y, 2, 2) ** 2).sum())(x),
+    BTC,
+    {},
+  ),
+  (
+    "max_pool_grad_window3_shifted",
+    lambda x: jax.grad(lambda y: (_max_pool(y, 3, 2) * jnp.arange(3.0)).sum())(x),
+    BTC,
+    {},
+  ),
+  (
+    "min_pool_grad_stride1",
+    lambda x: jax.grad(
+      lambda y: jnp.sin(lax.reduce_window(y, jnp.inf, lax.min, (1, 3, 1), (1, 1, 1), "SAME")).sum()
+    )(x),
+    BTC,
+    {},
+  ),
+  (
+    "max_pool_jvp",
+    lambda x: jax.jvp(lambda y: _max_pool(y, 3, 2), (x,), (jnp.cos(x),)),
+    BTC,
+    {},
+  ),
+  ("generic_reduce_argmax_pair", lambda x: _argmax_pair(lax.reduce, x, (1,)), BT, {}),
+  ("generic_reduce_prod", lambda x: lax.reduce(x, 1.0, lambda a, b: a * b * 1.0, (0, 1)), BT, {}),
+  (
+    "generic_reduce_window_pair",
+    lambda x: _argmax_pair(lax.reduce_window, x, (1, 3), (1, 2), "SAME"),
+    BT,
+    {},
+  ),
+  (
+    "generic_reduce_window_prod",
+    lambda x: lax.reduce_window(x, 1.0, lambda a, b: a * b + 0.0, (2, 2), (1, 1), "SAME"),
+    BT,
+    {},
+  ),
+  ("approx_max_k", lambda x: lax.approx_max_k(x, 1), BT, {}),
+  ("approx_min_k", lambda x: lax.approx_min_k(x * 2.0, 1), BT, {}),
+  ("scatter_set_partial_window", lambda x: jnp.zeros_like(x).at[:, 1:].set(x[:, :-1]), BT, {}),
+  (
+    "scatter_set_partial_window_clip",
+    lambda x: jnp.full_like(x, 7.0).at[:, :-1].set(x[:, 1:] * 2, mode="clip"),
+    BT,
+    {},
+  ),
+  (
+    "scatter_set_window_into_wider",
+    lambda x: jnp.zeros((x.shape[0], x.shape[1] + 2)).at[:, 2:].set(x),
+    BT,
+    {},
+  ),
   ("random_normal", lambda x: x + jax.random.normal(jax.random.key(1), x.shape), BT, {}),
   (
     "random_split",
@@ -399,6 +470,18 @@ def test_unsupported_primitive_names_primitive_and_line():
   assert isinstance(e.value, NotImplementedError)
 
 
+def test_rng_bit_generator_over_a_dynamic_shape_says_why():
+  (t,) = export.symbolic_shape("t")
+  fun = lambda k, x: x + lax.rng_bit_generator(k, x.shape)[1].astype(jnp.float32)
+  cj = jax.make_jaxpr(fun)(
+    jax.ShapeDtypeStruct((4,), jnp.uint32), jax.ShapeDtypeStruct((t,), jnp.float32)
+  )
+  with pytest.raises(PaddingUnsupportedError, match="no exact rule for 'rng_bit_generator' at"):
+    pad_jaxpr(cj, ("t",), {"t": 8})
+  with pytest.raises(PaddingUnsupportedError, match="leaves the mapping from key and shape"):
+    pad_jaxpr(cj, ("t",), {"t": 8})
+
+
 def test_unsupported_inside_library_jit_names_user_line():
   (t,) = export.symbolic_shape("t")
   fun = lambda x: jax.jit(jnp.linalg.cholesky)(x)  # LINE_CHOL
@@ -464,4 +547,6 @@ def test_rule_coverage():
   ]:
     assert name in covered
   assert "fft" in missing and "dot_general" not in missing
+  for name in ["select_and_scatter_add", "select_and_gather_add", "reduce", "reduce_window"]:
+    assert name in covered
   assert not set(covered) & set(missing)
