@@ -929,6 +929,8 @@ class Wrapped:
   def _call_top(self, fam: _Family, dyn):
     """The hot path of families whose leaves with dims are whole arguments: ``_MISS`` sends
     the call to the general path (another dtype/rank, or parameters the executable rejects)."""
+    if fam.mode not in ("trust", "auto"):
+      return _MISS  # fell back to exact after a bucket's plan refused
     shapes = {}
     for pos, li, key in fam.top:
       x = dyn[pos]
@@ -978,7 +980,12 @@ class Wrapped:
                               or (fam.fid, bkey) in self._cache):
       hit = True
     else:
-      entry, bkey, hit = self._entry_for(fam, bkey)
+      try:
+        entry, bkey, hit = self._entry_for(fam, bkey)
+      except PaddingUnsupportedError as e:  # this bucket's plan refused (the probe's did not)
+        fam._fall_back(f"the padding pass has no exact rule at bucket {bkey}: {e}")
+        leaves = _tree_flatten(vals, is_leaf=_is_padded)[0] if top else vals
+        return self._run_exact(fam, leaves, device)
     if fam.shard is not None:  # placed with their shardings, straight from the host
       full = [shapes.get(i, s) for i, s in enumerate(fam.avals_shapes)]
       args = fam.shard.pad(fam, vals, full, entry.in_shapes, fam.mode == "trust")
@@ -998,7 +1005,7 @@ class Wrapped:
         if len(self._sizes_on_device) > 4096:
           self._sizes_on_device.clear()
         dev_sizes = self._sizes_on_device[sizes] = (
-            jnp.asarray(np.asarray(sizes, np.int32)) if fam.shard is None
+            jax.device_put(np.asarray(sizes, np.int32)) if fam.shard is None
             else fam.shard.put_sizes(sizes))  # replicated over the mesh: no per-call reshard
       outs = entry.exe(dev_sizes, *args)
     else:

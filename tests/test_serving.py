@@ -16,6 +16,7 @@ import pytest
 
 import dynjax
 from dynjax import _api
+from dynjax._errors import PaddingUnsupportedError
 from dynjax.runtime._scheduler import CompileScheduler
 
 
@@ -248,3 +249,29 @@ def test_trailing_defaults_and_keywords_take_the_same_executable():
   np.testing.assert_allclose(f(p, x=_x(5)), want, rtol=1e-6)
   np.testing.assert_allclose(f(p, _x(5), 2.0), want, rtol=1e-6)
   assert f.stats()["compiles"] == 1
+
+
+@pytest.mark.parametrize("on_fallback", ["warn", "error"])
+def test_a_bucket_whose_plan_refuses_falls_back_like_the_probe(monkeypatch, on_fallback):
+  p = _params()
+  f = dynjax.jit(_model, dims={"x": "b, t, 4"}, on_fallback=on_fallback,
+                 buckets={"b": [2], "t": dynjax.buckets.pow2(4, 64)})
+  np.testing.assert_allclose(f(p, _x(3)), EXACT(p, _x(3)), rtol=1e-6, atol=1e-6)
+  fam = next(iter(f._families.values()))
+  real = fam.build_bucket
+
+  def build(bkey, *a, **k):
+    if bkey == (2, 32):
+      raise PaddingUnsupportedError("no rule for 'frobnicate' at this size")
+    return real(bkey, *a, **k)
+
+  monkeypatch.setattr(fam, "build_bucket", build)
+  if on_fallback == "error":
+    with pytest.raises(dynjax.PaddingFallbackError, match="frobnicate"):
+      f(p, _x(20))
+    return
+  with pytest.warns(UserWarning, match="no exact rule at bucket \\(2, 32\\).*frobnicate"):
+    np.testing.assert_allclose(f(p, _x(20)), EXACT(p, _x(20)), rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(f(p, _x(3)), EXACT(p, _x(3)), rtol=1e-6, atol=1e-6)  # exact now
+  s = f.stats()
+  assert len(s["fallbacks"]) == 1 and s["exact_calls"] == 2
