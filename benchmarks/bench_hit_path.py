@@ -83,10 +83,10 @@ def bert_cases(size: str, iters: int) -> dict:
       np.testing.assert_allclose(np.asarray(f(variables, tok, lens)),
                                  np.asarray(aot(variables, padded, lens)), rtol=2e-3, atol=2e-3)
 
-      def run_aot():
+      def run_aot(aot=aot, padded=padded, lens=lens):
         return np.asarray(aot(variables, padded, lens))
 
-      def run_dyn():
+      def run_dyn(f=f, tok=tok, lens=lens):
         return f(variables, tok, lens)
 
       a, d = _blocks([run_aot, run_dyn], iters)

@@ -8,7 +8,6 @@ tracing or compilation caches.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 import tempfile
