@@ -36,7 +36,19 @@ OPTION_SETS = {
     "triton_off": {"xla_gpu_enable_triton_gemm": False},
     "triton_off_at0": {"xla_gpu_enable_triton_gemm": False, "xla_gpu_autotune_level": 0},
     "at0": {"xla_gpu_autotune_level": 0},
+    "triton_off_at1": {"xla_gpu_enable_triton_gemm": False, "xla_gpu_autotune_level": 1},
+    "triton_off_nocmdbuf": {"xla_gpu_enable_triton_gemm": False,
+                            "xla_gpu_enable_command_buffer": ""},
+    # Debug options that are not per-compile options go through XLA_FLAGS ("_env").
+    "triton_off_par": {"xla_gpu_enable_triton_gemm": False,
+                       "_env": "--xla_gpu_enable_llvm_module_compilation_parallelism=true"},
+    "triton_off_at0_par": {"xla_gpu_enable_triton_gemm": False, "xla_gpu_autotune_level": 0,
+                           "_env": "--xla_gpu_enable_llvm_module_compilation_parallelism=true"},
 }
+
+
+def _compile_opts(name: str) -> dict:
+  return {k: v for k, v in OPTION_SETS[name].items() if not k.startswith("_")}
 
 
 def _setup(size: str):
@@ -75,12 +87,14 @@ def _padded_args(f, variables, np, t):
 
   tok = np.ones((8, t), np.int32)
   lens = np.full((8,), min(t, 100), np.int32)
-  return [jax.device_put(x) for x in jax.tree_util.tree_leaves((variables, tok, lens, None))]
+  # The bucket executable takes the dynamic arguments as pytrees: (variables, tokens, lengths,
+  # rngs=None).
+  return list(jax.device_put((variables, tok, lens))) + [None]
 
 
 def part_options(size: str, opts_name: str) -> dict:
   f, variables, tok, lens, np = _setup(size)
-  opts = OPTION_SETS[opts_name]
+  opts = _compile_opts(opts_name)
   t0 = time.perf_counter()
   traced = f.trace(variables, tok, lens)
   out = {"opts": opts_name, "trace_s": time.perf_counter() - t0, "buckets": {}}
@@ -104,7 +118,7 @@ def part_concurrent(size: str, cache_dir: str, ser_dir: str, opts_name: str) -> 
 
   _jax_private.enable_persistent_cache(cache_dir)
   f, variables, tok, lens, np = _setup(size)
-  opts = OPTION_SETS[opts_name]
+  opts = _compile_opts(opts_name)
   t0 = time.perf_counter()
   traced = f.trace(variables, tok, lens)
   trace_s = time.perf_counter() - t0
@@ -275,7 +289,11 @@ def main(argv=None) -> None:
       for o in opts_list:
         cmd = [sys.executable, __file__, "--part", part, "--opts", o, "--size", args.size,
                "--out", args.out]
-        rc = subprocess.call(cmd)
+        env = dict(os.environ)
+        extra = OPTION_SETS.get(o, {}).get("_env")
+        if extra:
+          env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + extra).strip()
+        rc = subprocess.call(cmd, env=env)
         if rc:
           print(f"part {part} {o}: exit {rc}", flush=True)
     return

@@ -1133,8 +1133,8 @@ class Wrapped:
       # Serving: the bucket covering everything compiles first, alone (a second compile at
       # the same time slows it down); the own bucket follows in the background.  Otherwise
       # (or with no declared max): the own bucket, now.
-      top = _top_bucket(fam) if self._opts.serving else None
-      if top is not None and all(t >= b for t, b in zip(top, bkey, strict=True)):
+      top = _top_bucket(fam, bkey) if self._opts.serving else None
+      if top is not None and top != bkey:
         urgent = self._schedule(fam, top, 0, urgent=True)
         self._schedule(fam, bkey, 0)
       else:
@@ -1811,14 +1811,13 @@ def _planned(fam, bkey) -> bool:
   return joint is None or joint.is_bucket(joint.sub(bkey))
 
 
-def _top_bucket(fam) -> tuple | None:
-  """The bucket that covers every size of the declared ranges (None: a range is unbounded)."""
-  out = []
-  for p in fam.policies:
-    if p.max is None:
-      return None
-    out.append(p.sizes()[-1])
-  return tuple(out)
+def _top_bucket(fam, bkey) -> tuple:
+  """The bucket that covers every size of the declared ranges, for a call of bucket ``bkey``:
+  the largest bucket of each dim with a declared max, ``bkey``'s own size along a dim without
+  one (an undeclared batch dim ``b`` must not leave the sequence dim ``t`` uncovered: a server
+  whose first request is short would otherwise wait again for the first long one)."""
+  return tuple(b if p.max is None else max(b, p.sizes()[-1])
+               for p, b in zip(fam.policies, bkey, strict=True))
 
 
 def _on_gpu() -> bool:

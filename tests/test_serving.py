@@ -65,6 +65,22 @@ def test_first_call_compiles_only_the_covering_bucket_then_every_call_is_served(
   assert s["background"]["failed"] == 0
 
 
+def test_a_dim_without_a_declared_max_does_not_hide_the_top_of_the_others(compiles):
+  # "b" has no declared range (pow2 without max), "t" does: the first call compiles the
+  # bucket covering every t at its own b, so the first long request never waits (issue 10's
+  # H100 run: a batch dim without max made a 274-token request wait 5 s behind a compile).
+  p = _params()
+  f = dynjax.jit(_model, dims={"x": "b, t, 4"}, padding="auto", serving=True,
+                 buckets={"t": dynjax.buckets.pow2(4, 64)}, compile_workers=1)
+  np.testing.assert_allclose(f(p, _x(5)), EXACT(p, _x(5)), rtol=1e-6, atol=1e-6)
+  assert f._cache.compile_log[0][0][1] == (2, 64)
+  assert f.stats()["per_bucket_calls"] == {"b=2, t=64": 1}
+  for t in (60, 33, 17):
+    np.testing.assert_allclose(f(p, _x(t)), EXACT(p, _x(t)), rtol=1e-6, atol=1e-6)
+  assert f.stats()["waited_for_compile"] == 1
+  f.wait()
+
+
 def test_calls_never_wait_behind_a_compile_a_compiled_bucket_covers(monkeypatch):
   p = _params()
   f = _serving(compile_workers=2)
