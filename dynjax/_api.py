@@ -16,6 +16,7 @@ executables, one per bucket, in a shared single-flight, LRU-bounded cache.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -299,6 +300,8 @@ class _Family:
     self._store_ready = False
     self.tiered: set = set()  # buckets whose tier-1 recompile was queued
     self.preloaded = False  # stored executables queued for loading (serving)
+    self.prelowering = False  # the plan's buckets were handed to the pre-lowering thread
+    self.prelowered: dict[tuple, concurrent.futures.Future] = {}  # bucket -> (Lowered, rw)
     names = wrapped._dyn_names
     if self.structured and wrapped._opts.dims != "auto" and self.mode in ("trust", "auto"):
       top = []
@@ -472,12 +475,30 @@ class _Family:
         exe = store.load(bkey, t)
         if exe is not None:
           return self._entry_of(exe, bkey, self.rewrites, t, "stored")
-    lowered, rewrites = self.lower_bucket(bkey)
-    opts = self.wrapped._compile_options(tier)
-    exe = lowered.compile(compiler_options=opts) if opts else lowered.compile()
+    lowered, rewrites = self._lowered(bkey)
+    w = self.wrapped
+    if w._opts.serving and not self.prelowering:
+      w._prelower(self, bkey)  # the rest of the plan lowers while this one compiles
+    opts = w._compile_options(tier)
+    # A bucket that goes to the executable store skips JAX's persistent cache write: the
+    # store alone serves a restart, and each write serializes the executable holding the GIL
+    # (H100, BERT-base: 10-90 ms of stalled serving per compile, seen by a GIL probe).
+    with (_jax_private.no_persistent_cache_write() if store is not None
+          else contextlib.nullcontext()):
+      exe = lowered.compile(compiler_options=opts) if opts else lowered.compile()
     if store is not None:
       store.save(bkey, tier, exe)
     return self._entry_of(exe, bkey, rewrites, tier, "compiled")
+
+  def _lowered(self, bkey):
+    """(Lowered, rewrites) of a bucket: pre-lowered during the first wait, else now."""
+    fut = self.prelowered.pop(bkey, None)
+    if fut is not None:
+      try:
+        return fut.result()
+      except Exception:  # noqa: BLE001 - lowered again below, raising where it belongs
+        pass
+    return self.lower_bucket(bkey)
 
   # -- the executable store (cache_dir) ----------------------------------------------------
   def store(self):
@@ -1145,6 +1166,38 @@ class Wrapped:
         if f.exception() is not None and (f is urgent or len(futs) == 1):
           raise f.exception()
 
+  def _prelower(self, fam: _Family, first) -> None:
+    """Lowers the buckets the policies plan, in one background thread, while the first
+    (urgent) bucket compiles.
+
+    Lowering is Python (tracing, MLIR building) and holds the GIL: done by the compile
+    workers once serving has started, it stalled every request (H100, BERT-base: ~0.3 s of
+    GIL per bucket, ~100 ms requests for a second after the first compile).  While the first
+    bucket compiles, XLA has released the GIL and no request is being served yet, so the
+    lowering there is free.
+    """
+    fam.prelowering = True
+    store = fam.store()
+    stored = {b for b, _ in store.stored()} if store is not None else set()
+    cands = [b for b in _plan_buckets(fam, first, _PRELOWER_MAX)
+             if b != first and b not in stored and (fam.fid, b) not in self._cache]
+    if not cands:
+      return
+    for b in cands:
+      fam.prelowered[b] = concurrent.futures.Future()
+
+    def work():
+      for b in cands:
+        fut = fam.prelowered.get(b)
+        if fut is None or not fut.set_running_or_notify_cancel():
+          continue
+        try:
+          fut.set_result(fam.lower_bucket(b))
+        except BaseException as e:  # noqa: BLE001 - the compile job lowers again and raises
+          fut.set_exception(e)
+
+    threading.Thread(target=work, daemon=True, name=f"dynjax-prelower-{self.__name__}").start()
+
   def _sched(self) -> CompileScheduler:
     sched = self._scheduler
     if sched is None:
@@ -1769,10 +1822,17 @@ def _to_host(outs) -> list[np.ndarray]:
 
 _MISS = object()  # _call_top: not served by the fast path
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
-# Quick compiles on GPU (serving, tier 0): cuBLAS gemms only.  H100, BERT-base: 3.4 s instead
-# of 5.5-5.9 s per bucket, six at once 7.5 s instead of 17.2 s; run time within 2% at T=128
-# and 512, up to 21% slower at T=256 (tier 1 recompiles with XLA's defaults later).
-_QUICK_GPU_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
+# Quick compiles on GPU (serving, tier 0): cuBLAS gemms chosen by cuBLAS's heuristics, no
+# autotuning.  H100, BERT-base, jax 0.11.2 (benchmarks/probe_serving.py, probe_contention.py):
+# compile 2.2 s (T=128) / 3.0 s (T=512) vs 5.2 / 5.1 s with XLA's defaults and 3.3 / 3.9 s
+# with triton gemms off but autotuned; run 2.72 / 8.70 ms vs 2.03 / 6.70 (defaults).  What
+# decides it is serving *during* background compiles: autotuning runs kernels on the GPU, and
+# while four compiles autotuned, every request took ~110 ms instead of ~8 (5 s of stalls in
+# a 600-request cold start); without autotuning the stalls were gone.  Tier 1 recompiles
+# with XLA's defaults once traffic is steady.
+_QUICK_GPU_OPTIONS = {"xla_gpu_enable_triton_gemm": False, "xla_gpu_autotune_level": 0}
+# Buckets lowered in the background during the first wait (serving).
+_PRELOWER_MAX = 12
 # Tier-1 recompiles (serving on GPU) wait for this many calls after the last tier-0 compile:
 # measured, they slow serving by ~40% while they run (GPU autotuning, cores), and pay back
 # only after minutes of traffic.  wait() runs them at once.
@@ -1809,6 +1869,26 @@ def _planned(fam, bkey) -> bool:
     if (joint is None or i not in joint.idx) and not p.is_bucket(b):
       return False
   return joint is None or joint.is_bucket(joint.sub(bkey))
+
+
+def _plan_buckets(fam, bkey, limit: int) -> list[tuple]:
+  """Up to ``limit`` bucket tuples the policies plan now, for calls like one of bucket
+  ``bkey`` (dims without a declared max keep ``bkey``'s size), largest first."""
+  if fam.joint is not None:
+    return []
+  axes = []
+  for p, b in zip(fam.policies, bkey, strict=True):
+    try:
+      sizes = (b,) if p.max is None else tuple(p.sizes())
+    except Exception:  # noqa: BLE001 - a policy that cannot list its sizes yet
+      sizes = (b,)
+    axes.append(sorted(sizes, reverse=True))
+  out = []
+  for combo in itertools.product(*axes):
+    out.append(tuple(combo))
+    if len(out) >= limit:
+      break
+  return out
 
 
 def _top_bucket(fam, bkey) -> tuple:

@@ -37,6 +37,19 @@ def enable_persistent_cache(cache_dir: str) -> None:
     pass
 
 
+def no_persistent_cache_write():
+  """A context (this thread only) in which compiles are not written to JAX's persistent
+  compilation cache: its minimum compile time to be written becomes infinite."""
+  try:
+    from jax._src import config as jax_config
+
+    return jax_config.persistent_cache_min_compile_time_secs(float("inf"))
+  except Exception:  # pragma: no cover - private API moved: write as usual
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
 def jaxlib_version() -> str:
   import jaxlib
 

@@ -155,9 +155,10 @@ def test_gpu_tiers_quick_compile_first_then_full_options_replace_it(monkeypatch)
   np.testing.assert_allclose(f(p, _x(5)), EXACT(p, _x(5)), rtol=1e-6, atol=1e-6)
   fam = next(iter(f._families.values()))
   assert fam.buckets[(2, 64)].tier == 0
-  assert seen and all(o == {"xla_gpu_enable_triton_gemm": False} for o in seen)
+  quick = {"xla_gpu_enable_triton_gemm": False, "xla_gpu_autotune_level": 0}
+  assert seen and all(o == quick for o in seen)
   assert f._scheduler.wait_idle(5)  # tier 0 of t=8 (background); tier 1 waits for traffic
-  assert all(o == {"xla_gpu_enable_triton_gemm": False} for o in seen)
+  assert all(o == quick for o in seen)
   f.wait()  # runs the queued tier-1 recompiles now
   assert fam.buckets[(2, 64)].tier == 1 and fam.buckets[(2, 8)].tier == 1 and {} in seen
   np.testing.assert_allclose(f(p, _x(5)), EXACT(p, _x(5)), rtol=1e-6, atol=1e-6)
@@ -194,8 +195,10 @@ for t in (3, 9, 20, 3, 9, 20):
   np.testing.assert_allclose(f(x), exact(x), rtol=1e-6, atol=1e-6)
 f.wait()
 s = f.stats()
+import os
+jax_entries = [n for n in os.listdir({cache!r}) if n != "dynjax-executables"]
 print("COMPILES", s["compiles"], "LOADED", s["loaded_from_store"], "WAITS",
-      s["waited_for_compile"])
+      s["waited_for_compile"], "JAXCACHE", len(jax_entries))
 """
 
 
@@ -210,6 +213,9 @@ def test_restarted_server_loads_every_bucket_and_compiles_nothing(tmp_path):
   cache = str(tmp_path / "cache")
   first = _run(_RESTART.format(cache=cache, scale=1.0))
   assert first[:4] == ["COMPILES", "3", "LOADED", "0"], first  # t = 4, 16 and 32 (the top)
+  # Stored buckets are not also written to JAX's persistent cache (a second serialization
+  # holding the GIL): it holds only the 3 exact-shape jax.jit compiles of the reference.
+  assert first[6:8] == ["JAXCACHE", "3"], first
   second = _run(_RESTART.format(cache=cache, scale=1.0))
   assert second[:4] == ["COMPILES", "0", "LOADED", "3"], second
   # Another closed-over constant is another function: its executables are not reused.
@@ -291,3 +297,28 @@ def test_a_bucket_whose_plan_refuses_falls_back_like_the_probe(monkeypatch, on_f
   np.testing.assert_allclose(f(p, _x(3)), EXACT(p, _x(3)), rtol=1e-6, atol=1e-6)  # exact now
   s = f.stats()
   assert len(s["fallbacks"]) == 1 and s["exact_calls"] == 2
+
+
+def test_serving_lowers_the_plan_while_the_first_bucket_compiles(monkeypatch):
+  lowered_in = []
+  real = _api._Family.lower_bucket
+
+  def spy(self, bkey):
+    lowered_in.append((bkey, threading.current_thread().name))
+    return real(self, bkey)
+
+  monkeypatch.setattr(_api._Family, "lower_bucket", spy)
+  p = _params()
+  f = _serving(compile_workers=1)
+  np.testing.assert_allclose(f(p, _x(5)), EXACT(p, _x(5)), rtol=1e-6, atol=1e-6)
+  fam = next(iter(f._families.values()))
+  for fut in list(fam.prelowered.values()):
+    fut.result(timeout=60)
+  pre = {b for b, name in lowered_in if name.startswith("dynjax-prelower")}
+  assert pre == {(2, 4), (2, 8), (2, 16), (2, 32)}  # every planned bucket but the top
+  for t in (3, 9, 17, 33):
+    np.testing.assert_allclose(f(p, _x(t)), EXACT(p, _x(t)), rtol=1e-6, atol=1e-6)
+  f.wait()
+  # Each bucket was lowered once: the compile jobs took the pre-lowered modules.
+  assert sorted(b for b, _ in lowered_in) == [(2, 4), (2, 8), (2, 16), (2, 32), (2, 64)]
+  assert not any(b in fam.prelowered for b in fam.buckets)  # handed over, not kept
