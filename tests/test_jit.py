@@ -333,7 +333,9 @@ def test_persistent_cache_second_process_compiles_nothing(tmp_path):
                          timeout=120) for _ in range(2)]
   for r in runs:
     assert r.returncode == 0, r.stderr
-  assert runs[0].stdout.split() == ["MISSES", "4", "HITS", "0", "LOADED", "0", "COMPILES",
+  # Buckets that go to dynjax's executable store are not written to JAX's persistent cache
+  # as well (no cache-miss event is recorded for them either).
+  assert runs[0].stdout.split() == ["MISSES", "0", "HITS", "0", "LOADED", "0", "COMPILES",
                                     "4"], runs[0].stdout
   # The restarted process neither compiles nor lowers: dynjax's executable store answers
   # before JAX's persistent cache is even asked.
