@@ -39,6 +39,10 @@ OPTION_SETS = {
     "triton_off_at1": {"xla_gpu_enable_triton_gemm": False, "xla_gpu_autotune_level": 1},
     "triton_off_nocmdbuf": {"xla_gpu_enable_triton_gemm": False,
                             "xla_gpu_enable_command_buffer": ""},
+    "triton_off_at0_nox": {"xla_gpu_enable_triton_gemm": False, "xla_gpu_autotune_level": 0,
+                           "xla_llvm_disable_expensive_passes": True},
+    "triton_off_at0_o1": {"xla_gpu_enable_triton_gemm": False, "xla_gpu_autotune_level": 0,
+                          "xla_backend_optimization_level": 1},
     # Debug options that are not per-compile options go through XLA_FLAGS ("_env").
     "triton_off_par": {"xla_gpu_enable_triton_gemm": False,
                        "_env": "--xla_gpu_enable_llvm_module_compilation_parallelism=true"},

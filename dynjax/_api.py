@@ -243,7 +243,7 @@ class _Hit:
   family's ``gen`` is unchanged (a bucket compiled, replaced or dropped bumps it)."""
 
   __slots__ = ("gen", "sizes", "bkey", "exe", "pads", "dev_sizes", "out_slices", "out_tree",
-               "n", "padded", "true", "sync", "timed", "bucket_id", "fam", "larger")
+               "n", "padded", "true", "sync", "timed", "bucket_id", "fam", "larger", "single")
 
   def __init__(self, fam, gen, sizes, bkey, entry, pads, dev_sizes, out_slices, true, sync,
                timed, larger):
@@ -263,6 +263,7 @@ class _Hit:
     self.timed = timed
     self.bucket_id = (fam.fid, bkey)
     self.larger = larger  # served on a larger bucket than its own (still compiling)
+    self.single = fam.out_tree == _LEAF_TREEDEF  # fun returns one array: no unflatten
 
 
 class _Family:
@@ -988,30 +989,27 @@ class Wrapped:
     the 2-core CPU box, tiny function, numpy (8, 13) in / out: 2.6 us of Python above the
     bucket's AOT executable called on padded input (was 5.6 us through ``_dispatch_core``).
     """
-    if fam.mode not in ("trust", "auto"):
+    if fam.mode not in _PADDED_MODES:
       return _MISS  # fell back to exact after a bucket's plan refused
-    shapes = {}
-    key = []
+    key = ()
     device = False
-    for pos, li, lkey in fam.top:
+    for pos, _, lkey in fam.top:
       x = dyn[pos]
-      t = type(x)
-      if t is np.ndarray:
+      if type(x) is np.ndarray:
         if x.dtype != lkey[0] or x.ndim != lkey[1] or lkey[2]:
           return _MISS
+      elif _leaf_key(x) != lkey:
+        return _MISS
       else:
-        if _leaf_key(x) != lkey:
-          return _MISS
         device = device or _on_device(x)
-      shapes[li] = s = x.shape
-      key.append(s)
-    key.append(device)
-    hit = fam.hits.get(tuple(key))
+      key += (x.shape,)
+    hit = fam.hits.get((key, device))
     try:
       if hit is not None and hit.gen == fam.gen:
         return self._run_hit(hit, dyn)
+      shapes = {li: shape for (_, li, _), shape in zip(fam.top, key, strict=True)}
       out = self._dispatch_core(fam, dyn, shapes, True)
-      self._make_hit(fam, tuple(key), shapes, device)
+      self._make_hit(fam, (key, device), shapes, device)
       return out
     except TypeError as e:
       if _is_signature_error(e):
@@ -1019,15 +1017,19 @@ class Wrapped:
       raise
 
   def _run_hit(self, hit: _Hit, dyn):
-    args = list(dyn)
-    for pos, target, prefix in hit.pads:
-      x = dyn[pos]
-      if type(x) is not np.ndarray:
-        x = np.asarray(x)  # a device array of a non-bucket shape: one host round trip
-      buf = np.zeros(target, x.dtype)
-      buf[prefix] = x
-      args[pos] = buf
-    t0 = time.perf_counter() if hit.timed else 0.0
+    if hit.pads:
+      args = list(dyn)
+      for pos, target, prefix in hit.pads:
+        x = dyn[pos]
+        if type(x) is not np.ndarray:
+          x = np.asarray(x)  # a device array of a non-bucket shape: one host round trip
+        buf = np.zeros(target, x.dtype)
+        buf[prefix] = x
+        args[pos] = buf
+    else:
+      args = dyn
+    if hit.timed:
+      t0 = time.perf_counter()
     outs = hit.exe(hit.dev_sizes, *args) if hit.dev_sizes is not None else hit.exe(*args)
     if hit.sync:  # host request: numpy results
       if len(outs) > 1:
@@ -1048,7 +1050,7 @@ class Wrapped:
     with self._stats_lock:
       hit.n += 1
     fam.tuple_hist[hit.sizes] += 1
-    return _tree_unflatten(hit.out_tree, res)
+    return res[0] if hit.single else _tree_unflatten(hit.out_tree, res)
 
   def _make_hit(self, fam: _Family, key, shapes, device: bool) -> None:
     """Resolves the hot path of ``key`` after a call that went through ``_dispatch_core``,
@@ -1996,6 +1998,8 @@ def _to_host(outs) -> list[np.ndarray]:
 
 
 _MISS = object()  # _call_top: not served by the fast path
+_PADDED_MODES = ("trust", "auto")
+_LEAF_TREEDEF = jax.tree_util.tree_structure(0)
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 # Quick compiles on GPU (serving, tier 0): cuBLAS gemms chosen by cuBLAS's heuristics, no
 # autotuning.  H100, BERT-base, jax 0.11.2 (benchmarks/probe_serving.py, probe_contention.py):

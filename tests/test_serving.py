@@ -331,14 +331,14 @@ def test_hot_path_hits_are_exact_counted_and_follow_new_buckets(compiles):
   for t in (5, 5, 5):  # first call: the top bucket (64); then the hot path on it
     np.testing.assert_allclose(f(p, _x(t)), EXACT(p, _x(t)), rtol=1e-6, atol=1e-6)
   fam = next(iter(f._families.values()))
-  hit = fam.hits[((2, 5, 4), False)]
+  hit = fam.hits[(((2, 5, 4),), False)]
   assert hit.bkey == (2, 64) and hit.n >= 1  # served on the covering bucket for now
   f.wait()  # t=8 compiles in the background: the hit is stale and re-resolved
-  assert fam.hits[((2, 5, 4), False)].gen != fam.gen
+  assert fam.hits[(((2, 5, 4),), False)].gen != fam.gen
   before = compiles()
   for t in (5, 5):
     np.testing.assert_allclose(f(p, _x(t)), EXACT(p, _x(t)), rtol=1e-6, atol=1e-6)
-  assert fam.hits[((2, 5, 4), False)].bkey == (2, 8) and compiles() == before
+  assert fam.hits[(((2, 5, 4),), False)].bkey == (2, 8) and compiles() == before
   s = f.stats()
   assert s["calls"] == 5 and s["per_bucket_calls"] == {"b=2, t=64": 3, "b=2, t=8": 2}
   assert s["served_on_larger_bucket"] == 3 and s["host_syncs"] == 5
@@ -348,7 +348,7 @@ def test_hot_path_hits_are_exact_counted_and_follow_new_buckets(compiles):
     out = f(p, xd)
     assert isinstance(out, jax.Array) and out.shape == (2, 4)
     np.testing.assert_allclose(out, EXACT(p, _x(5)), rtol=1e-6, atol=1e-6)
-  assert ((2, 5, 4), True) in fam.hits and f.stats()["host_syncs"] == 5
+  assert (((2, 5, 4),), True) in fam.hits and f.stats()["host_syncs"] == 5
 
 
 def test_hot_path_stays_off_where_a_call_decides_something():
