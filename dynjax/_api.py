@@ -524,13 +524,17 @@ class _Family:
     return self._entry_of(exe, bkey, rewrites, tier, "compiled")
 
   def _lowered(self, bkey):
-    """(Lowered, rewrites) of a bucket: pre-lowered during the first wait, else now."""
+    """(Lowered, rewrites) of a bucket: pre-lowered during the first wait, else now (when
+    serving, on the one lowering thread: see ``Wrapped._lower_lane``)."""
     fut = self.prelowered.pop(bkey, None)
     if fut is not None and not fut.cancel():  # started (or done): wait for it
       try:
         return fut.result()
       except Exception:  # noqa: BLE001 - lowered again below, raising where it belongs
         pass
+    w = self.wrapped
+    if w._opts.serving and threading.current_thread().name != w._lane_name:
+      return w._lower_lane().submit(_lowering, self, bkey).result()
     return self.lower_bucket(bkey)
 
   # -- the executable store (cache_dir) ----------------------------------------------------
@@ -705,6 +709,8 @@ class Wrapped:
     self._bucket_calls: Counter = Counter()
     self._checks = 0
     self._scheduler: CompileScheduler | None = None
+    self._lane: concurrent.futures.ThreadPoolExecutor | None = None
+    self._lane_name = f"dynjax-lower-{self.__name__}"
     self._sched_lock = threading.Lock()
     self._force_tier_up = False
     self._calls_at_compile = 0  # calls so far when the last tier-0 compile finished
@@ -1358,19 +1364,29 @@ class Wrapped:
              if b != first and b not in stored and (fam.fid, b) not in self._cache]
     if not cands:
       return
-    jobs = [(b, concurrent.futures.Future()) for b in cands]
-    fam.prelowered.update(jobs)
+    lane = self._lower_lane()
+    # A compile job that starts before its bucket's turn cancels the lane job (a queued
+    # future cancels) and lowers it itself.
+    fam.prelowered.update((b, lane.submit(_lowering, fam, b)) for b in cands)
 
-    def work():
-      for b, fut in jobs:
-        if not fut.set_running_or_notify_cancel():
-          continue  # its compile job came first and lowers it itself
-        try:
-          fut.set_result(fam.lower_bucket(b))
-        except BaseException as e:  # noqa: BLE001 - the compile job lowers again and raises
-          fut.set_exception(e)
+  def _lower_lane(self) -> concurrent.futures.ThreadPoolExecutor:
+    """The one thread that lowers buckets while serving.
 
-    threading.Thread(target=work, daemon=True, name=f"dynjax-prelower-{self.__name__}").start()
+    Lowering holds the GIL (Python tracing, and MLIR passes in C++ that cannot be
+    preempted); several compile workers lowering at once left the serving thread a fifth of
+    the GIL (H100, BERT-base, auto re-plans: ~300 ms requests).  One lane costs no lowering
+    throughput (the GIL serialises lowering anyway), and while it runs the interpreter's
+    switch interval drops to 0.5 ms (``_quick_switches``) so a serving thread waiting for the
+    GIL gets it back within 0.5 ms of Python instead of 5 ms.
+    """
+    lane = self._lane
+    if lane is None:
+      with self._sched_lock:
+        if self._lane is None:
+          self._lane = concurrent.futures.ThreadPoolExecutor(
+              1, thread_name_prefix=self._lane_name)
+        lane = self._lane
+    return lane
 
   def _sched(self) -> CompileScheduler:
     sched = self._scheduler
@@ -2048,6 +2064,36 @@ def _planned(fam, bkey) -> bool:
     if (joint is None or i not in joint.idx) and not p.is_bucket(b):
       return False
   return joint is None or joint.is_bucket(joint.sub(bkey))
+
+
+_SWITCH = {"active": 0, "saved": None}
+_SWITCH_LOCK = threading.Lock()
+_QUICK_SWITCH_S = 5e-4
+
+
+@contextlib.contextmanager
+def _quick_switches():
+  """While any background lowering runs: the interpreter's GIL switch interval at most
+  0.5 ms (restored when the last one ends).  Process-wide, as ``sys.setswitchinterval``."""
+  with _SWITCH_LOCK:
+    if _SWITCH["active"] == 0:
+      _SWITCH["saved"] = sys.getswitchinterval()
+      sys.setswitchinterval(min(_SWITCH["saved"], _QUICK_SWITCH_S))
+    _SWITCH["active"] += 1
+  try:
+    yield
+  finally:
+    with _SWITCH_LOCK:
+      _SWITCH["active"] -= 1
+      if _SWITCH["active"] == 0 and _SWITCH["saved"] is not None:
+        sys.setswitchinterval(_SWITCH["saved"])
+        _SWITCH["saved"] = None
+
+
+def _lowering(fam, bkey):
+  """A lowering-lane job: ``fam.lower_bucket(bkey)`` with quick GIL switches."""
+  with _quick_switches():
+    return fam.lower_bucket(bkey)
 
 
 def _plan_buckets(fam, bkey, limit: int) -> list[tuple]:
