@@ -382,3 +382,21 @@ def test_background_lowering_switches_the_gil_quickly_and_restores_it():
   f.wait()
   f._lower_lane().submit(lambda: None).result()  # the lane's queued pre-lowering is done
   assert sys.getswitchinterval() == before
+
+
+def test_gpu_quick_tier_compiles_the_first_calls_own_bucket_alongside(monkeypatch):
+  monkeypatch.setattr(_api, "_on_gpu", lambda: True)
+  monkeypatch.setattr(_api.os, "cpu_count", lambda: 16)
+  p = _params()
+  f = _serving(compile_workers=2)
+  assert f._co_compile_own()
+  np.testing.assert_allclose(f(p, _x(5)), EXACT(p, _x(5)), rtol=1e-6, atol=1e-6)
+  built = {k[1] for k, _ in f._cache.compile_log}
+  started = built | {k[1] for k in f._scheduler.in_flight()}
+  assert {(2, 8), (2, 64)} <= started  # both under way when the first call returned
+  assert f.stats()["waited_for_compile"] == 1
+  f.wait()
+  monkeypatch.setattr(_api.os, "cpu_count", lambda: 4)
+  assert not _serving(compile_workers=2)._co_compile_own()
+  monkeypatch.setattr(_api, "_on_gpu", lambda: False)
+  assert not _serving(compile_workers=4)._co_compile_own()
