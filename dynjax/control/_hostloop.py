@@ -31,6 +31,10 @@ from dynjax.control import _staging as S
 from dynjax.runtime._vm import VMStats, collect_stats, pad, record, repad, unpad
 
 
+def _crossed(buckets: list) -> int:
+  return sum(1 for a, b in zip(buckets, buckets[1:], strict=False) if a != b)
+
+
 def _bucket(policy, n: int) -> int:
   b = policy.bucket(n)
   return policy.grow(n) if b is None else b
@@ -176,7 +180,7 @@ class HostLoop:
     st = VMStats(host_syncs=info["host_syncs"])
     info["host_syncs"] += inner.host_syncs
     info["inner_loops"] = len(inner.loops)
-    info["buckets_crossed"] = max(0, len(info["buckets"]) - 1)
+    info["buckets_crossed"] = _crossed(info["buckets"])
     info["compiles"] = inner.compiles
     st.loops.append(info)
     L._LAST_RUN["loop"] = info
@@ -233,7 +237,7 @@ class _HostLoopCall(S._Call):
     info = {"mode": "host", "iterations": 0, "host_syncs": 0, "buckets": []}
     env, carry = core.iterate(env, self.n_cond, consts, carry, info)
     st = VMStats(host_syncs=info["host_syncs"])
-    info["buckets_crossed"] = max(0, len(info["buckets"]) - 1)
+    info["buckets_crossed"] = _crossed(info["buckets"])
     st.loops.append(info)
     L._LAST_RUN["loop"] = info
     record(st)

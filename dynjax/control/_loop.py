@@ -83,9 +83,8 @@ _HELPERS = {"floordiv", "mod", "max", "min", "non_negative"}
 
 
 def _compile_exprs(exprs: list[str], var_order: tuple[str, ...], ns: dict) -> Callable:
-  src = f"lambda {', '.join(var_order)}: ({', '.join(exprs)},)" if var_order else "lambda: ()"
-  if not exprs:
-    src = f"lambda {', '.join(var_order)}: ()" if var_order else "lambda: ()"
+  body = f"({', '.join(exprs)},)" if exprs else "()"
+  src = f"lambda {', '.join(var_order)}: {body}"
   return eval(src, dict(ns))  # noqa: S307 - text from jax's own printer of dim expressions
 
 
@@ -642,6 +641,9 @@ class _Loop:
                 unroll=spec.unroll)
     if self.mode == "hoisted":
       info.update(_LAST_RUN.pop("info", {}))
+      extra = info.pop("host_syncs_cap", 0)  # the cap's read of the counter
+      info["host_syncs"] += extra
+      st.host_syncs += extra
     else:
       info["iterations"] = st.invokes // 2
       info["buckets"] = []
@@ -897,7 +899,8 @@ def while_loop(cond_fun: Callable, body_fun: Callable, init_val, *, dims=None,
     return _traced_while(cond_fun, body_fun, init_val, leaves, treedef,
                          dict(dims=dims, buckets=buckets, padding=padding, unroll=unroll,
                               bucket_from=bucket_from))
-  leaves = [x if isinstance(x, jax.Array) else jnp.asarray(x) for x in leaves]
+  # device_put, not jnp.asarray: the latter compiles a tiny executable per shape (jax 0.10)
+  leaves = [x if isinstance(x, jax.Array) else jax.device_put(x) for x in leaves]
   avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
   loop = _get_loop(cond_fun, body_fun, treedef, avals, dims, buckets, padding, unroll,
                    bucket_from)

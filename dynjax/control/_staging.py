@@ -51,7 +51,7 @@ from dynjax.bucketing._padding import pad_jaxpr
 from dynjax.bucketing._policies import BucketPolicy, as_policy, pow2
 from dynjax.control._frontend import NotLowerable, building, current_stager, is_tracer, staging
 from dynjax.runtime import VM, Kernel, ProgramBuilder
-from dynjax.runtime._vm import record, repad
+from dynjax.runtime._vm import VMStats, record, repad
 
 _DEFAULT_POLICY = pow2(min=16)
 
@@ -447,6 +447,7 @@ class _CondCall(_Call):
 
   def run(self, env: Env, pred, *inputs):
     taken = 0 if bool(np.asarray(pred)) else 1  # the one sync
+    record(VMStats(host_syncs=1))
     kernel, consts, slots, names, where = self.branches[taken]
     off = sum(self.n_in[:taken])
     k = self.n_in[taken]

@@ -28,7 +28,8 @@ import numpy as np
 from dynjax.runtime._program import Instr, Op, Program, _is_reg_key
 
 # Results of at most this many bytes are unpadded through the host (a numpy slice and a
-# device_put, ~30 us, no compile); larger ones by a device slice, which compiles once per exact
+# device_put, ~30 us, no compile; jnp.asarray of a numpy array would compile a tiny "stage"
+# executable per shape in jax 0.10); larger ones by a device slice, which compiles once per exact
 # shape (~40-70 ms) -- see DESIGN.md "a tiny pad or slice on a new shape costs one compile".
 UNPAD_VIA_HOST_BYTES = 4 << 20
 
@@ -119,8 +120,8 @@ def collect_stats() -> Iterator[VMStats]:
   cs.append(s)
   try:
     yield s
-  finally:
-    cs.remove(s)
+  finally:  # by identity: VMStats compare equal field by field, nested collectors may too
+    del cs[next(i for i, c in enumerate(cs) if c is s)]
 
 
 # -- repad / unpad executables (runtime-owned: plain lax pad/slice, no user code) -------------
@@ -168,7 +169,7 @@ def unpad(values: Sequence, shapes: Sequence[tuple[int, ...]], to_host: bool = F
       if tuple(np.shape(h)) != tuple(s):
         h = np.ascontiguousarray(h[tuple(slice(0, n) for n in s)])
         via_host += 1
-      out.append(np.asarray(h) if to_host else jnp.asarray(h))
+      out.append(np.asarray(h) if to_host else jax.device_put(h))
     elif tuple(v.shape) == tuple(s):
       out.append(v)
     else:
@@ -189,7 +190,7 @@ def pad(values: Sequence, shapes: Sequence[tuple[int, ...]]) -> tuple[tuple, int
     s = tuple(s)
     shape = tuple(np.shape(v))
     if shape == s:
-      out.append(v if isinstance(v, jax.Array) else jnp.asarray(v))
+      out.append(v if isinstance(v, jax.Array) else jax.device_put(v))
       continue
     dtype = np.dtype(v.dtype) if hasattr(v, "dtype") else np.asarray(v).dtype
     if math.prod(s) * dtype.itemsize > UNPAD_VIA_HOST_BYTES:
@@ -203,7 +204,7 @@ def pad(values: Sequence, shapes: Sequence[tuple[int, ...]]) -> tuple[tuple, int
     out.append(jax.device_put(buf))
     via_host += 1
   if big:
-    moved = repad([jnp.asarray(values[i]) for i in big], [shapes[i] for i in big])
+    moved = repad([jax.device_put(values[i]) for i in big], [shapes[i] for i in big])
     for i, m in zip(big, moved, strict=True):
       out[i] = m
   return tuple(out), via_host
