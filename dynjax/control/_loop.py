@@ -691,7 +691,7 @@ def _hoisted_program(spec: _LoopSpec, padded_io: bool = False):
     _LAST_RUN["info"] = info
     return sizes
 
-  def start_bucket(sizes, counter, given=None):
+  def start_bucket(sizes, given=None, counter=None):
     info = _LAST_RUN["info"]
     bk = _bucket_for(spec, sizes)
     if given is not None:
@@ -741,8 +741,15 @@ def _hoisted_program(spec: _LoopSpec, padded_io: bool = False):
   else:
     sizes = b.emit_host_op(sizes_of, carry)
     b.emit_host_op(start_info, [sizes], dst=sizes)
-  counter = carry[cap_leaf] if use_cap else sizes
-  bk = b.emit_host_op(start_bucket, [sizes, counter, given] if padded_io else [sizes, counter])
+  counter = [carry[cap_leaf]] if use_cap else []
+  if padded_io:
+    bk = b.emit_host_op(start_bucket, [sizes, given, *counter])
+  else:
+    def start(s, *c):
+      return start_bucket(s, None, *c)
+
+    start.__name__ = "start_bucket"
+    bk = b.emit_host_op(start, [sizes, *counter])
   shp = b.emit_host_op(shapes_of, [bk])
   if padded_io:
     b.emit_repad(carry, shp, dsts=carry)

@@ -522,11 +522,22 @@ def _eqn_dim_vars(eqn) -> set[str]:
   return out
 
 
+def _sub_jaxprs(params) -> list:
+  out = []
+  for v in params.values():
+    for item in v if isinstance(v, tuple | list) else (v,):
+      if isinstance(item, jex.ClosedJaxpr):
+        out.append(item.jaxpr)
+      elif isinstance(item, jex.Jaxpr):
+        out.append(item)
+  return out
+
+
 def _has_control(jaxpr) -> bool:
   for e in jaxpr.eqns:
     if e.primitive is _control_p:
       return True
-    for sub in jex.jaxprs_in_params(e.params):
+    for sub in _sub_jaxprs(e.params):
       if _has_control(sub):
         return True
   return False
@@ -648,7 +659,7 @@ class StagedFunction:
                          "); they cannot be split into compiled segments")
     for e in self.jaxpr.eqns:
       if e.primitive is not _control_p and any(
-          _has_control(j) for j in jex.jaxprs_in_params(e.params)):
+          _has_control(j) for j in _sub_jaxprs(e.params)):
         raise StagingError(f"a dynjax control op runs inside '{e.primitive.name}' (vmap, an "
                            "inner jit, a lax loop): only top-level control ops can be staged")
     self.steps = split(self.jaxpr)
