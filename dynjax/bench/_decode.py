@@ -425,7 +425,7 @@ def run(flags: dict | None = None, out_dir: str | None = None) -> dict:
   # from that part (marked ``extrapolated``; "~" in the table).
   budget = flags.get("exact_budget_s", None if quick else 15.0)
   budget = None if budget is None else float(budget)
-  progress = flags.get("progress")
+  progress = flags.get("progress", lambda line: print(line, flush=True))
   res = {"workload": "decode", "backend": jax.default_backend(), "jax": jax.__version__,
          "device": str(jax.devices()[0].device_kind), "quick": quick,
          "config": {"d": d, "heads": heads, "new_tokens": new_tokens, "max_prompt": max_prompt,
@@ -442,7 +442,7 @@ def run(flags: dict | None = None, out_dir: str | None = None) -> dict:
     if progress:
       progress(" | ".join(_COLS))
     res["rows"] = _decode_rows(params, modes, batches, requests, max_prompt, new_tokens,
-                               heads, max_len, budget, warm_passes, seed, progress)
+                               heads, max_len, budget, warm_passes, seed, progress, save, res)
     save()
   if "hlo" in sections:
     try:
@@ -452,11 +452,16 @@ def run(flags: dict | None = None, out_dir: str | None = None) -> dict:
     if progress:
       progress(_fmt_hlo(res["hlo_body_ops"]))
     save()
-  if "program" in sections:
-    res["program_rows"] = _program_rows(params, cfg, flags, quick, heads, seed, progress)
-    save()
-  if "nested" in sections:
-    res["nested_rows"] = _nested_rows(params, flags, quick, heads, seed, progress)
+  for name, key, fn in (("program", "program_rows", _program_rows),
+                        ("nested", "nested_rows", _nested_rows)):
+    if name not in sections:
+      continue
+    try:
+      res[key] = fn(params, cfg, flags, quick, heads, seed, progress)
+    except Exception as e:  # noqa: BLE001 - keep the other sections' figures
+      res[key] = [{"mode": name, "error": f"{type(e).__name__}: {e}"}]
+      if progress:
+        progress(f"{name}: {res[key][0]['error']}")
     save()
   return res
 
@@ -472,7 +477,7 @@ def _loop_defaults() -> dict:
 
 
 def _decode_rows(params, modes, batches, requests, max_prompt, new_tokens, heads, max_len,
-                 budget, warm_passes, seed, progress) -> list[dict]:
+                 budget, warm_passes, seed, progress, save=None, res=None) -> list[dict]:
   def decode(mode, pr, deadline=None, limit=None):
     """One request in one mode: ``(outputs, host syncs)``."""
     if mode in VARIANTS:
@@ -489,68 +494,87 @@ def _decode_rows(params, modes, batches, requests, max_prompt, new_tokens, heads
     prompts = _prompts(batch, requests, max_prompt, seed)
     ref_out = None
     for mode in modes:
-      times, toks, syncs, cold = [], 0, [], None
-      outs, limits = [], []
-      deadline = (time.perf_counter() + budget if mode == "jit_exact" and budget is not None
-                  else None)
-      cut = False
-      c0 = _COMPILES[0]
-      for i, pr in enumerate(prompts):
-        if deadline is not None and time.perf_counter() > deadline:
-          cut = True
-          break
-        t0 = time.perf_counter()
-        out, s = decode(mode, pr, deadline=deadline)
-        jax.block_until_ready(out)
-        dt = time.perf_counter() - t0
-        n_new = int(out[1])
-        if deadline is not None and time.perf_counter() > deadline:
-          done = bool(np.all(np.asarray(out[2]))) or n_new >= new_tokens
-          cut = cut or not done
-        if i == 0:
-          cold = dt
-        times.append(dt)
-        toks += n_new
-        limits.append(n_new)
-        syncs.append(s)
-        outs.append(np.asarray(out[0]))
-      compiles = _COMPILES[0] - c0
-      # Warm passes (compiles done): per request the best time counts.
-      passes = 1 if mode == "jit_exact" else warm_passes
-      warm = [float("inf")] * len(limits)
-      for _ in range(passes):
-        for j, (pr, lim) in enumerate(zip(prompts, limits, strict=False)):
-          t0 = time.perf_counter()
-          out, _ = decode(mode, pr, limit=lim)
-          np.asarray(out[0])
-          warm[j] = min(warm[j], time.perf_counter() - t0)
+      try:
+        row, outs, cut = _decode_mode(decode, mode, batch, prompts, budget, new_tokens,
+                                      warm_passes)
+      except Exception as e:  # noqa: BLE001 - one broken mode must not hide the others
+        row = {"mode": mode, "batch": batch, "error": f"{type(e).__name__}: {e}"}
+        rows.append(row)
+        if progress:
+          progress(f"{mode} | {batch} | error: {row['error']}")
+        continue
       if ref_out is None:
         ref_out = outs
-      same = all(np.array_equal(a, b[:, :a.shape[1]]) if cut else np.array_equal(a, b)
-                 for a, b in zip(outs, ref_out, strict=False))
-      per_tok = sum(warm) / max(toks, 1)
-      row = {
-          "mode": mode, "batch": batch, "requests": len(limits), "new_tokens": toks,
-          "cold_first_s": round(cold or 0.0, 4), "cold_total_s": round(sum(times), 4),
-          "warm_ms_per_token": round(1e3 * per_tok, 4),
-          "host_syncs_per_request": float(np.mean(syncs)) if syncs else None,
-          "compiles": compiles, "matches_first_mode": same, "peak_bytes": _peak_bytes(),
-      }
-      if cut:
-        row["extrapolated"] = True
-        row["budget_s"] = budget
-        row["cold_ms_per_token"] = round(1e3 * sum(times) / max(toks, 1), 4)
+      row["matches_first_mode"] = all(
+          np.array_equal(a, b[:, :a.shape[1]]) if cut else np.array_equal(a, b)
+          for a, b in zip(outs, ref_out, strict=False))
       rows.append(row)
       ref = next((r["warm_ms_per_token"] for r in rows
-                  if r["batch"] == batch and r["mode"] == "dynjax"), None)
+                  if r["batch"] == batch and r["mode"] == "dynjax" and "error" not in r), None)
       row["ratio_vs_dynjax"] = round(row["warm_ms_per_token"] / ref, 3) if ref else None
       if progress:
         progress(_fmt_row(row))
-  base = {(r["batch"], r["mode"]): r["warm_ms_per_token"] for r in rows}
+      if res is not None and save is not None:
+        res["rows"] = rows
+        save()
+  base = {(r["batch"], r["mode"]): r["warm_ms_per_token"] for r in rows if "error" not in r}
   for r in rows:
     ref = base.get((r["batch"], "dynjax"))
-    r["ratio_vs_dynjax"] = round(r["warm_ms_per_token"] / ref, 3) if ref else None
+    if "error" not in r:
+      r["ratio_vs_dynjax"] = round(r["warm_ms_per_token"] / ref, 3) if ref else None
   return rows
+
+
+def _decode_mode(decode, mode, batch, prompts, budget, new_tokens, warm_passes):
+  """One mode at one batch size: cold pass, warm passes.  Returns (row, outputs, cut)."""
+  times, toks, syncs, cold = [], 0, [], None
+  outs, limits = [], []
+  deadline = (time.perf_counter() + budget if mode == "jit_exact" and budget is not None
+              else None)
+  cut = False
+  c0 = _COMPILES[0]
+  for i, pr in enumerate(prompts):
+    if deadline is not None and time.perf_counter() > deadline:
+      cut = True
+      break
+    t0 = time.perf_counter()
+    out, s = decode(mode, pr, deadline=deadline)
+    jax.block_until_ready(out)
+    dt = time.perf_counter() - t0
+    n_new = int(out[1])
+    if deadline is not None and time.perf_counter() > deadline:
+      done = bool(np.all(np.asarray(out[2]))) or n_new >= new_tokens
+      cut = cut or not done
+    if i == 0:
+      cold = dt
+    times.append(dt)
+    toks += n_new
+    limits.append(n_new)
+    syncs.append(s)
+    outs.append(np.asarray(out[0]))
+  compiles = _COMPILES[0] - c0
+  # Warm passes (compiles done): per request the best time counts.
+  passes = 1 if mode == "jit_exact" else warm_passes
+  warm = [float("inf")] * len(limits)
+  for _ in range(passes):
+    for j, (pr, lim) in enumerate(zip(prompts, limits, strict=False)):
+      t0 = time.perf_counter()
+      out, _ = decode(mode, pr, limit=lim)
+      np.asarray(out[0])
+      warm[j] = min(warm[j], time.perf_counter() - t0)
+  per_tok = sum(warm) / max(toks, 1)
+  row = {
+      "mode": mode, "batch": batch, "requests": len(limits), "new_tokens": toks,
+      "cold_first_s": round(cold or 0.0, 4), "cold_total_s": round(sum(times), 4),
+      "warm_ms_per_token": round(1e3 * per_tok, 4),
+      "host_syncs_per_request": float(np.mean(syncs)) if syncs else None,
+      "compiles": compiles, "peak_bytes": _peak_bytes(),
+  }
+  if cut:
+    row["extrapolated"] = True
+    row["budget_s"] = budget
+    row["cold_ms_per_token"] = round(1e3 * sum(times) / max(toks, 1), 4)
+  return row, outs, cut
 
 
 def _timed(fn, prompts, passes: int):
@@ -612,7 +636,7 @@ def _program_rows(params, cfg, flags, quick, heads, seed, progress) -> list[dict
   return rows
 
 
-def _nested_rows(params, flags, quick, heads, seed, progress) -> list[dict]:
+def _nested_rows(params, cfg, flags, quick, heads, seed, progress) -> list[dict]:
   from dynjax.control import loop_stats, while_loop
 
   n = int(flags.get("nested_requests", 2 if quick else 4))
