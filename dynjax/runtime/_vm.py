@@ -222,7 +222,7 @@ class VM:
     (Array(2, dtype=int32),)
   """
 
-  __slots__ = ("program", "_code", "_stats", "_entry")
+  __slots__ = ("program", "_code", "_stats", "_entry", "_kernels")
 
   def __init__(self, program: Program):
     self.program = program
@@ -232,6 +232,7 @@ class VM:
       flat.extend(block.instrs)
     self._stats = VMStats()
     self._code = [self._lower(pc, ins, labels) for pc, ins in enumerate(flat)]
+    self._kernels = program.kernels()
 
   def _lower(self, pc: int, ins: Instr, labels: dict):  # noqa: C901 - one case per opcode
     nxt = pc + 1
@@ -371,7 +372,8 @@ class VM:
     for r, a in zip(prog.arg_regs, args, strict=True):
       regs[r] = a
     st = self._stats
-    compiles0 = sum(k.compiles for k in prog.kernels())
+    kernels = self._kernels
+    compiles0 = sum(k.compiles for k in kernels)
     code = self._code
     pc, n = 0, 0
     while pc >= 0:  # hot loop: ~0.1 us per instruction (see the module docstring)
@@ -379,7 +381,7 @@ class VM:
       n += 1
     st.runs += 1
     st.instructions += n
-    st.compiles += sum(k.compiles for k in prog.kernels()) - compiles0
+    st.compiles += sum(k.compiles for k in kernels) - compiles0
     return regs[-1]
 
   def take_stats(self) -> VMStats:
