@@ -378,6 +378,29 @@ def _peak_bytes() -> int | None:
   return int(st.get("peak_bytes_in_use", st.get("bytes_in_use", 0)))
 
 
+NOTES = {
+    "dynjax*": "one compiled lax.while_loop per length bucket; host syncs = buckets visited "
+               "(+1 to read the counter with the cap); compiles = buckets x unroll bodies; "
+               "each step computes the whole bucket (no KV cache in this LM)",
+    "dynjax_*_u4": "4 guarded steps per XLA loop trip: one predicate round trip per 4 tokens "
+                   "on GPU, up to 3 wasted steps per bucket visit, ~2x compile time",
+    "dynjax_cap_*": "starts in the bucket of prompt + max_new (read from `step < max_new`): "
+                    "no bucket crossing, every step pays for that bucket",
+    "jit_exact": "Python loop of jax.jit on exact shapes: a compile per new length, a sync per "
+                 "token",
+    "pad_max": "Python loop of one jit step over the max-length buffer: a sync per token, "
+               "every step pays for max_len",
+    "while_max": "one lax.while_loop over the max-length buffer with a done flag: one sync, "
+                 "every step pays for max_len",
+    "program_compiled": "dynjax.jit of encoder + decode loop: segments compiled per bucket, the "
+                        "loop as a call in one VM program",
+    "program_op_by_op": "the same function run eagerly (run_in_program): every encoder op "
+                        "dispatched alone, compiled per (op, shape)",
+    "nested_dynjax": "outer loop in host mode (a sync per sentence + the inner loop's syncs, "
+                     "two staged sub-programs and a repad per sentence)",
+    "nested_python": "Python loops of one padded jit step (a sync per token)",
+}
+
 _COMPILES = [0]
 _LISTENING = [False]
 
@@ -431,7 +454,7 @@ def run(flags: dict | None = None, out_dir: str | None = None) -> dict:
          "config": {"d": d, "heads": heads, "new_tokens": new_tokens, "max_prompt": max_prompt,
                     "batches": batches, "requests": requests, "warm_passes": warm_passes},
          "rows": [], "program_rows": [], "nested_rows": [], "hlo_body_ops": None,
-         "defaults": _loop_defaults()}
+         "defaults": _loop_defaults(), "notes": NOTES}
   def save():  # after every section: a run cut short still leaves its finished sections
     if out_dir:
       os.makedirs(out_dir, exist_ok=True)
@@ -785,6 +808,7 @@ def format_table(res: dict) -> str:
     lines += [_fmt_nested(r) for r in res["nested_rows"]]
   if res.get("hlo_body_ops"):
     lines += ["", _fmt_hlo(res["hlo_body_ops"])]
+  lines += ["", "notes:"] + [f"  {k}: {v}" for k, v in res.get("notes", {}).items()]
   return "\n".join(lines)
 
 
