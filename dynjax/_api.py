@@ -1490,6 +1490,12 @@ class Wrapped:
     for fam in self._families.values():
       sig = fam.sig
       lines.append(f"family {fam.fid}: mode={fam.mode}")
+      runner = getattr(fam, "program", None)
+      if runner is not None:
+        d = runner.describe()
+        lines.append(f"  host program: {d['segments']} compiled segments, control ops "
+                     f"{d['control_ops']}" if d["compiled"] else
+                     f"  host program: runs op by op ({d['reason']})")
       lines.append("  inputs:")
       for (path, text), a in zip(
           [(p, s) for p, s in zip(fam.leaf_paths, sig.leaves, strict=True)], fam.avals,
