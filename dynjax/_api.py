@@ -1562,16 +1562,26 @@ class Wrapped:
     return _tree_unflatten(tree, flat)
 
   def _run_program(self, fam: _Family, leaves, device: bool):
-    """A function with dynjax control flow: host-side Program run (dynjax.control)."""
+    """A function with dynjax control flow: a host program on the VM whose straight-line
+    segments are compiled per bucket (dynjax.control), or op by op when it cannot be staged."""
     from dynjax.control import run_in_program
+    from dynjax.control._inprogram import ProgramRunner
 
     leaves = [x.unpad() if _is_padded(x) else x for x in leaves]
-    dyn = iter(_tree_unflatten(fam.treedef, leaves))
-    static = iter(fam.key[0])
-    kw = {p.name: (next(static) if i in self._static_pos else next(dyn))
-          for i, p in enumerate(self._params)}
-    out = run_in_program(self.fun, (), kw, options=self._opts)
-    flat, tree = _tree_flatten(out)
+    runner = getattr(fam, "program", None)
+    if runner is None:
+      runner = fam.program = ProgramRunner(
+          fam.flat_fun, _symbolic.symbolic_avals(fam.sig, fam.avals), fam.sig, fam.policies,
+          self.__name__, self._opts.padding)
+
+    def eager():
+      dyn = iter(_tree_unflatten(fam.treedef, leaves))
+      static = iter(fam.key[0])
+      kw = {p.name: (next(static) if i in self._static_pos else next(dyn))
+            for i, p in enumerate(self._params)}
+      return run_in_program(self.fun, (), kw, options=self._opts)
+
+    flat, tree = runner.run(leaves, not device, eager)
     if not device:
       flat = _to_host(flat)
     with self._stats_lock:
@@ -1720,6 +1730,8 @@ class Wrapped:
               "running": len(self._scheduler.running()),
               "pending": len(self._scheduler.pending())}),
           "policies": {v: repr(p) for v, p in self._policies.items()},
+          "programs": [fam.program.describe() for fam in fams.values()
+                       if getattr(fam, "program", None) is not None],
       }
 
   def explain(self) -> str:
@@ -1732,6 +1744,12 @@ class Wrapped:
     for fam in self._families.values():
       sig = fam.sig
       lines.append(f"family {fam.fid}: mode={fam.mode}")
+      runner = getattr(fam, "program", None)
+      if runner is not None:
+        d = runner.describe()
+        lines.append(f"  host program: {d['segments']} compiled segments, control ops "
+                     f"{d['control_ops']}" if d["compiled"] else
+                     f"  host program: runs op by op ({d['reason']})")
       lines.append("  inputs:")
       for (path, text), a in zip(
           [(p, s) for p, s in zip(fam.leaf_paths, sig.leaves, strict=True)], fam.avals,

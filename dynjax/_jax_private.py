@@ -147,6 +147,13 @@ def private_primitives() -> dict:
   return out
 
 
+def shaped_array(shape, dtype):
+  """An abstract value (``ShapedArray``) of a shape that may hold symbolic dims."""
+  from jax._src import core
+
+  return core.ShapedArray(tuple(shape), jax.numpy.dtype(dtype))
+
+
 def is_dim_expr(obj) -> bool:
   """Whether ``obj`` is a symbolic dimension expression (any other object: False)."""
   from jax._src.export import shape_poly

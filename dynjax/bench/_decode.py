@@ -2,14 +2,34 @@
 
 Modes compared side by side in one run (prompts are standard-library docstrings as bytes):
 
-* ``dynjax``: ``dynjax.while_loop`` -- iterations inside one compiled ``lax.while_loop`` per
-  bucket of the sequence length, host syncs = buckets crossed + 1.
+* ``dynjax``: ``dynjax.while_loop`` with its defaults -- iterations inside one compiled
+  ``lax.while_loop`` per bucket of the sequence length.  Defaults: ``bucket_from="auto"`` (the
+  bucket of the length bound ``step < max_new`` implies on GPU/TPU, the prompt's bucket on CPU)
+  and ``unroll=None`` (4 guarded steps per XLA loop trip on GPU/TPU, 1 on CPU).
+* ``dynjax_init_u1`` / ``dynjax_cap_u1`` / ``dynjax_init_u4``: the same loop with one choice of
+  (start bucket, unroll) each, to show what each costs on the device that runs the benchmark.
 * ``jit_exact``: a Python loop of ``jax.jit`` steps on exact shapes (the natural JAX program:
   one compile per new length, one sync per token for the stop test).
 * ``pad_max``: a Python loop of one ``jax.jit`` step over a max-size buffer (one compile, one
   sync per token, every step pays for the max length).
 * ``while_max``: one ``lax.while_loop`` over the max-size buffer (one compile, one sync; every
   step pays for the max length).
+
+Two more sections (``program`` and ``nested`` rows, ``--full`` and ``--quick``):
+
+* ``program_compiled`` vs ``program_op_by_op``: ``encode_generate`` -- an encoder of
+  ``enc_layers`` transformer layers over the prompt ``[b, t, d]``, then the decode loop with
+  the encoder's pooled context in the carry -- under ``dynjax.jit`` (straight-line code compiled
+  per bucket, one VM program) vs the op-by-op host program (``run_in_program``).  Compiles are
+  counted with ``jax.monitoring``.
+* ``nested_dynjax`` vs ``nested_python``: an outer ``dynjax.while_loop`` over ``segments``
+  sentences whose body decodes one sentence with an inner shape-changing ``dynjax.while_loop``
+  (host-mode outer loop, hoisted inner loop) vs plain Python loops of exact-shape ``jax.jit``
+  steps.
+
+``hlo_body_ops``: top-level instructions of the XLA while body (fusions, copies, custom calls)
+of dynjax's hoisted executable vs ``while_max``, per-iteration kernel counts on the device that
+runs the benchmark (what a launch-bound batch-1 step costs).
 
 The model is a one-layer causal transformer LM in ``jax.numpy`` over bytes (tiny by default);
 weights are random and seeded, so generated text is noise but the work is real.
@@ -206,15 +226,130 @@ def decode_while_max(params, prompts, max_len, max_new, heads=2):
   return (buf[:, :t], carry[2], carry[3]), 1
 
 
-def decode_dynjax(params, prompts, max_new, heads=2, buckets=None):
+def decode_dynjax(params, prompts, max_new, heads=2, buckets=None, unroll=None,
+                  bucket_from="auto"):
   from dynjax.control import loop_stats, while_loop
 
   key = ("dynjax", id(params), max_new, heads)
   if key not in _CACHE:
     _CACHE[key] = make_step(params, max_new, heads)
   cond, body = _CACHE[key]
-  out = while_loop(cond, body, init_carry(prompts), buckets=buckets)
+  out = while_loop(cond, body, init_carry(prompts), buckets=buckets, unroll=unroll,
+                   bucket_from=bucket_from)
   return out, loop_stats()
+
+
+# dynjax variants: mode -> while_loop options
+VARIANTS = {"dynjax": {}, "dynjax_init_u1": {"unroll": 1, "bucket_from": "init"},
+            "dynjax_cap_u1": {"unroll": 1, "bucket_from": "cap"},
+            "dynjax_init_u4": {"unroll": 4, "bucket_from": "init"}}
+
+
+# -- an encoder before the decode loop (the compiled-program rows) ----------------------------
+def init_encoder(cfg: LMConfig, layers: int, seed: int = 1) -> list[dict]:
+  k = jax.random.split(jax.random.PRNGKey(seed), 4 * layers + 1)
+  s, sf = 1.0 / np.sqrt(cfg.d), 1.0 / np.sqrt(cfg.ffn)
+  out = []
+  for i in range(layers):
+    out.append({"wqkv": jax.random.normal(k[4 * i], (cfg.d, 3 * cfg.d)) * s,
+                "wo": jax.random.normal(k[4 * i + 1], (cfg.d, cfg.d)) * s,
+                "w1": jax.random.normal(k[4 * i + 2], (cfg.d, cfg.ffn)) * s,
+                "w2": jax.random.normal(k[4 * i + 3], (cfg.ffn, cfg.d)) * sf})
+  return out
+
+
+def encode(params: dict, enc: list[dict], tokens: jax.Array, heads: int) -> jax.Array:
+  """Bidirectional transformer encoder over ``tokens [b, t]``: ``[b, t, d]``."""
+  b, t = tokens.shape
+  d = params["emb"].shape[1]
+  dh = d // heads
+  x = params["emb"][tokens]
+  for layer in enc:
+    q, k, v = jnp.split(_norm(x) @ layer["wqkv"], 3, axis=-1)
+    q, k, v = (a.reshape(b, t, heads, dh) for a in (q, k, v))
+    p = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(dh), axis=-1)
+    x = x + jnp.einsum("bhqk,bkhd->bqhd", p, v).reshape(b, t, d) @ layer["wo"]
+    x = x + jax.nn.gelu(_norm(x) @ layer["w1"]) @ layer["w2"]
+  return x
+
+
+def make_ctx_step(params: dict, max_new: int, heads: int = 2, stop: int = STOP):
+  """``(cond, body)`` over ``(tokens, step, done, ctx)``: the LM's logits plus ``ctx @ out``."""
+
+  def body(carry):
+    tokens, step, done, ctx = carry
+    logits = lm_logits(params, tokens, heads) + _norm(ctx) @ params["out"]
+    nxt = jnp.where(done, stop, jnp.argmax(logits, axis=-1).astype(tokens.dtype))
+    return (jnp.concatenate([tokens, nxt[:, None]], axis=1), step + 1, done | (nxt == stop),
+            ctx)
+
+  def cond(carry):
+    _, step, done, _ = carry
+    return (step < max_new) & ~jnp.all(done)
+
+  return cond, body
+
+
+def make_encode_generate(params: dict, enc: list[dict], max_new: int, heads: int):
+  """``encode_generate(prompt) -> (new tokens [b, n], steps)``: encoder, then decode."""
+  from dynjax.control import while_loop
+
+  cond, body = make_ctx_step(params, max_new, heads)
+
+  def encode_generate(prompt):
+    mem = encode(params, enc, prompt, heads)
+    ctx = mem.mean(axis=1)
+    b = prompt.shape[0]
+    out = while_loop(cond, body, (prompt, jnp.int32(0), jnp.zeros((b,), bool), ctx))
+    return out[0][:, prompt.shape[1]:], out[1]
+
+  return encode_generate
+
+
+# -- nested loops: sentences of a decode, each an inner shape-changing loop --------------------
+SEP = 1  # separator token appended after each sentence
+
+
+def make_nested(params: dict, per_sentence: int, sentences: int, heads: int):
+  """``(cond, body)`` of the outer loop over ``(tokens, k)``; the body runs an inner decode
+  loop of ``per_sentence`` tokens (or to the stop byte), then appends ``SEP``."""
+  from dynjax.control import while_loop
+
+  icond, ibody = make_step(params, per_sentence, heads)
+
+  def body(carry):
+    tokens, k = carry
+    b = tokens.shape[0]
+    inner = while_loop(icond, ibody, (tokens, jnp.int32(0), jnp.zeros((b,), bool)))
+    sep = jnp.full((b, 1), SEP, tokens.dtype)
+    return jnp.concatenate([inner[0], sep], axis=1), k + 1
+
+  def cond(carry):
+    return carry[1] < sentences
+
+  return cond, body
+
+
+def decode_nested_python(params, prompts, per_sentence, sentences, heads, max_len):
+  """The reference: Python loops of one ``jax.jit`` step over a max-size buffer (as
+  ``pad_max``: one compile, one sync per token; exact by causality)."""
+  key = ("nested_ref", id(params), per_sentence, heads, max_len)
+  if key not in _CACHE:
+    cond, body = _padded_fns(params, max_len, per_sentence, heads)
+
+    def sep(buf, t):
+      col = jnp.full((buf.shape[0], 1), SEP, buf.dtype)
+      return lax.dynamic_update_slice_in_dim(buf, col, t, axis=1), t + 1
+
+    _CACHE[key] = (jax.jit(cond), jax.jit(body), jax.jit(sep))
+  cond, body, sep = _CACHE[key]
+  buf, t, _, _ = _pad_init(prompts, max_len)
+  for _ in range(sentences):
+    carry = (buf, t, jnp.int32(0), jnp.zeros((buf.shape[0],), bool))
+    while bool(cond(carry)):
+      carry = body(carry)
+    buf, t = sep(carry[0], carry[1])
+  return buf[:, :int(t)]
 
 
 # -- the benchmark ----------------------------------------------------------------------------
@@ -243,17 +378,56 @@ def _peak_bytes() -> int | None:
   return int(st.get("peak_bytes_in_use", st.get("bytes_in_use", 0)))
 
 
+NOTES = {
+    "dynjax*": "one compiled lax.while_loop per length bucket; host syncs = buckets visited "
+               "(+1 to read the counter with the cap); compiles = buckets x unroll bodies; "
+               "each step computes the whole bucket (no KV cache in this LM)",
+    "dynjax_*_u4": "4 guarded steps per XLA loop trip: one predicate round trip per 4 tokens "
+                   "on GPU, up to 3 wasted steps per bucket visit, ~2x compile time",
+    "dynjax_cap_*": "starts in the bucket of prompt + max_new (read from `step < max_new`): "
+                    "no bucket crossing, every step pays for that bucket",
+    "jit_exact": "Python loop of jax.jit on exact shapes: a compile per new length, a sync per "
+                 "token",
+    "pad_max": "Python loop of one jit step over the max-length buffer: a sync per token, "
+               "every step pays for max_len",
+    "while_max": "one lax.while_loop over the max-length buffer with a done flag: one sync, "
+                 "every step pays for max_len",
+    "program_compiled": "dynjax.jit of encoder + decode loop: segments compiled per bucket, the "
+                        "loop as a call in one VM program",
+    "program_op_by_op": "the same function run eagerly (run_in_program): every encoder op "
+                        "dispatched alone, compiled per (op, shape)",
+    "nested_dynjax": "outer loop in host mode (a sync per sentence + the inner loop's syncs, "
+                     "two staged sub-programs and a repad per sentence)",
+    "nested_python": "Python loops of one padded jit step (a sync per token)",
+}
+
+_COMPILES = [0]
+_LISTENING = [False]
+
+
+def _count_compiles() -> None:
+  if not _LISTENING[0]:
+    _LISTENING[0] = True
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda ev, dur, **kw: _COMPILES.__setitem__(0, _COMPILES[0] + 1)
+        if ev == "/jax/core/compile/backend_compile_duration" else None)
+
+
 def run(flags: dict | None = None, out_dir: str | None = None) -> dict:
   """Runs the decode comparison; returns (and writes ``decode.json`` to ``out_dir``) a dict.
 
-  Flags (all optional): ``quick`` (CPU setting, < 60 s), ``batches`` (list), ``new_tokens``,
-  ``requests`` per batch size, ``max_prompt``, ``d``, ``seed``.
+  Flags (all optional): ``quick`` (CPU setting, ~1-2 min on 2 cores), ``batches`` (list),
+  ``new_tokens``, ``requests`` per batch size, ``max_prompt``, ``d``, ``seed``, ``modes``,
+  ``warm_passes`` (per request the best warm time counts), ``exact_budget_s`` (jit_exact),
+  ``sections`` (``decode``, ``program``, ``nested``, ``hlo``), ``enc_layers``,
+  ``program_requests``, ``nested_requests``, ``sentences``, ``per_sentence``.
 
   Example:
     >>> res = run({"quick": True})  # doctest: +SKIP
     >>> res["rows"][0]["mode"]  # doctest: +SKIP
     'dynjax'
   """
+  _count_compiles()
   flags = dict(flags or {})
   quick = bool(flags.get("quick", jax.default_backend() == "cpu"))
   new_tokens = int(flags.get("new_tokens", 24 if quick else 256))
@@ -262,22 +436,75 @@ def run(flags: dict | None = None, out_dir: str | None = None) -> dict:
   max_prompt = int(flags.get("max_prompt", 24 if quick else 256))
   d = int(flags.get("d", 32 if quick else 256))
   heads = int(flags.get("heads", 2 if quick else 4))
-  modes = list(flags.get("modes", ["dynjax", "jit_exact", "pad_max", "while_max"]))
+  modes = list(flags.get("modes", [*VARIANTS, "jit_exact", "pad_max", "while_max"]))
+  sections = list(flags.get("sections", ["decode", "program", "nested", "hlo"]))
+  warm_passes = int(flags.get("warm_passes", 3 if quick else 2))
+  seed = int(flags.get("seed", 0))
   cfg = LMConfig(d=d, heads=heads, ffn=2 * d)
-  params = init_lm(cfg, seed=int(flags.get("seed", 0)))
+  params = init_lm(cfg, seed=seed)
   max_len = max_prompt + new_tokens
   # jit_exact compiles once per new length: it gets a time budget per batch size (cold pass),
   # the warm pass re-runs exactly the measured part, and its per-token figure is extrapolated
   # from that part (marked ``extrapolated``; "~" in the table).
   budget = flags.get("exact_budget_s", None if quick else 15.0)
   budget = None if budget is None else float(budget)
-  progress = flags.get("progress")
-  if progress:
-    progress(" | ".join(_COLS))
+  progress = flags.get("progress", lambda line: print(line, flush=True))
+  res = {"workload": "decode", "backend": jax.default_backend(), "jax": jax.__version__,
+         "device": str(jax.devices()[0].device_kind), "quick": quick,
+         "config": {"d": d, "heads": heads, "new_tokens": new_tokens, "max_prompt": max_prompt,
+                    "batches": batches, "requests": requests, "warm_passes": warm_passes},
+         "rows": [], "program_rows": [], "nested_rows": [], "hlo_body_ops": None,
+         "defaults": _loop_defaults(), "notes": NOTES}
+  def save():  # after every section: a run cut short still leaves its finished sections
+    if out_dir:
+      os.makedirs(out_dir, exist_ok=True)
+      with open(os.path.join(out_dir, "decode.json"), "w") as f:
+        json.dump(res, f, indent=1, default=str)
+
+  if "decode" in sections:
+    if progress:
+      progress(" | ".join(_COLS))
+    res["rows"] = _decode_rows(params, modes, batches, requests, max_prompt, new_tokens,
+                               heads, max_len, budget, warm_passes, seed, progress, save, res)
+    save()
+  if "hlo" in sections:
+    try:
+      res["hlo_body_ops"] = _hlo_body_ops(params, max_prompt, new_tokens, heads, max_len, seed)
+    except Exception as e:  # noqa: BLE001 - a diagnostic; never fail the run for it
+      res["hlo_body_ops"] = {"error": f"{type(e).__name__}: {e}"}
+    if progress:
+      progress(_fmt_hlo(res["hlo_body_ops"]))
+    save()
+  for name, key, fn in (("program", "program_rows", _program_rows),
+                        ("nested", "nested_rows", _nested_rows)):
+    if name not in sections:
+      continue
+    try:
+      res[key] = fn(params, cfg, flags, quick, heads, seed, progress)
+    except Exception as e:  # noqa: BLE001 - keep the other sections' figures
+      res[key] = [{"mode": name, "error": f"{type(e).__name__}: {e}"}]
+      if progress:
+        progress(f"{name}: {res[key][0]['error']}")
+    save()
+  return res
+
+
+def _loop_defaults() -> dict:
+  from dynjax.control._loop import _use_cap, default_unroll
+
+  class _S:
+    cap = True
+    bucket_from = "auto"
+
+  return {"unroll": default_unroll(), "bucket_from_auto": "cap" if _use_cap(_S) else "init"}
+
+
+def _decode_rows(params, modes, batches, requests, max_prompt, new_tokens, heads, max_len,
+                 budget, warm_passes, seed, progress, save=None, res=None) -> list[dict]:
   def decode(mode, pr, deadline=None, limit=None):
     """One request in one mode: ``(outputs, host syncs)``."""
-    if mode == "dynjax":
-      out, st = decode_dynjax(params, pr, new_tokens, heads)
+    if mode in VARIANTS:
+      out, st = decode_dynjax(params, pr, new_tokens, heads, **VARIANTS[mode])
       return out, st.get("host_syncs", 0)
     if mode == "jit_exact":
       return decode_jit_exact(params, pr, new_tokens, heads, deadline=deadline, limit=limit)
@@ -287,79 +514,259 @@ def run(flags: dict | None = None, out_dir: str | None = None) -> dict:
 
   rows = []
   for batch in batches:
-    prompts = _prompts(batch, requests, max_prompt, int(flags.get("seed", 0)))
+    prompts = _prompts(batch, requests, max_prompt, seed)
     ref_out = None
     for mode in modes:
-      times, toks, syncs, cold = [], 0, [], None
-      outs, limits = [], []
-      deadline = (time.perf_counter() + budget if mode == "jit_exact" and budget is not None
-                  else None)
-      cut = False
-      for i, pr in enumerate(prompts):
-        if deadline is not None and time.perf_counter() > deadline:
-          cut = True
-          break
-        t0 = time.perf_counter()
-        out, s = decode(mode, pr, deadline=deadline)
-        jax.block_until_ready(out)
-        dt = time.perf_counter() - t0
-        n_new = int(out[1])
-        if deadline is not None and time.perf_counter() > deadline:
-          done = bool(np.all(np.asarray(out[2]))) or n_new >= new_tokens
-          cut = cut or not done
-        if i == 0:
-          cold = dt
-        times.append(dt)
-        toks += n_new
-        limits.append(n_new)
-        syncs.append(s)
-        outs.append(np.asarray(out[0]))
-      # Warm pass (compiles done): the timing we report.
-      warm = []
-      for pr, lim in zip(prompts, limits, strict=False):  # limits stops where a budget cut
-        t0 = time.perf_counter()
-        out, _ = decode(mode, pr, limit=lim)
-        jax.block_until_ready(out)
-        warm.append(time.perf_counter() - t0)
+      try:
+        row, outs, cut = _decode_mode(decode, mode, batch, prompts, budget, new_tokens,
+                                      warm_passes)
+      except Exception as e:  # noqa: BLE001 - one broken mode must not hide the others
+        row = {"mode": mode, "batch": batch, "error": f"{type(e).__name__}: {e}"}
+        rows.append(row)
+        if progress:
+          progress(f"{mode} | {batch} | error: {row['error']}")
+        continue
       if ref_out is None:
         ref_out = outs
-      same = all(np.array_equal(a, b[:, :a.shape[1]]) if cut else np.array_equal(a, b)
-                 for a, b in zip(outs, ref_out, strict=False))
-      per_tok = sum(warm) / max(toks, 1)
-      row = {
-          "mode": mode, "batch": batch, "requests": len(prompts), "new_tokens": toks,
-          "cold_first_s": round(cold or 0.0, 4), "cold_total_s": round(sum(times), 4),
-          "warm_ms_per_token": round(1e3 * per_tok, 4),
-          "host_syncs_per_request": float(np.mean(syncs)) if syncs else None,
-          "matches_first_mode": same, "peak_bytes": _peak_bytes(),
-      }
-      if cut:
-        row["extrapolated"] = True
-        row["budget_s"] = budget
-        row["cold_ms_per_token"] = round(1e3 * sum(times) / max(toks, 1), 4)
+      row["matches_first_mode"] = all(
+          np.array_equal(a, b[:, :a.shape[1]]) if cut else np.array_equal(a, b)
+          for a, b in zip(outs, ref_out, strict=False))
       rows.append(row)
       ref = next((r["warm_ms_per_token"] for r in rows
-                  if r["batch"] == batch and r["mode"] == "dynjax"), None)
+                  if r["batch"] == batch and r["mode"] == "dynjax" and "error" not in r), None)
       row["ratio_vs_dynjax"] = round(row["warm_ms_per_token"] / ref, 3) if ref else None
       if progress:
         progress(_fmt_row(row))
-  base = {(r["batch"], r["mode"]): r["warm_ms_per_token"] for r in rows}
+      if res is not None and save is not None:
+        res["rows"] = rows
+        save()
+  base = {(r["batch"], r["mode"]): r["warm_ms_per_token"] for r in rows if "error" not in r}
   for r in rows:
     ref = base.get((r["batch"], "dynjax"))
-    r["ratio_vs_dynjax"] = round(r["warm_ms_per_token"] / ref, 3) if ref else None
-  res = {"workload": "decode", "backend": jax.default_backend(), "jax": jax.__version__,
-         "quick": quick, "config": {"d": d, "heads": heads, "new_tokens": new_tokens,
-                                    "max_prompt": max_prompt, "batches": batches,
-                                    "requests": requests}, "rows": rows}
-  if out_dir:
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "decode.json"), "w") as f:
-      json.dump(res, f, indent=1)
-  return res
+    if "error" not in r:
+      r["ratio_vs_dynjax"] = round(r["warm_ms_per_token"] / ref, 3) if ref else None
+  return rows
+
+
+def _decode_mode(decode, mode, batch, prompts, budget, new_tokens, warm_passes):
+  """One mode at one batch size: cold pass, warm passes.  Returns (row, outputs, cut)."""
+  times, toks, syncs, cold = [], 0, [], None
+  outs, limits = [], []
+  deadline = (time.perf_counter() + budget if mode == "jit_exact" and budget is not None
+              else None)
+  cut = False
+  c0 = _COMPILES[0]
+  for i, pr in enumerate(prompts):
+    if deadline is not None and time.perf_counter() > deadline:
+      cut = True
+      break
+    t0 = time.perf_counter()
+    out, s = decode(mode, pr, deadline=deadline)
+    jax.block_until_ready(out)
+    dt = time.perf_counter() - t0
+    n_new = int(out[1])
+    if deadline is not None and time.perf_counter() > deadline:
+      done = bool(np.all(np.asarray(out[2]))) or n_new >= new_tokens
+      cut = cut or not done
+    if i == 0:
+      cold = dt
+    times.append(dt)
+    toks += n_new
+    limits.append(n_new)
+    syncs.append(s)
+    outs.append(np.asarray(out[0]))
+  compiles = _COMPILES[0] - c0
+  # Warm passes (compiles done): per request the best time counts.
+  passes = 1 if mode == "jit_exact" else warm_passes
+  warm = [float("inf")] * len(limits)
+  for _ in range(passes):
+    for j, (pr, lim) in enumerate(zip(prompts, limits, strict=False)):
+      t0 = time.perf_counter()
+      out, _ = decode(mode, pr, limit=lim)
+      np.asarray(out[0])
+      warm[j] = min(warm[j], time.perf_counter() - t0)
+  per_tok = sum(warm) / max(toks, 1)
+  row = {
+      "mode": mode, "batch": batch, "requests": len(limits), "new_tokens": toks,
+      "cold_first_s": round(cold or 0.0, 4), "cold_total_s": round(sum(times), 4),
+      "warm_ms_per_token": round(1e3 * per_tok, 4),
+      "host_syncs_per_request": float(np.mean(syncs)) if syncs else None,
+      "compiles": compiles, "peak_bytes": _peak_bytes(),
+  }
+  if cut:
+    row["extrapolated"] = True
+    row["budget_s"] = budget
+    row["cold_ms_per_token"] = round(1e3 * sum(times) / max(toks, 1), 4)
+  return row, outs, cut
+
+
+def _timed(fn, prompts, passes: int):
+  """Cold pass (first sight of every prompt, compiles included), then warm passes: per
+  request the best time.  Returns (outputs, cold seconds, warm seconds per request, compiles)."""
+  c0 = _COMPILES[0]
+  t0 = time.perf_counter()
+  outs = []
+  for pr in prompts:
+    out = fn(pr)
+    outs.append([np.asarray(o) for o in jax.tree_util.tree_leaves(out)])
+  cold = time.perf_counter() - t0
+  compiles = _COMPILES[0] - c0
+  warm = [float("inf")] * len(prompts)
+  c1 = _COMPILES[0]
+  for _ in range(passes):
+    for j, pr in enumerate(prompts):
+      t0 = time.perf_counter()
+      out = fn(pr)
+      [np.asarray(o) for o in jax.tree_util.tree_leaves(out)]
+      warm[j] = min(warm[j], time.perf_counter() - t0)
+  return outs, cold, warm, compiles, _COMPILES[0] - c1
+
+
+def _program_rows(params, cfg, flags, quick, heads, seed, progress) -> list[dict]:
+  import dynjax
+  from dynjax.control import run_in_program
+
+  layers = int(flags.get("enc_layers", 4))
+  n = int(flags.get("program_requests", 3 if quick else 4))
+  max_new = int(flags.get("program_new_tokens", 16 if quick else 64))
+  max_prompt = int(flags.get("program_max_prompt", 24 if quick else 128))
+  passes = int(flags.get("warm_passes", 3 if quick else 2))
+  enc = init_encoder(cfg, layers, seed + 1)
+  gen = make_encode_generate(params, enc, max_new, heads)
+  prompts = _prompts(1, n, max_prompt, seed + 7)
+  compiled = dynjax.jit(gen, dims={"prompt": "b, t"})
+  rows, ref = [], None
+  for mode, fn in (("program_compiled", compiled),
+                   ("program_op_by_op", lambda pr: run_in_program(gen, (jnp.asarray(pr),)))):
+    outs, cold, warm, compiles, warm_compiles = _timed(fn, prompts, passes)
+    ref = outs if ref is None else ref
+    same = all(all(np.array_equal(a, b) for a, b in zip(x, y, strict=True))
+               for x, y in zip(outs, ref, strict=True))
+    row = {"mode": mode, "batch": 1, "requests": n, "enc_layers": layers,
+           "prompt_lengths": [int(p.shape[1]) for p in prompts], "max_new": max_new,
+           "warm_ms_per_request": round(1e3 * sum(warm) / n, 3),
+           "cold_total_s": round(cold, 3), "compiles": compiles,
+           "warm_compiles": warm_compiles, "matches_compiled": same}
+    if mode == "program_compiled":
+      st = compiled.stats()["programs"]
+      row["program"] = st[-1] if st else None
+    rows.append(row)
+  base = rows[0]["warm_ms_per_request"]
+  for r in rows:
+    r["ratio_vs_compiled"] = round(r["warm_ms_per_request"] / base, 3)
+    if progress:
+      progress(_fmt_prog(r))
+  return rows
+
+
+def _nested_rows(params, cfg, flags, quick, heads, seed, progress) -> list[dict]:
+  from dynjax.control import loop_stats, while_loop
+
+  n = int(flags.get("nested_requests", 2 if quick else 4))
+  sentences = int(flags.get("sentences", 3 if quick else 4))
+  per = int(flags.get("per_sentence", 8 if quick else 32))
+  max_prompt = int(flags.get("nested_max_prompt", 16 if quick else 64))
+  passes = int(flags.get("warm_passes", 3 if quick else 2))
+  prompts = _prompts(1, n, max_prompt, seed + 11)
+  cond, body = make_nested(params, per, sentences, heads)
+  info = {}
+
+  def nested(pr):
+    out = while_loop(cond, body, (jnp.asarray(pr), jnp.int32(0)))[0]
+    info.update(loop_stats())
+    return out
+
+  rows, ref = [], None
+  for mode, fn in (("nested_dynjax", nested),
+                   ("nested_python", lambda pr: decode_nested_python(
+                       params, pr, per, sentences, heads, max_prompt + sentences * (per + 1)))):
+    outs, cold, warm, compiles, warm_compiles = _timed(fn, prompts, passes)
+    ref = outs if ref is None else ref
+    same = all(all(np.array_equal(a, b) for a, b in zip(x, y, strict=True))
+               for x, y in zip(outs, ref, strict=True))
+    toks = sum(int(o[0].shape[1]) - int(p.shape[1]) for o, p in zip(outs, prompts,
+                                                                     strict=True))
+    row = {"mode": mode, "batch": 1, "requests": n, "sentences": sentences,
+           "per_sentence": per, "new_tokens": toks,
+           "warm_ms_per_token": round(1e3 * sum(warm) / max(toks, 1), 4),
+           "cold_total_s": round(cold, 3), "compiles": compiles,
+           "warm_compiles": warm_compiles, "matches_dynjax": same}
+    if mode == "nested_dynjax":
+      row["outer_mode"] = info.get("mode")
+      row["host_syncs_per_request"] = info.get("host_syncs")
+    rows.append(row)
+  base = rows[0]["warm_ms_per_token"]
+  for r in rows:
+    r["ratio_vs_dynjax"] = round(r["warm_ms_per_token"] / base, 3)
+    if progress:
+      progress(_fmt_nested(r))
+  return rows
+
+
+def _while_body_ops(hlo_text: str) -> dict:
+  """Top-level instructions of the (first) while body of an optimized HLO module, by opcode
+  (parameters, tuples, constants and bitcasts left out): the kernels one iteration launches."""
+  import re
+
+  m = re.search(r"while\(.*?condition=%?([\w.\-]+), body=%?([\w.\-]+)", hlo_text)
+  if m is None:
+    return {}
+  out: dict[str, int] = {}
+  on = False
+  for line in hlo_text.splitlines():
+    if not on:
+      on = bool(re.match(rf"^%?{re.escape(m.group(2))} ", line))
+      continue
+    if line.startswith("}"):
+      break
+    op = re.search(r"= \S+ ([\w\-]+)\(", line)
+    if op and op.group(1) not in ("parameter", "get-tuple-element", "tuple", "constant",
+                                  "bitcast"):
+      out[op.group(1)] = out.get(op.group(1), 0) + 1
+  out["total"] = sum(out.values())
+  return out
+
+
+def _hlo_body_ops(params, max_prompt, new_tokens, heads, max_len, seed) -> dict:
+  """Per-iteration kernels of dynjax's hoisted loop vs while_max (batch 1, the largest
+  bucket the run uses), from the optimized HLO of the device that runs the benchmark."""
+  from dynjax.control import _loop as L
+
+  pr = _prompts(1, 1, max_prompt, seed)[0]
+  out = {}
+  for name, opts in (("dynjax", {}), ("dynjax_init_u1", VARIANTS["dynjax_init_u1"])):
+    cond, body = make_step(params, new_tokens, heads)
+    init = init_carry(pr)
+    leaves, treedef = jax.tree_util.tree_flatten(init)
+    avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
+    unroll = opts.get("unroll", L.default_unroll())
+    loop = L._get_loop(cond, body, treedef, avals, None, None, "auto", unroll,
+                       opts.get("bucket_from", "auto"))
+    spec = loop.spec
+    bucket = L._bucket_for(spec, (max_len,))
+    shapes = L._padded_shapes(spec, bucket)
+    args = [*spec.body_consts, *spec.cond_consts, np.asarray([pr.shape[1]], np.int32),
+            *[jnp.zeros(s, x.dtype) for s, x in zip(shapes, leaves, strict=True)]]
+    text = spec.hoisted.get(bucket).lower(*args).compile().as_text()
+    ops = _while_body_ops(text)
+    ops["unroll"] = unroll
+    ops["per_step_total"] = round(ops.get("total", 0) / unroll, 2)
+    out[name] = ops
+  wc, wb = _padded_fns(params, max_len, new_tokens, heads)
+  text = jax.jit(lambda c: lax.while_loop(wc, wb, c)).lower(
+      _pad_init(pr, max_len)).compile().as_text()
+  out["while_max"] = _while_body_ops(text)
+  out["while_max"]["per_step_total"] = out["while_max"].get("total", 0)
+  out["bucket"] = int(bucket[0])
+  return out
 
 
 _COLS = ["mode", "batch", "new_tokens", "warm_ms_per_token", "ratio_vs_dynjax",
-         "host_syncs_per_request", "cold_total_s", "peak_bytes", "matches_first_mode"]
+         "host_syncs_per_request", "compiles", "cold_total_s", "matches_first_mode"]
+_PCOLS = ["mode", "warm_ms_per_request", "ratio_vs_compiled", "compiles", "warm_compiles",
+          "cold_total_s", "matches_compiled"]
+_NCOLS = ["mode", "new_tokens", "warm_ms_per_token", "ratio_vs_dynjax", "compiles",
+          "warm_compiles", "cold_total_s", "matches_dynjax"]
 
 
 def _fmt_row(r: dict) -> str:
@@ -372,11 +779,36 @@ def _fmt_row(r: dict) -> str:
   return " | ".join(cells)
 
 
+def _fmt_prog(r: dict) -> str:
+  return " | ".join(str(r.get(c)) for c in _PCOLS)
+
+
+def _fmt_nested(r: dict) -> str:
+  return " | ".join(str(r.get(c)) for c in _NCOLS)
+
+
+def _fmt_hlo(h: dict) -> str:
+  if not h or "error" in h:
+    return f"hlo_body_ops: {h}"
+  parts = [f"{k}: {v.get('per_step_total')} per step ({v.get('total')} per trip)"
+           for k, v in h.items() if isinstance(v, dict)]
+  return f"while-body kernels at bucket {h.get('bucket')}: " + "; ".join(parts)
+
+
 def format_table(res: dict) -> str:
   lines = [" | ".join(_COLS)] + [_fmt_row(r) for r in res["rows"]]
   if any(r.get("extrapolated") for r in res["rows"]):
     lines.append("~ : jit_exact stopped at its time budget (exact_budget_s, per batch size); "
                  "per-token figures from the part it decoded (new_tokens = tokens decoded)")
+  if res.get("program_rows"):
+    lines += ["", "encoder + decode loop under dynjax.jit (batch 1):", " | ".join(_PCOLS)]
+    lines += [_fmt_prog(r) for r in res["program_rows"]]
+  if res.get("nested_rows"):
+    lines += ["", "nested loops (outer host loop, inner hoisted decode):", " | ".join(_NCOLS)]
+    lines += [_fmt_nested(r) for r in res["nested_rows"]]
+  if res.get("hlo_body_ops"):
+    lines += ["", _fmt_hlo(res["hlo_body_ops"])]
+  lines += ["", "notes:"] + [f"  {k}: {v}" for k, v in res.get("notes", {}).items()]
   return "\n".join(lines)
 
 
@@ -386,12 +818,14 @@ def _main(argv: Sequence[str] | None = None) -> None:
   argv = list(sys.argv[1:] if argv is None else argv)
   flags: dict = {"quick": "--full" not in argv,
                  "progress": lambda line: print(line, flush=True)}
+  out_dir = None
   for a in argv:
     if a.startswith("--exact-budget="):
       flags["exact_budget_s"] = float(a.split("=", 1)[1])
-  res = run(flags, out_dir=None)
-  if any(r.get("extrapolated") for r in res["rows"]):
-    print(format_table(res).splitlines()[-1], flush=True)
+    elif a.startswith("--out="):
+      out_dir = a.split("=", 1)[1]
+  res = run(flags, out_dir=out_dir)
+  print(format_table(res), flush=True)
 
 
 if __name__ == "__main__":

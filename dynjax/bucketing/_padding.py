@@ -61,7 +61,9 @@ def _jaxpr_dim_vars(closed) -> set[str]:
   return names
 
 
-def pad_jaxpr(closed_jaxpr, dim_vars: Sequence[str], bucket: Mapping[str, int]) -> PaddingPlan:
+def pad_jaxpr(closed_jaxpr, dim_vars: Sequence[str], bucket: Mapping[str, int],
+              size_max: Mapping[str, int] | None = None, monotone: bool = True
+              ) -> PaddingPlan:
   """Builds the padded, exact version of a symbolic jaxpr for one bucket.
 
   Args:
@@ -69,6 +71,13 @@ def pad_jaxpr(closed_jaxpr, dim_vars: Sequence[str], bucket: Mapping[str, int]) 
       ``jax.export.symbolic_shape`` scope.
     dim_vars: the dimension variable names, in the order of ``sizes``.
     bucket: ``{var: padded size}`` for every variable.
+    size_max: optional ``{var: largest true size}`` (at most the bucket) that the caller
+      guarantees; compound dims (``t + 1``) then get buffers for that range, so their padded
+      size may equal the bucket of ``t`` (hoisted loops use it to grow a carry in place).
+    monotone: require every input/output dim to take its largest value at the bucket (the
+      core's contract).  ``False`` (compiled host programs, which read the padded shapes from
+      ``in_shapes``/``out_shapes``): such a dim (``n - min(n, t)``) gets a buffer of its
+      largest value over the bucket box instead.
 
   Returns:
     A :class:`PaddingPlan`.
@@ -97,14 +106,18 @@ def pad_jaxpr(closed_jaxpr, dim_vars: Sequence[str], bucket: Mapping[str, int]) 
   if absent:
     raise SpecError(f"pad_jaxpr: bucket {dict(bucket)} has no size for {absent}")
   bucket_env = {v: int(bucket[v]) for v in dim_vars}
-  probe = Context({}, bucket_env, None)
+  size_max = {v: min(int(n), bucket_env[v]) for v, n in (size_max or {}).items()
+              if v in bucket_env}
+  top_env = {v: size_max.get(v, n) for v, n in bucket_env.items()}
+  probe = Context({}, bucket_env, None, size_max)
   bad = []
   for where, avals in (("input", closed_jaxpr.in_avals), ("output", closed_jaxpr.out_avals)):
     for i, aval in enumerate(avals):
       for d in getattr(aval, "shape", ()):
-        if jp.is_dim_expr(d) and probe.padded_dim(d) != jp.eval_dim_expr(d, bucket_env):
+        if jp.is_dim_expr(d) and probe.padded_dim(d) != (
+            bucket_env[str(d)] if str(d) in bucket_env else jp.eval_dim_expr(d, top_env)):
           bad.append(f"{where} {i} dim {d}")
-  if bad:
+  if bad and monotone:
     raise PaddingUnsupportedError(
       f"dims not monotone in the sizes (their bucket value is not their largest): {bad}"
     )
@@ -128,7 +141,7 @@ def pad_jaxpr(closed_jaxpr, dim_vars: Sequence[str], bucket: Mapping[str, int]) 
         f"{len(args)}; " + "; ".join(bad)
       )
     sizes_env = {v: jnp.asarray(s, jnp.int32) for v, s in zip(dim_vars, sizes, strict=False)}
-    ctx = Context(sizes_env, bucket_env, recording[0])
+    ctx = Context(sizes_env, bucket_env, recording[0], size_max)
     outs = interpret_closed(ctx, closed_jaxpr, [PaddedValue(a) for a in args])
     return [
       jnp.asarray(o.val, a.dtype) if not hasattr(o.val, "shape") else o.val

@@ -197,13 +197,15 @@ _BOUND_CACHE: dict[Any, int] = {}
 class Context:
   """Per-trace state: true sizes (traced), bucket sizes (ints), the rewrite log."""
 
-  def __init__(self, sizes_env: dict[str, Any], bucket_env: dict[str, int], log: list[str] | None):
+  def __init__(self, sizes_env: dict[str, Any], bucket_env: dict[str, int], log: list[str] | None,
+               size_max: dict[str, int] | None = None):
     self.sizes_env = sizes_env
     self.bucket_env = bucket_env
     self.log = log
     self._true_cache: dict[Any, Any] = {}
-    self.box = {v: (1, n) for v, n in bucket_env.items()}
-    self._box_key = tuple(sorted(bucket_env.items()))
+    size_max = size_max or {}
+    self.box = {v: (1, min(n, size_max.get(v, n))) for v, n in bucket_env.items()}
+    self._box_key = tuple(sorted(self.box.items()))
 
   # -- dimensions -------------------------------------------------------------------------
   def padded_dim(self, d) -> int:
@@ -211,10 +213,17 @@ class Context:
 
     For monotone dims (``t``, ``b*t``, ``t + 1``, ``max(t, 3)``) that is the dim at the bucket
     sizes; non-monotone intermediate dims (``t - mod(t, 5)`` from ``jnp.roll``) get a sound
-    interval upper bound so that no true extent ever exceeds its buffer.
+    interval upper bound so that no true extent ever exceeds its buffer.  With ``size_max``
+    (true sizes known to stay below the bucket, e.g. inside a hoisted loop whose next size must
+    fit) a bare variable keeps its bucket-sized buffer and compound dims use the smaller range:
+    ``t + 1`` then fits the bucket of ``t`` and a concatenation at the true length becomes an
+    in-place ``dynamic_update_slice`` of the carry.
     """
     if not is_dynamic_dim(d):
       return int(d)
+    n = self.bucket_env.get(str(d))
+    if n is not None:
+      return n
     return self.dim_range(d)[1]
 
   def dim_range(self, d) -> tuple[int, int]:

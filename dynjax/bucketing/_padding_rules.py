@@ -648,11 +648,17 @@ def _concatenate_rule(ctx, eqn, invals):
     )
     return [PaddedValue(o, fill) for o in _bind(ctx, eqn, vals)]
   # Each operand lands at the true offset; a later one overwrites the padded tail of the one
-  # before.  offset_i + padded_i <= sum of padded sizes, so no start index is ever clamped.
+  # before.  The buffer holds max_i(largest true offset_i + padded_i), so no start index is ever
+  # clamped; when that is the output's padded size (a loop's ``concat([x, new])`` with the true
+  # size bounded below the bucket), the first update covers the buffer and XLA writes in place.
   ctx.note(eqn, f"relayout: operands placed at true offsets along axis {dim}")
   out_p = ctx.padded_shape(out_aval.shape)
   buf = list(out_p)
-  buf[dim] = max(out_p[dim], sum(v.shape[dim] for v in vals))
+  need, off_max = 0, 0
+  for v, val in zip(eqn.invars, vals, strict=True):
+    need = max(need, off_max + val.shape[dim])
+    off_max += ctx.dim_range(v.aval.shape[dim])[1]
+  buf[dim] = max(out_p[dim], need)
   out = jnp.zeros(buf, out_aval.dtype)
   offset = jnp.int32(0)
   for v, val in zip(eqn.invars, vals, strict=True):

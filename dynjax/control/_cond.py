@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from dynjax._errors import ControlFlowError
-from dynjax.control._frontend import any_tracer, needs_vm
+from dynjax.control._frontend import any_tracer, current_stager, needs_vm
 from dynjax.runtime import VM, Kernel, ProgramBuilder
 from dynjax.runtime._vm import record
 
@@ -126,4 +126,7 @@ def _traced_cond(pred, true_fun, false_fun, operands):
         diff.append(f"output leaf {i}: {a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}")
   if not diff:
     return lax.cond(pred, true_fun, false_fun, *operands)
+  stager = current_stager()
+  if stager is not None:  # inside dynjax.jit: a cond instruction of the host program
+    return stager.stage_cond(pred, true_fun, false_fun, operands)
   raise needs_vm("cond", "its branches return different shapes (" + "; ".join(diff) + ")")

@@ -78,7 +78,33 @@ def building(what: str):
 
 def building_what() -> str | None:
   stack = getattr(_local, "stack", None)
-  return stack[-1] if stack else None
+  top = stack[-1] if stack else None
+  return top if isinstance(top, str) else None
+
+
+@contextlib.contextmanager
+def staging(stager):
+  """Marks that dynjax stages a host program on this thread (``control/_staging.py``).
+
+  Inside, a control op that meets tracers and has no XLA form is *staged* (an opaque equation
+  the program runs on the VM) instead of raising; a ``building`` context pushed later (a loop
+  body traced for XLA) takes precedence again.
+  """
+  stack = getattr(_local, "stack", None)
+  if stack is None:
+    stack = _local.stack = []
+  stack.append(stager)
+  try:
+    yield stager
+  finally:
+    stack.pop()
+
+
+def current_stager():
+  """The innermost staging context of this thread, unless a ``building`` one is nearer."""
+  stack = getattr(_local, "stack", None)
+  top = stack[-1] if stack else None
+  return None if top is None or isinstance(top, str) else top
 
 
 class NotLowerable(ControlFlowError):

@@ -31,6 +31,10 @@ Instruction set (operands: ``%r`` registers, ``$k`` host immediates):
 ``Unpad``     ``%d... = unpad %s... to %shape...``: exact-shape results for the caller.
 ``AllocTensor`` ``%d = alloc_tensor $shape $dtype``: a zero device buffer (batching arenas).
 ``Kill``      ``kill %r``: drop a register so its buffer can be freed early.
+``Pad``       ``%d... = pad %s... to %shape...``: exact-shape arguments into their bucket
+              shapes on the *host* (zero buffer, one transfer; no compile per exact shape).
+``Call``      ``%d... = call f(%a...)``: run a sub-program (a control op: a hoisted loop, a
+              cond) through a host callable; it may sync.  Counted in ``stats.calls``.
 ============  ========================================================================
 """
 
@@ -57,6 +61,8 @@ class Op(enum.IntEnum):
   UNPAD = 10
   ALLOC_TENSOR = 11
   KILL = 12
+  PAD = 13
+  CALL = 14
 
 
 class Kernel:
@@ -137,10 +143,13 @@ class Instr:
     if op is Op.ALLOC_TENSOR:
       shape, dtype = self.imm
       return f"{lhs}alloc_tensor {tuple(shape)} {dtype}"
-    if op in (Op.REPAD, Op.UNPAD):
+    if op is Op.CALL:
+      return f"{lhs}call {getattr(self.imm, '__name__', 'fn')}({s})"
+    if op in (Op.REPAD, Op.UNPAD, Op.PAD):
       n = len(self.dsts)
       srcs, shape_reg = self.srcs[:n], self.srcs[n]
-      what = "repad" if op is Op.REPAD else "unpad"
+      what = {Op.REPAD: "repad", Op.UNPAD: "unpad_to_host" if self.imm else "unpad",
+              Op.PAD: "pad"}[op]
       return f"{lhs}{what} {', '.join(reg(r) for r in srcs)} to {reg(shape_reg)}"
     name = {Op.MOVE: "move", Op.SHAPE_OF: "shape_of", Op.READ_SCALAR: "read",
             Op.KILL: "kill"}[op]
@@ -254,6 +263,10 @@ class ProgramBuilder:
     self._names.append(name)
     return self._num_regs - 1
 
+  def name_reg(self, reg: int, name: str) -> None:
+    """Gives a register a readable name for ``as_text()``."""
+    self._names[reg] = name
+
   def new_regs(self, n: int, prefix: str = "") -> tuple[int, ...]:
     return tuple(self.new_reg(f"{prefix}{i}" if prefix else "") for i in range(n))
 
@@ -320,9 +333,25 @@ class ProgramBuilder:
     self._emit(Instr(Op.REPAD, dsts, tuple(srcs) + (shapes_reg,)))
     return dsts
 
-  def emit_unpad(self, srcs: Sequence[int], shapes_reg: int) -> tuple[int, ...]:
+  def emit_unpad(self, srcs: Sequence[int], shapes_reg: int, to_host: bool = False
+                 ) -> tuple[int, ...]:
+    """Exact-shape results; ``to_host``: as numpy arrays (no transfer back to the device)."""
     dsts = self.new_regs(len(srcs))
-    self._emit(Instr(Op.UNPAD, dsts, tuple(srcs) + (shapes_reg,)))
+    self._emit(Instr(Op.UNPAD, dsts, tuple(srcs) + (shapes_reg,), imm=bool(to_host)))
+    return dsts
+
+  def emit_pad(self, srcs: Sequence[int], shapes_reg: int, dsts: Sequence[int] | None = None
+               ) -> tuple[int, ...]:
+    """Host-side padding of (exact-shape) arguments to the shapes in ``shapes_reg``."""
+    dsts = tuple(dsts) if dsts is not None else self.new_regs(len(srcs))
+    self._emit(Instr(Op.PAD, dsts, tuple(srcs) + (shapes_reg,)))
+    return dsts
+
+  def emit_call(self, fn: Callable, args: Sequence[int], num_results: int | None = None,
+                dsts: Sequence[int] | None = None) -> tuple[int, ...]:
+    """``fn(*args)`` returns a tuple of ``num_results`` values (a sub-program run)."""
+    dsts = tuple(dsts) if dsts is not None else self.new_regs(num_results)
+    self._emit(Instr(Op.CALL, dsts, tuple(args), imm=fn))
     return dsts
 
   def emit_alloc_tensor(self, shape, dtype, dst: int | None = None) -> int:

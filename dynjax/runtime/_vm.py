@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import threading
 from collections.abc import Iterator, Sequence
 
@@ -27,7 +28,8 @@ import numpy as np
 from dynjax.runtime._program import Instr, Op, Program, _is_reg_key
 
 # Results of at most this many bytes are unpadded through the host (a numpy slice and a
-# device_put, ~30 us, no compile); larger ones by a device slice, which compiles once per exact
+# device_put, ~30 us, no compile; jnp.asarray of a numpy array would compile a tiny "stage"
+# executable per shape in jax 0.10); larger ones by a device slice, which compiles once per exact
 # shape (~40-70 ms) -- see DESIGN.md "a tiny pad or slice on a new shape costs one compile".
 UNPAD_VIA_HOST_BYTES = 4 << 20
 
@@ -43,6 +45,8 @@ class VMStats:
     host_syncs: blocking device-to-host reads made for decisions (``ReadScalar``).
     repads: carries moved to another bucket.
     unpad_to_host: results unpadded through the host (one transfer each, after the last sync).
+    pad_via_host: arguments padded to their bucket on the host (a read when on the device).
+    calls: sub-programs run by ``call`` (control ops inside a compiled host program).
     compiles: executables built by kernels while collected.
     loops: one dict per ``while_loop`` run: iterations, host_syncs, buckets visited, mode.
     batches: one dict per recursive batch: nodes, levels, invokes, batch buckets.
@@ -54,13 +58,14 @@ class VMStats:
   host_syncs: int = 0
   repads: int = 0
   unpad_to_host: int = 0
+  pad_via_host: int = 0
+  calls: int = 0
   compiles: int = 0
   loops: list = dataclasses.field(default_factory=list)
   batches: list = dataclasses.field(default_factory=list)
 
   def add(self, other: VMStats) -> None:
-    for f in ("runs", "instructions", "invokes", "host_syncs", "repads", "unpad_to_host",
-              "compiles"):
+    for f in _COUNTERS:
       setattr(self, f, getattr(self, f) + getattr(other, f))
     self.loops.extend(other.loops)
     self.batches.extend(other.batches)
@@ -69,6 +74,8 @@ class VMStats:
     return dataclasses.asdict(self)
 
 
+_COUNTERS = ("runs", "instructions", "invokes", "host_syncs", "repads", "unpad_to_host",
+             "pad_via_host", "calls", "compiles")
 _GLOBAL = VMStats()
 _local = threading.local()
 
@@ -113,8 +120,8 @@ def collect_stats() -> Iterator[VMStats]:
   cs.append(s)
   try:
     yield s
-  finally:
-    cs.remove(s)
+  finally:  # by identity: VMStats compare equal field by field, nested collectors may too
+    del cs[next(i for i, c in enumerate(cs) if c is s)]
 
 
 # -- repad / unpad executables (runtime-owned: plain lax pad/slice, no user code) -------------
@@ -133,8 +140,11 @@ _repad_cache: dict = {}
 
 def repad(values: Sequence, shapes: Sequence[tuple[int, ...]]) -> tuple:
   """Moves padded arrays into new padded shapes in one executable (cached per shapes)."""
-  key = (tuple(tuple(v.shape) for v in values), tuple(str(v.dtype) for v in values),
-         tuple(tuple(s) for s in shapes))
+  from_shapes = tuple(tuple(v.shape) for v in values)
+  targets = tuple(tuple(s) for s in shapes)
+  if from_shapes == targets:
+    return tuple(values)  # nothing to move (~0.5 us; the common case inside programs)
+  key = (from_shapes, tuple(str(v.dtype) for v in values), targets)
   fn = _repad_cache.get(key)
   if fn is None:
     targets = tuple(tuple(s) for s in shapes)
@@ -143,21 +153,60 @@ def repad(values: Sequence, shapes: Sequence[tuple[int, ...]]) -> tuple:
   return fn(*values)
 
 
-def unpad(values: Sequence, shapes: Sequence[tuple[int, ...]]) -> tuple[tuple, int]:
-  """Exact-shape copies of the valid prefixes; returns (arrays, number moved via the host)."""
+def unpad(values: Sequence, shapes: Sequence[tuple[int, ...]], to_host: bool = False
+          ) -> tuple[tuple, int]:
+  """Exact-shape copies of the valid prefixes; returns (arrays, number moved via the host).
+
+  ``to_host``: numpy results (one transfer each, never back to the device).
+  """
   out, via_host = [], 0
   small = [i for i, (v, s) in enumerate(zip(values, shapes, strict=True))
-           if tuple(v.shape) != tuple(s) and v.nbytes <= UNPAD_VIA_HOST_BYTES]
+           if to_host or (tuple(v.shape) != tuple(s) and v.nbytes <= UNPAD_VIA_HOST_BYTES)]
   host = dict(zip(small, jax.device_get([values[i] for i in small]), strict=True))
   for i, (v, s) in enumerate(zip(values, shapes, strict=True)):
-    if tuple(v.shape) == tuple(s):
+    if i in host:
+      h = host[i]
+      if tuple(np.shape(h)) != tuple(s):
+        h = np.ascontiguousarray(h[tuple(slice(0, n) for n in s)])
+        via_host += 1
+      out.append(np.asarray(h) if to_host else jax.device_put(h))
+    elif tuple(v.shape) == tuple(s):
       out.append(v)
-    elif i in host:
-      cut = tuple(slice(0, n) for n in s)
-      out.append(jnp.asarray(np.ascontiguousarray(host[i][cut])))
-      via_host += 1
     else:
       out.append(v[tuple(slice(0, n) for n in s)])
+  return tuple(out), via_host
+
+
+def pad(values: Sequence, shapes: Sequence[tuple[int, ...]]) -> tuple[tuple, int]:
+  """Exact-shape arguments padded (zeros) or cut to ``shapes``; returns (arrays, via host).
+
+  Leaves of at most ``UNPAD_VIA_HOST_BYTES`` are padded on the host: a numpy zero buffer, the
+  prefix copied in, one ``device_put`` (~10-30 us on CPU, no compile; a device array is read
+  first).  A device pad would compile once per exact shape (~40-70 ms).  Larger leaves use
+  :func:`repad` on the device.
+  """
+  out, via_host, big = [], 0, []
+  for i, (v, s) in enumerate(zip(values, shapes, strict=True)):
+    s = tuple(s)
+    shape = tuple(np.shape(v))
+    if shape == s:
+      out.append(v if isinstance(v, jax.Array) else jax.device_put(v))
+      continue
+    dtype = np.dtype(v.dtype) if hasattr(v, "dtype") else np.asarray(v).dtype
+    if math.prod(s) * dtype.itemsize > UNPAD_VIA_HOST_BYTES:
+      out.append(None)
+      big.append(i)
+      continue
+    h = np.asarray(v)
+    buf = np.zeros(s, dtype)
+    cut = tuple(slice(0, min(a, b)) for a, b in zip(shape, s, strict=True))
+    buf[cut] = h[cut]
+    out.append(jax.device_put(buf))
+    via_host += 1
+  if big:
+    moved = repad([jax.device_put(values[i]) for i in big], [shapes[i] for i in big])
+    for i, m in zip(big, moved, strict=True):
+      out[i] = m
   return tuple(out), via_host
 
 
@@ -173,7 +222,7 @@ class VM:
     (Array(2, dtype=int32),)
   """
 
-  __slots__ = ("program", "_code", "_stats", "_entry")
+  __slots__ = ("program", "_code", "_stats", "_entry", "_kernels")
 
   def __init__(self, program: Program):
     self.program = program
@@ -183,6 +232,7 @@ class VM:
       flat.extend(block.instrs)
     self._stats = VMStats()
     self._code = [self._lower(pc, ins, labels) for pc, ins in enumerate(flat)]
+    self._kernels = program.kernels()
 
   def _lower(self, pc: int, ins: Instr, labels: dict):  # noqa: C901 - one case per opcode
     nxt = pc + 1
@@ -259,10 +309,27 @@ class VM:
         st.host_syncs += 1
         return nxt
       return step
-    if op in (Op.REPAD, Op.UNPAD):
+    if op is Op.CALL:
+      dsts, srcs, fn = ins.dsts, ins.srcs, ins.imm
+
+      def step(regs):
+        outs = fn(*[regs[s] for s in srcs])
+        for dd, o in zip(dsts, outs, strict=True):
+          regs[dd] = o
+        st.calls += 1
+        return nxt
+      return step
+    if op in (Op.REPAD, Op.UNPAD, Op.PAD):
       dsts, n = ins.dsts, len(ins.dsts)
       srcs, shape_reg = ins.srcs[:n], ins.srcs[n]
-      if op is Op.REPAD:
+      if op is Op.PAD:
+        def step(regs):
+          outs, via_host = pad([regs[s] for s in srcs], regs[shape_reg])
+          for dd, o in zip(dsts, outs, strict=True):
+            regs[dd] = o
+          st.pad_via_host += via_host
+          return nxt
+      elif op is Op.REPAD:
         def step(regs):
           outs = repad([regs[s] for s in srcs], regs[shape_reg])
           for dd, o in zip(dsts, outs, strict=True):
@@ -270,8 +337,10 @@ class VM:
           st.repads += 1
           return nxt
       else:
+        to_host = bool(ins.imm)
+
         def step(regs):
-          outs, via_host = unpad([regs[s] for s in srcs], regs[shape_reg])
+          outs, via_host = unpad([regs[s] for s in srcs], regs[shape_reg], to_host)
           for dd, o in zip(dsts, outs, strict=True):
             regs[dd] = o
           st.unpad_to_host += via_host
@@ -303,7 +372,8 @@ class VM:
     for r, a in zip(prog.arg_regs, args, strict=True):
       regs[r] = a
     st = self._stats
-    compiles0 = sum(k.compiles for k in prog.kernels())
+    kernels = self._kernels
+    compiles0 = sum(k.compiles for k in kernels)
     code = self._code
     pc, n = 0, 0
     while pc >= 0:  # hot loop: ~0.1 us per instruction (see the module docstring)
@@ -311,7 +381,7 @@ class VM:
       n += 1
     st.runs += 1
     st.instructions += n
-    st.compiles += sum(k.compiles for k in prog.kernels()) - compiles0
+    st.compiles += sum(k.compiles for k in kernels) - compiles0
     return regs[-1]
 
   def take_stats(self) -> VMStats:
@@ -320,8 +390,7 @@ class VM:
     self._stats = VMStats()
     # Closures captured the old object: swap counters in place instead.
     fresh = dataclasses.replace(s, loops=list(s.loops), batches=list(s.batches))
-    for f in ("runs", "instructions", "invokes", "host_syncs", "repads", "unpad_to_host",
-              "compiles"):
+    for f in _COUNTERS:
       setattr(s, f, 0)
     s.loops.clear()
     s.batches.clear()

@@ -550,3 +550,33 @@ def test_rule_coverage():
   for name in ["select_and_scatter_add", "select_and_gather_add", "reduce", "reduce_window"]:
     assert name in covered
   assert not set(covered) & set(missing)
+
+
+def test_size_max_grows_in_place_and_stays_exact():
+  """``size_max``: true sizes bounded below the bucket, so ``t + 1`` fits the bucket of ``t``
+  and the concatenation is one in-place update of the input buffer."""
+  (t,) = export.symbolic_shape("t")
+  cj = jax.make_jaxpr(lambda x: jnp.concatenate([x, x[-1:] * 2 + 1]))(
+      jax.ShapeDtypeStruct((t,), jnp.float32))
+  plan = pad_jaxpr(cj, ("t",), {"t": 8}, size_max={"t": 7})
+  assert plan.in_shapes == [(8,)] and plan.out_shapes == [(8,)]
+  wide = pad_jaxpr(cj, ("t",), {"t": 8})
+  assert wide.out_shapes == [(9,)]
+  fn = jax.jit(plan.fun)
+  for n in (1, 4, 7):
+    x = np.full(8, np.nan, np.float32)
+    x[:n] = np.arange(n)
+    (out,) = fn((jnp.int32(n),), x)
+    np.testing.assert_array_equal(np.asarray(out)[:n + 1], [*range(n), 2 * (n - 1) + 1])
+
+
+def test_non_monotone_output_dims_with_monotone_false():
+  (n, t) = export.symbolic_shape("n, t")
+  cj = jax.make_jaxpr(lambda x, y: x[y.shape[0]:])(jax.ShapeDtypeStruct((n,), jnp.float32),
+                                                  jax.ShapeDtypeStruct((t,), jnp.float32))
+  with pytest.raises(PaddingUnsupportedError, match="dims not monotone"):
+    pad_jaxpr(cj, ("n", "t"), {"n": 8, "t": 4})
+  plan = pad_jaxpr(cj, ("n", "t"), {"n": 8, "t": 4}, monotone=False)
+  assert plan.out_shapes == [(7,)]  # n - min(n, t) is largest at n = 8, t = 1
+  (out,) = jax.jit(plan.fun)((jnp.int32(6), jnp.int32(2)), jnp.arange(8.0), jnp.zeros(4))
+  np.testing.assert_array_equal(np.asarray(out)[:4], [2.0, 3.0, 4.0, 5.0])

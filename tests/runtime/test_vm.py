@@ -81,3 +81,29 @@ def test_dispatch_cost():
   print(f"\nVM: {1e6 * per_loop_instr:.3f} us per host/if/goto instruction, "
         f"{1e6 * per_move:.3f} us per move")
   assert per_move < 5e-6 and per_loop_instr < 10e-6
+
+
+def test_pad_and_call_instructions():
+  """``pad`` pads exact arguments on the host (no compile); ``call`` runs a sub-program."""
+  b = ProgramBuilder("padcall", 1, ["x"])
+  (x,) = b.args
+  shp = b.emit_const(((2, 8),))
+  (p,) = b.emit_pad([x], shp)
+  (y, z) = b.emit_call(lambda v: (v.sum(), v.shape), [p], 2)
+  b.emit_ret([p, y, z])
+  prog = b.finish()
+  assert prog.as_text().splitlines()[2:5] == [
+      "  %1 = const ((2, 8),)", "  %2 = pad %x to %1", "  %3, %4 = call <lambda>(%2)"]
+  vm = VM(prog)
+  (out, total, shape), = [vm.run(np.arange(6, dtype=np.float32).reshape(2, 3))]
+  st = vm.take_stats()
+  assert shape == (2, 8) and float(total) == 15.0 and st.calls == 1 and st.pad_via_host == 1
+  np.testing.assert_array_equal(np.asarray(out)[:, :3], np.arange(6).reshape(2, 3))
+  assert not np.asarray(out)[:, 3:].any()
+
+
+def test_unpad_to_host_returns_numpy():
+  from dynjax.runtime._vm import unpad
+  y = jnp.arange(16.0).reshape(2, 8)
+  (z,), via_host = unpad([y], [(2, 3)], to_host=True)
+  assert isinstance(z, np.ndarray) and z.shape == (2, 3) and via_host == 1

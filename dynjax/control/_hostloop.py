@@ -1,0 +1,284 @@
+"""Host-mode loops: a ``while_loop`` whose body runs a shape-changing loop (or cond) itself.
+
+Such a body is not one XLA computation, so the outer loop cannot be hoisted.  It runs as host
+iterations over *staged* programs (``_staging.py``): ``cond_fun`` and ``body_fun`` are each
+staged once over the outer carry's symbolic dims (the inner loop becomes a ``call`` of its own
+hoisted sub-program, the code around it compiled segments, one executable per bucket).  The
+carry stays padded on the device between iterations; per iteration the host reads the outer
+predicate (one sync) and whatever the inner loops read (one status per bucket they visit).
+After each body run the carry's new sizes are the body's output dims evaluated on the host
+(they may depend on how long the inner loop ran) and the carry moves to their bucket
+(``repad``: one cached executable per (from, to) bucket shapes).
+
+A body that cannot be staged (recursion, a primitive without a padding rule...) runs as a plain
+Python loop of eager calls (``mode="host_eager"``, reason in ``loop_stats()["fallback"]``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import export
+
+from dynjax import _jax_private as jp
+from dynjax._errors import ControlFlowError, PaddingUnsupportedError, format_list
+from dynjax.bucketing._policies import as_policy
+from dynjax.control import _loop as L
+from dynjax.control import _staging as S
+from dynjax.runtime._vm import VMStats, collect_stats, pad, record, repad, unpad
+
+
+def _crossed(buckets: list) -> int:
+  return sum(1 for a, b in zip(buckets, buckets[1:], strict=False) if a != b)
+
+
+def _bucket(policy, n: int) -> int:
+  b = policy.bucket(n)
+  return policy.grow(n) if b is None else b
+
+
+class _HostIterations:
+  """The shared core: staged cond and body over a symbolic carry, iterated on padded values.
+
+  ``leaf_dims``: per carry leaf per axis an int, a carry variable, or a fixed program dim
+  (text); ``carry_vars``: the carry variables (they change), with ``policies``.
+  """
+
+  def __init__(self, cond: S.StagedFunction, body: S.StagedFunction, body_out_avals,
+               leaf_dims, carry_vars, policies: dict):
+    self.cond, self.body = cond, body
+    self.carry_vars = tuple(carry_vars)
+    self.policies = policies
+    self.leaf_dims = leaf_dims
+    names = set(carry_vars)
+    for ld in leaf_dims:
+      for d in ld:
+        if isinstance(d, str):
+          names |= S._names(d)
+    self._shapes = L._compile_shapes([tuple(str(d) for d in ld) for ld in leaf_dims],
+                                     tuple(sorted(names)))
+    self._shape_names = tuple(sorted(names))
+    self._out_shapes = S._shape_fn(body_out_avals, S._vars_of_dims(
+        [d for a in body_out_avals for d in a.shape]))
+    self._solve = [(li, ax, d) for li, ld in enumerate(leaf_dims) for ax, d in enumerate(ld)
+                   if isinstance(d, str) and d in self.carry_vars]
+
+  def shapes(self, env: dict):
+    return self._shapes(*[env[v] for v in self._shape_names])
+
+  def iterate(self, env: S.Env, n_cond: int, consts: list, carry: list, info: dict):
+    """Runs the loop from ``env`` (sizes and buckets of the carry vars included)."""
+    cconsts, bconsts = consts[:n_cond], consts[n_cond:]
+    while True:
+      _, (p,) = self.cond.run_padded(env, [*cconsts, *carry])
+      info["host_syncs"] += 1
+      if not bool(np.asarray(p)):
+        return env, carry
+      env_b, outs = self.body.run_padded(env, [*bconsts, *carry])
+      info["iterations"] += 1
+      exact = self._out_shapes(env_b.sizes)
+      sizes, bad = {}, []
+      for li, ax, v in self._solve:
+        n = exact[li][ax]
+        if sizes.setdefault(v, n) != n:
+          bad.append(f"{v}: {sizes[v]} vs {n} (leaf {li} axis {ax})")
+      if bad:
+        raise ControlFlowError("body_fun returned a carry whose axes sharing a dimension "
+                               "disagree:\n" + format_list(bad))
+      buckets = {v: _bucket(self.policies[v], n) for v, n in sizes.items()}
+      env = env.updated(sizes, buckets)
+      want = self.shapes(env.sizes)
+      if tuple(map(tuple, want)) != tuple(map(tuple, exact)):
+        raise ControlFlowError(f"body_fun changed fixed carry axes: expected {want}, got "
+                               f"{exact}")
+      carry = list(repad(outs, self.shapes(env.buckets)))
+      info["buckets"].append(tuple(buckets[v] for v in self.carry_vars))
+
+
+def _carry_axes(avals, outs, dims, treedef) -> tuple[list[tuple], list[str]]:
+  """Carry variables from one staged abstract step (or from ``dims``)."""
+  if dims is not None:
+    leaf_dims, names = L._explicit_dims(dims, treedef, avals, L._keypaths(treedef))
+    return leaf_dims, names
+  groups: dict[Any, str] = {}
+  leaf_dims = []
+  for a, o in zip(avals, outs, strict=True):
+    per = []
+    for d_in, d_out in zip(a.shape, o.shape, strict=True):
+      if not jp.is_dim_expr(d_out) and int(d_out) == int(d_in):
+        per.append(int(d_in))
+      else:
+        per.append(groups.setdefault((int(d_in), str(d_out)), f"n{len(groups)}"))
+    leaf_dims.append(tuple(per))
+  return leaf_dims, sorted(set(groups.values()), key=lambda s: int(s[1:]))
+
+
+class HostLoop:
+  """A standalone ``while_loop`` run in host mode (see the module docstring)."""
+
+  def __init__(self, cond_fun, body_fun, treedef, avals, dims, buckets, reason: str):
+    self.reason = reason
+    self.mode = "host"
+    self.fallback = None
+    self.cond_fun, self.body_fun, self.treedef = cond_fun, body_fun, treedef
+    self._fixed = None
+    self.core = None
+    try:
+      self._stage(avals, dims, buckets)
+    except (S.StagingError, PaddingUnsupportedError, ControlFlowError) as e:
+      self.mode, self.fallback = "host_eager", S._first_line(e)
+    except Exception as e:  # noqa: BLE001 - an unstageable body still runs, eagerly
+      self.mode, self.fallback = "host_eager", f"{type(e).__name__}: {S._first_line(e)}"
+
+  def _stage(self, avals, dims, buckets):
+    cond_flat, body_flat = L._flat_fns(self.cond_fun, self.body_fun, self.treedef)
+    _, outs = S.stage(body_flat, avals, export.SymbolicScope(), {}, "while_loop.body")
+    leaf_dims, names = _carry_axes(avals, outs, dims, self.treedef)
+    self.leaf_dims, self.carry_vars = leaf_dims, tuple(names)
+    scope = export.SymbolicScope()
+    syms = dict(zip(names, export.symbolic_shape(", ".join(names), scope=scope), strict=True)
+                ) if names else {}
+    sym_avals = [jax.ShapeDtypeStruct(tuple(syms[d] if isinstance(d, str) else d for d in ld),
+                                      a.dtype) for ld, a in zip(leaf_dims, avals, strict=True)]
+    pols = dict(zip(names, L._policies(buckets, tuple(names)), strict=True))
+    body, body_out = S.stage(body_flat, sym_avals, scope, pols, "while_loop.body")
+    cond, _ = S.stage(lambda *xs: [jnp.asarray(cond_flat(*xs))], sym_avals, scope, pols,
+                      "while_loop.cond")
+    if body.consts or cond.consts:  # closure values: constants of the staged programs
+      pass
+    self.core = _HostIterations(cond, body, body_out, leaf_dims, names, body.policies)
+    self._fixed = [tuple((ax, int(d)) for ax, d in enumerate(ld) if not isinstance(d, str))
+                   for ld in leaf_dims]
+
+  def accepts(self, shapes) -> bool:
+    if self._fixed is None:
+      return True
+    for fixed, shape in zip(self._fixed, shapes, strict=True):
+      for ax, n in fixed:
+        if shape[ax] != n:
+          return False
+    return True
+
+  def program_text(self) -> str:
+    if self.core is None:
+      return f"host loop (eager: {self.fallback})"
+    return ("host loop: while cond: body  (carry vars "
+            f"{list(self.carry_vars)})\n" + self.core.cond.program_text("padded") + "\n"
+            + self.core.body.program_text("padded"))
+
+  def run(self, leaves: list) -> list:
+    info = {"mode": self.mode, "iterations": 0, "host_syncs": 0, "buckets": [],
+            "fallback": self.fallback or self.reason}
+    with collect_stats() as inner:
+      if self.core is None:
+        outs = self._run_eager(leaves, info)
+      else:
+        outs = self._run_staged(leaves, info)
+    st = VMStats(host_syncs=info["host_syncs"])
+    info["host_syncs"] += inner.host_syncs
+    info["inner_loops"] = len(inner.loops)
+    info["buckets_crossed"] = _crossed(info["buckets"])
+    info["compiles"] = inner.compiles
+    st.loops.append(info)
+    L._LAST_RUN["loop"] = info
+    record(st)
+    return outs
+
+  def _run_eager(self, leaves, info) -> list:
+    carry = jax.tree_util.tree_unflatten(self.treedef, leaves)
+    while True:
+      info["host_syncs"] += 1
+      if not bool(self.cond_fun(carry)):
+        return jax.tree_util.tree_leaves(carry)
+      carry = self.body_fun(carry)
+      info["iterations"] += 1
+
+  def _run_staged(self, leaves, info) -> list:
+    core = self.core
+    sizes = {}
+    for li, ax, v in core._solve:
+      sizes.setdefault(v, leaves[li].shape[ax])
+    buckets = {v: _bucket(core.policies[v], n) for v, n in sizes.items()}
+    env = S.Env(sizes, buckets)
+    carry, _ = pad(leaves, core.shapes(buckets))
+    info["buckets"].append(tuple(buckets[v] for v in self.carry_vars))
+    env, carry = core.iterate(env, 0, [], list(carry), info)
+    outs, _ = unpad(carry, core.shapes(env.sizes))
+    return list(outs)
+
+
+# -- a host loop inside a staged program ----------------------------------------------------
+class _HostLoopCall(S._Call):
+  """A host loop staged as one control op of an enclosing program (padded values in/out)."""
+
+  name = "host_loop"
+
+  def __init__(self, core: _HostIterations, n_cond: int, n_consts: int, init_text: dict,
+               out_avals):
+    super().__init__(out_avals)
+    self.core = core
+    self.n_cond, self.n_consts = n_cond, n_consts
+    names = sorted({n for t in init_text.values() for n in S._names(t)})
+    exprs = [init_text[v] for v in core.carry_vars]
+    self._init = L._compile_exprs(exprs, tuple(names), L._HOST_NS)
+    self._init_names = names
+
+  def run(self, env: S.Env, *inputs):
+    core = self.core
+    consts, carry = list(inputs[:self.n_consts]), list(inputs[self.n_consts:])
+    sizes = dict(zip(core.carry_vars, (int(x) for x in self._init(
+        *[env.sizes[v] for v in self._init_names])), strict=True))
+    buckets = {v: _bucket(core.policies[v], n) for v, n in sizes.items()}
+    env = env.updated(sizes, buckets)
+    carry = list(repad(carry, core.shapes(env.buckets)))
+    info = {"mode": "host", "iterations": 0, "host_syncs": 0, "buckets": []}
+    env, carry = core.iterate(env, self.n_cond, consts, carry, info)
+    st = VMStats(host_syncs=info["host_syncs"])
+    info["buckets_crossed"] = _crossed(info["buckets"])
+    st.loops.append(info)
+    L._LAST_RUN["loop"] = info
+    record(st)
+    return (env, *carry)
+
+
+def stage_host_loop(stager: S.Stager, cond_fun, body_fun, init_val, options: dict):
+  """Stages a loop whose body holds a shape-changing control op, inside a program trace."""
+  leaves, treedef = jax.tree_util.tree_flatten(init_val)
+  avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
+  cond_flat, body_flat = L._flat_fns(cond_fun, body_fun, treedef)
+  _, outs = S.stage(body_flat, avals, stager.scope, stager.policies, "while_loop.body",
+                    stager=stager, hoist_consts=True)
+  leaf_dims, sym_avals, users = stager._carry_dims(avals, outs, options["dims"], treedef)
+  buckets = options["buckets"]
+  for u, v in users.items():
+    if buckets is None:
+      continue
+    if isinstance(buckets, dict):
+      if u in buckets:
+        stager.policies[v] = as_policy(buckets[u], f"[{u!r}]")
+    else:
+      stager.policies[v] = as_policy(buckets, "")
+  carry_vars = tuple(users.values())
+  body, body_out = S.stage(body_flat, sym_avals, stager.scope, stager.policies,
+                           "while_loop.body", stager=stager, hoist_consts=True)
+  cond, _ = S.stage(lambda *xs: [jnp.asarray(cond_flat(*xs))], sym_avals, stager.scope,
+                    stager.policies, "while_loop.cond", stager=stager, hoist_consts=True)
+  core = _HostIterations(cond, body, body_out, leaf_dims, carry_vars, dict(stager.policies))
+  init_text = {}
+  for ld, a in zip(leaf_dims, avals, strict=True):
+    for d, d0 in zip(ld, a.shape, strict=True):
+      if isinstance(d, str) and d in carry_vars and d not in init_text:
+        init_text[d] = str(d0)
+  consts = list(cond.hoisted_consts) + list(body.hoisted_consts)
+  out_avals = [jp.shaped_array(a.shape, a.dtype) for a in sym_avals]
+  call = _HostLoopCall(core, len(cond.hoisted_consts), len(consts), init_text, out_avals)
+  outs = stager.bind(call, [jnp.asarray(c) if not S.is_tracer(c) else c for c in consts]
+                     + list(leaves))
+  return jax.tree_util.tree_unflatten(treedef, outs)
+
+
+__all__ = ["HostLoop", "stage_host_loop"]
+
