@@ -203,8 +203,8 @@ def test_batch_program_text():
 
 
 def test_per_item_params_are_stacked_and_highest_precision_matches_reference():
-  # Two different params dicts (same structure) in one batch: one group, params stacked per
-  # item; under "highest" matmul precision (what the bench's GPU check uses) it still equals
+  # Two different params dicts (same structure) in one batch: one group, each distinct leaf
+  # stacked once into a table gathered per item (a leaf object both share stays broadcast); under "highest" matmul precision (what the bench's GPU check uses) it still equals
   # the float64 oracle.
   p2 = T.init_params(N_TYPES, d_in=8, d_h=8, seed=1)
   trees = TREES[:4]
@@ -213,4 +213,4 @@ def test_per_item_params_are_stacked_and_highest_precision_matches_reference():
     out = T.encode.batch(items)
   for (p, t), (h, _) in zip(items, out, strict=True):
     np.testing.assert_allclose(np.asarray(h), T.reference(p, t)[0], rtol=2e-5, atol=2e-6)
-  assert "stack" in T.encode.last_programs[0].as_text()
+  assert "table" in T.encode.last_programs[0].as_text()
