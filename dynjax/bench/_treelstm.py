@@ -166,6 +166,369 @@ def torch_per_node(p, tree, device="cpu"):
     return go(0)
 
 
+# -- the issue's model: three cells by arity over binarized trees ---------------------------
+# Child-sum Tree-LSTM on the first-child / next-sibling form of each AST: a node has 0, 1 or
+# 2 children there, and one cell per arity does the whole node (no pairwise adds, no separate
+# forget cell).  Parameters are an ordinary argument, in any of the forms of ``FORMS``.
+FORMS = ("numpy_dict", "jnp_dict", "nested", "closed", "per_node_x")
+FORM_NOTES = {
+    "numpy_dict": "params: dict of numpy arrays, the same object in every call",
+    "jnp_dict": "params: dict of jax arrays, the same object in every call",
+    "nested": "params: nested pytree {emb, gates: {W, U, b}, forget: (Wf, Uf, bf)} of jax arrays",
+    "closed": "params closed over by the cells (constants of the executables)",
+    "per_node_x": "jnp params + a per-node input row (numpy, a different object per call)",
+}
+
+
+def init_arity_params(n_types: int, d_h: int = 16, seed: int = 0) -> dict:
+  """Numpy float32 weights (seeded; no device work): ``emb`` [n_types, d_h] and the gates."""
+  rng = np.random.default_rng(seed)
+  s = 1.0 / np.sqrt(d_h)
+
+  def w(*shape, scale=s):
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+  return {"emb": w(n_types, d_h, scale=1.0), "W": w(d_h, 3 * d_h), "U": w(d_h, 3 * d_h),
+          "b": np.zeros(3 * d_h, np.float32), "Wf": w(d_h, d_h), "Uf": w(d_h, d_h),
+          "bf": np.ones(d_h, np.float32)}
+
+
+def nest(p: dict) -> dict:
+  """The same weights as a nested pytree (dict, sub-dict, tuple)."""
+  return {"emb": p["emb"], "gates": {"W": p["W"], "U": p["U"], "b": p["b"]},
+          "forget": (p["Wf"], p["Uf"], p["bf"])}
+
+
+def _flat(p):
+  if "gates" in p:
+    g, (wf, uf, bf) = p["gates"], p["forget"]
+    return {"emb": p["emb"], "W": g["W"], "U": g["U"], "b": g["b"], "Wf": wf, "Uf": uf, "bf": bf}
+  return p
+
+
+def _input(p, x):
+  # a token id (looked up in the cell) or the node's input row itself
+  return p["emb"][x] if jnp.issubdtype(jnp.result_type(x), jnp.integer) else x
+
+
+def _forget(p, x, h, c):
+  return jax.nn.sigmoid(x @ p["Wf"] + h @ p["Uf"] + p["bf"]) * c
+
+
+def arity_leaf_fn(p, x):
+  p = _flat(p)
+  x = _input(p, x)
+  zero = jnp.zeros(p["Uf"].shape[0], x.dtype)
+  return _gates(p, x, zero, zero)
+
+
+def arity_one_fn(p, x, h, c):
+  p = _flat(p)
+  x = _input(p, x)
+  return _gates(p, x, h, _forget(p, x, h, c))
+
+
+def arity_two_fn(p, x, h1, c1, h2, c2):
+  p = _flat(p)
+  x = _input(p, x)
+  return _gates(p, x, h1 + h2, _forget(p, x, h1, c1) + _forget(p, x, h2, c2))
+
+
+arity_leaf = cell(arity_leaf_fn, name="leaf")
+arity_one = cell(arity_one_fn, name="one")
+arity_two = cell(arity_two_fn, name="two")
+
+
+def closed_cells(p) -> tuple:
+  """The three cells closing over ``p`` (its arrays become constants of the executables)."""
+  return (cell(lambda x: arity_leaf_fn(p, x), name="leaf_c"),
+          cell(lambda x, h, c: arity_one_fn(p, x, h, c), name="one_c"),
+          cell(lambda x, h1, c1, h2, c2: arity_two_fn(p, x, h1, c1, h2, c2), name="two_c"))
+
+
+def binary_encoder(leaf_c, one_c, two_c, wrap=recursive):
+  """``enc(p, tree, i=0) -> (h, c)`` written as a user would: recurse, call a cell by arity.
+
+  ``wrap=dynjax.recursive`` gives the batched recursion; ``wrap=lambda f: f`` with jitted
+  cells gives the per-node baseline (same Python, one executable call per node).
+  """
+  def enc(p, tree, i=0):
+    left, right = tree.first_child[i], tree.next_sibling[i]
+    tok = int(tree.types[i])
+    if left < 0:
+      if right < 0:
+        return leaf_c(p, tok)
+      return one_c(p, tok, *rec(p, tree, right))
+    if right < 0:
+      return one_c(p, tok, *rec(p, tree, left))
+    return two_c(p, tok, *rec(p, tree, left), *rec(p, tree, right))
+
+  rec = wrap(enc)
+  return rec
+
+
+def binary_encoder_closed(leaf_c, one_c, two_c, wrap=recursive):
+  """``enc(tree, i=0)``: the cells close over the parameters."""
+  def enc(tree, i=0):
+    left, right = tree.first_child[i], tree.next_sibling[i]
+    tok = int(tree.types[i])
+    if left < 0:
+      if right < 0:
+        return leaf_c(tok)
+      return one_c(tok, *rec(tree, right))
+    if right < 0:
+      return one_c(tok, *rec(tree, left))
+    return two_c(tok, *rec(tree, left), *rec(tree, right))
+
+  rec = wrap(enc)
+  return rec
+
+
+def binary_encoder_x(leaf_c, one_c, two_c, wrap=recursive):
+  """``enc(p, tree, xs, i=0)``: node i's input is the row ``xs[i]`` (a new object per call)."""
+  def enc(p, tree, xs, i=0):
+    left, right = tree.first_child[i], tree.next_sibling[i]
+    x = xs[i]
+    if left < 0:
+      if right < 0:
+        return leaf_c(p, x)
+      return one_c(p, x, *rec(p, tree, xs, right))
+    if right < 0:
+      return one_c(p, x, *rec(p, tree, xs, left))
+    return two_c(p, x, *rec(p, tree, xs, left), *rec(p, tree, xs, right))
+
+  rec = wrap(enc)
+  return rec
+
+
+def arity_reference(p, tree, i=0):
+  """The binarized model per node in numpy float64 (the oracle)."""
+  P = {k: np.asarray(v, np.float64) for k, v in _flat(p).items()}
+  d = P["Uf"].shape[0]
+
+  def sig(z):
+    return 1.0 / (1.0 + np.exp(-z))
+
+  def go(j):
+    x = P["emb"][int(tree.types[j])]
+    kids = [go(int(k)) for k in (tree.first_child[j], tree.next_sibling[j]) if k >= 0]
+    hsum = sum((h for h, _ in kids), np.zeros(d))
+    fc = sum((sig(x @ P["Wf"] + h @ P["Uf"] + P["bf"]) * c for h, c in kids), np.zeros(d))
+    z = x @ P["W"] + hsum @ P["U"] + P["b"]
+    ig, og, ug = np.split(z, 3)
+    c = sig(ig) * np.tanh(ug) + fc
+    return sig(og) * np.tanh(c), c
+
+  return go(i)
+
+
+def torch_arity_params(p, device="cpu") -> dict:
+  import torch
+
+  return {k: torch.as_tensor(np.asarray(v), device=device) for k, v in _flat(p).items()}
+
+
+def torch_arity_per_node(P, tree):
+  """PyTorch eager, one node at a time, the binarized model (``P`` from torch_arity_params)."""
+  import torch
+
+  d = P["Uf"].shape[0]
+  dev = P["Uf"].device
+
+  def go(j):
+    x = P["emb"][int(tree.types[j])]
+    kids = [go(int(k)) for k in (tree.first_child[j], tree.next_sibling[j]) if k >= 0]
+    if kids:
+      hsum = sum(h for h, _ in kids)
+      fc = sum(torch.sigmoid(x @ P["Wf"] + h @ P["Uf"] + P["bf"]) * c for h, c in kids)
+    else:
+      hsum = torch.zeros(d, device=dev)
+      fc = torch.zeros(d, device=dev)
+    z = x @ P["W"] + hsum @ P["U"] + P["b"]
+    ig, og, ug = torch.split(z, d)
+    c = torch.sigmoid(ig) * torch.tanh(ug) + fc
+    return torch.sigmoid(og) * torch.tanh(c), c
+
+  with torch.no_grad():
+    return go(0)
+
+
+class ArityForm:
+  """One argument form: the batched encoder, its per-node twin, and how to call them."""
+
+  def __init__(self, form: str, p_np: dict):
+    self.form = form
+    p_dev = {k: jnp.asarray(v) for k, v in p_np.items()}
+    self.emb = p_np["emb"]
+    jitted = tuple(jax.jit(c.fn) for c in (arity_leaf, arity_one, arity_two))
+    ident = lambda f: f  # noqa: E731
+    if form == "closed":
+      cells = closed_cells(p_dev)
+      self.enc = binary_encoder_closed(*cells)
+      self.per_node = binary_encoder_closed(*(jax.jit(c.fn) for c in cells), wrap=ident)
+      self.params = None
+    elif form == "per_node_x":
+      self.enc = binary_encoder_x(arity_leaf, arity_one, arity_two)
+      self.per_node = binary_encoder_x(*jitted, wrap=ident)
+      self.params = p_dev
+    else:
+      self.enc = binary_encoder(arity_leaf, arity_one, arity_two)
+      self.per_node = binary_encoder(*jitted, wrap=ident)
+      self.params = {"numpy_dict": p_np, "jnp_dict": p_dev, "nested": nest(p_dev)}[form]
+
+  def items(self, trees) -> list[tuple]:
+    if self.form == "closed":
+      return [(t,) for t in trees]
+    if self.form == "per_node_x":
+      return [(self.params, t, self.emb[t.types]) for t in trees]
+    return [(self.params, t) for t in trees]
+
+
+class _CompileCount:
+  def __init__(self):
+    self.n = 0
+    jax.monitoring.register_event_duration_secs_listener(self)
+
+  def __call__(self, event, duration, **_):
+    if event == "/jax/core/compile/backend_compile_duration":
+      self.n += 1
+
+
+_COMPILES: _CompileCount | None = None
+
+
+def compile_counter() -> _CompileCount:
+  """A process-wide counter of XLA backend compiles (``jax.monitoring``)."""
+  global _COMPILES
+  if _COMPILES is None:
+    _COMPILES = _CompileCount()
+  return _COMPILES
+
+
+def _timed(fn):
+  t0 = time.perf_counter()
+  out = fn()
+  jax.block_until_ready(out)
+  return out, time.perf_counter() - t0
+
+
+def run_arity(flags: dict | None = None) -> dict:
+  """The issue's table: every argument form, dynjax ``batch`` vs per-node jitted recursion.
+
+  Per form: one warm-up batch (its own forest), then ``forests`` new forests of ``batch``
+  trees, each run twice (first call = any compile a new forest needs, counted with
+  ``jax.monitoring``; second call = steady state); the per-node twin on the first
+  ``per_node_forests`` of them.  Ratios use the per-node time of the *same* forests.
+  """
+  import sys
+
+  from dynjax.bench import data
+
+  flags = dict(flags or {})
+  quick = bool(flags.get("quick", jax.default_backend() == "cpu"))
+  batch = int(flags.get("batch", 64))
+  n_forests = int(flags.get("forests", 20))
+  pn_forests = int(flags.get("per_node_forests", 3))
+  max_nodes = int(flags.get("max_nodes", 150 if quick else 200))
+  d_h = int(flags.get("d_h", 16 if quick else 256))
+  seed = int(flags.get("seed", 0))
+  forms = flags.get("forms", FORMS)
+  forms = forms.split(",") if isinstance(forms, str) else list(forms)
+  sys.setrecursionlimit(max(sys.getrecursionlimit(), 10000))
+  counter = compile_counter()
+  p_np = init_arity_params(len(data.node_types()), d_h=d_h, seed=seed)
+  trees = data.sample_trees(batch * (n_forests + 1), seed=seed + 1, max_nodes=max_nodes)
+  forests = [trees[i * batch:(i + 1) * batch] for i in range(n_forests + 1)]
+  warm, timed = forests[0], forests[1:]
+  nodes = [sum(t.size for t in f) for f in timed]
+  rows = []
+  for form in forms:
+    f = ArityForm(form, p_np)
+    c0 = counter.n
+    _timed(lambda f=f: f.enc.batch(f.items(warm)))
+    warm_compiles = counter.n - c0
+    first, second, comp, rec_us, flush_ms, dyn_h = [], [], [], [], [], []
+    for forest in timed:
+      items = f.items(forest)
+      c0 = counter.n
+      _, t1 = _timed(lambda f=f, items=items: f.enc.batch(items))
+      comp.append(counter.n - c0)
+      out, t2 = _timed(lambda f=f, items=items: f.enc.batch(items))
+      (meta,) = f.enc.last_stats.batches
+      first.append(t1)
+      second.append(t2)
+      rec_us.append(1e6 * meta["record_s"] / meta["nodes"])
+      flush_ms.append(1e3 * meta["flush_s"])
+      dyn_h.append([np.asarray(h) for h, _ in out])
+    # per node: warm-up (compiles of the jitted cells) on the warm forest's first trees
+    _timed(lambda f=f: [f.per_node(*it) for it in f.items(warm[:4])])
+    pn = []
+    err = 0.0
+    for k in range(min(pn_forests, n_forests)):
+      out, t = _timed(lambda f=f, k=k: [f.per_node(*it) for it in f.items(timed[k])])
+      pn.append(t)
+      err = max([err] + [float(np.max(np.abs(np.asarray(h) - d))) for (h, _), d in
+                         zip(out, dyn_h[k], strict=True)])
+    k = len(pn)
+    dyn_s = float(np.median(second[:k]))
+    pn_s = float(np.median(pn))
+    rows.append({
+        "form": form, "note": FORM_NOTES[form],
+        "dynjax_ms": round(1e3 * float(np.median(second)), 2),
+        "dynjax_first_ms": round(1e3 * float(np.median(first)), 2),
+        "dynjax_first_call_after_warmup_ms": round(1e3 * first[0], 2),
+        "dynjax_us_per_node": round(1e6 * float(np.median(
+            [t / n for t, n in zip(second, nodes, strict=True)])), 2),
+        "per_node_ms": round(1e3 * pn_s, 2),
+        "per_node_us_per_node": round(1e6 * pn_s / float(np.mean(nodes[:k])), 2),
+        "x_faster_than_per_node": round(pn_s / dyn_s, 2),
+        "record_us_per_node": round(float(np.median(rec_us)), 2),
+        "flush_ms": round(float(np.median(flush_ms)), 2),
+        "warmup_compiles": warm_compiles,
+        "compiles_per_batch": comp,
+        "max_abs_diff_vs_per_node": err,
+    })
+  base = next((r for r in rows if r["form"] == "jnp_dict"), None)
+  if base is not None:
+    for r in rows:  # against the fastest natural per-node baseline (jnp params)
+      r["x_faster_than_per_node_jnp"] = round(base["per_node_ms"] / r["dynjax_ms"], 2)
+  f = ArityForm("jnp_dict", p_np)
+  check = timed[0][:int(flags.get("check_trees", 8))]
+  with jax.default_matmul_precision("highest"):
+    out = f.enc.batch(f.items(check))
+  ref_err = max(float(np.max(np.abs(np.asarray(h, np.float64) - arity_reference(p_np, t)[0])))
+                for (h, _), t in zip(out, check, strict=True))
+  res = {"model": "child-sum Tree-LSTM, 3 cells by arity (leaf/one/two), binarized ASTs",
+         "config": {"batch": batch, "forests": n_forests, "per_node_forests": pn_forests,
+                    "max_nodes": max_nodes, "d_h": d_h, "mean_nodes": float(np.mean(nodes))},
+         "rows": rows,
+         "check": {"trees": len(check), "max_abs_err_vs_float64": ref_err,
+                   "tolerance": CHECK_ATOL, "ok": ref_err <= CHECK_ATOL}}
+  if flags.get("torch", True):
+    res["torch"] = _torch_arity(p_np, warm, timed[:max(1, pn_forests)], nodes)
+  return res
+
+
+def _torch_arity(p_np, warm, forests, nodes) -> dict:
+  try:
+    import torch
+  except ImportError:
+    return {"skipped": "torch not importable"}
+  dev = "cuda" if torch.cuda.is_available() else "cpu"
+  P = torch_arity_params(p_np, dev)
+  torch_arity_per_node(P, warm[0])
+  ts = []
+  for forest in forests:
+    t0 = time.perf_counter()
+    [torch_arity_per_node(P, t) for t in forest]
+    if dev == "cuda":
+      torch.cuda.synchronize()
+    ts.append(time.perf_counter() - t0)
+  t = float(np.median(ts))
+  return {"device": dev, "torch": torch.__version__, "per_node_ms": round(1e3 * t, 2),
+          "per_node_us_per_node": round(1e6 * t / float(np.mean(nodes[:len(ts)])), 2)}
+
+
 # -- the benchmark ----------------------------------------------------------------------------
 CHECK_ATOL = 1e-4  # float32 vs float64 over trees up to ~40 levels deep (CPU: ~1e-6)
 

@@ -234,6 +234,13 @@ def _scalar_kinds() -> dict:
 
 
 _SCALAR_CACHE: dict = {}
+_ARRAY_TYPES = {np.ndarray}  # + jax's concrete array type, added when first seen (_classify)
+_BARE_CACHE: dict = {}
+
+
+def _bare_kinds() -> dict:
+  """(array type, shape, dtype) -> the "obj" kind of a bare array argument (per x64 mode)."""
+  return _BARE_CACHE.setdefault(bool(jax.config.jax_enable_x64), {})
 
 
 # -- cells ---------------------------------------------------------------------------------
@@ -498,6 +505,27 @@ class _Batch:
     self.arenas = None
 
 
+def _leaf_kind(x, where: str, scalars: dict):
+  """(kind, value) of one non-result argument leaf: "dev" for jax arrays, else "host"."""
+  k = scalars.get(type(x))
+  if k is not None:
+    return k, np.asarray(x, k.dtype)
+  if isinstance(x, jax.Array):
+    if is_tracer(x):
+      raise ControlFlowError(
+          f"cell {where!r} got a JAX tracer ({x.aval}) inside dynjax.recursive: the "
+          "recursion runs on concrete values. Call the recursive function outside "
+          "jax.jit/grad/vmap (or inside dynjax.jit).")
+    return _kind("dev", tuple(x.shape), x.dtype), x
+  a = np.asarray(x)
+  if a.dtype == object:
+    raise ControlFlowError(
+        f"a cell argument must be an array, a number or a cell result; got "
+        f"{type(x).__name__} {x!r}. Pass host structures to the recursive function, not to "
+        "cells.")
+  return _kind("host", a.shape, _canonical(a.dtype)), x
+
+
 def _is_frozen_tuple(a, leaves, td) -> bool:
   """A plain tuple of leaves (e.g. ``(h, c)``): immutable, so safe to know by identity."""
   return type(a) is tuple and len(leaves) < len(_TUPLE_TD) and td == _TUPLE_TD[len(leaves)]
@@ -518,6 +546,7 @@ class _Graph:
     self.programs: list = []
     self.seen: dict[int, _Entry] = {}  # id(arg object) -> entry; holds the object alive
     self.scalars = _scalar_kinds()
+    self.bare = _bare_kinds()
     self._tds: dict = {}
 
   @property
@@ -553,6 +582,7 @@ class _Graph:
     cur = self.cur
     seen = self.seen
     scalars = self.scalars
+    bare = self.bare
     level = 0
     key = [cell]
     for a in args:
@@ -568,6 +598,10 @@ class _Graph:
         continue
       e = seen.get(id(a))
       if e is None:
+        if t in _ARRAY_TYPES:  # a bare array (e.g. a per-node input row): known by its kind
+          k = bare.get((t, a.shape, a.dtype))
+          key.append(k if k is not None else self._bare_kind(a, t, cell))
+          continue
         e = self._classify(a, cell)
         if e.obj is not a:  # a mutable container of pending results: record its snapshot
           return self.add(cell, tuple(self._frozen(x, cell) for x in args))
@@ -621,6 +655,11 @@ class _Graph:
       return tuple(res)
     return jax.tree_util.tree_unflatten(g.out_tree, res)
 
+  def _bare_kind(self, a, t, cell: Cell) -> _Kind:
+    lk, _ = _leaf_kind(a, cell.name, self.scalars)
+    k = self.bare[(t, a.shape, a.dtype)] = _kind("obj", extra=(_LEAF_TD, (lk,)))
+    return k
+
   def _frozen(self, a, cell):
     """The object a call's column holds for argument ``a`` (see :meth:`_classify`)."""
     t = type(a)
@@ -652,6 +691,8 @@ class _Graph:
       k, v = self._leaf_kind(x, cell)
       kinds.append(k)
       vals.append(v)
+    if td == _LEAF_TD and isinstance(a, jax.Array) and not is_tracer(a):
+      _ARRAY_TYPES.add(type(a))  # later bare jax arrays take the fast path of add()
     kind = _kind("mixed" if nodes else "obj", extra=(td, tuple(kinds)))
     raw = None if td == _LEAF_TD else leaves
     e = _Entry(kind, a, vals, level, raw, cell.name)
@@ -661,23 +702,7 @@ class _Graph:
     return e
 
   def _leaf_kind(self, x, cell: Cell):
-    k = self.scalars.get(type(x))
-    if k is not None:
-      return k, np.asarray(x, k.dtype)
-    if isinstance(x, jax.Array):
-      if is_tracer(x):
-        raise ControlFlowError(
-            f"cell {cell.name!r} got a JAX tracer ({x.aval}) inside dynjax.recursive: the "
-            "recursion runs on concrete values. Call the recursive function outside "
-            "jax.jit/grad/vmap (or inside dynjax.jit).")
-      return _kind("dev", tuple(x.shape), x.dtype), x
-    a = np.asarray(x)
-    if a.dtype == object:
-      raise ControlFlowError(
-          f"a cell argument must be an array, a number or a cell result; got "
-          f"{type(x).__name__} {x!r}. Pass host structures to the recursive function, not to "
-          "cells.")
-    return _kind("host", a.shape, _canonical(a.dtype)), x
+    return _leaf_kind(x, cell.name, self.scalars)
 
   # -- running -------------------------------------------------------------------------------
   def flush(self) -> None:
@@ -744,12 +769,15 @@ class _Graph:
           else:
             step_kinds.append(("item",))
             data.append(_pad(np.asarray(col, kind.dtype), bsz))
-        elif kk == "obj" and all(x is col[0] for x in col):
+        elif kk == "obj" and kind.td == _LEAF_TD:  # one array per call (or one for all)
+          vals = [_leaf_value(seen, x) for x in col]
+          _data_column(kind.leaves[0], vals, bsz, step_kinds, rows, data, upload)
+        elif kk == "obj" and len(set(map(id, col))) == 1:
           # The shared-argument path (params): one object for every call, broadcast.
           for lk, v in zip(kind.leaves, seen[id(col[0])].vals, strict=True):
             step_kinds.append(("bcast",))
             data.append(v if lk.kind == "dev" else upload(v, lk.dtype))
-        else:  # distinct objects per call, or containers of pending results
+        else:  # distinct containers per call, or containers of pending results
           ents = [seen[id(x)] for x in col]
           for j, lk in enumerate(kind.leaves):
             vals = [e.vals[j] for e in ents]
@@ -821,11 +849,16 @@ class _Uploads:
     return hit[1]
 
 
+def _leaf_value(seen: dict, x):
+  e = seen.get(id(x))  # bare numpy/jax arrays have no entry (see _Graph.add)
+  return x if e is None else e.vals[0]
+
+
 def _data_column(lk, vals, bsz, step_kinds, rows, data, upload) -> None:
   """One non-node leaf column: broadcast, a table of distinct values + indices, or per item."""
   first = vals[0]
   n = len(vals)
-  if all(v is first for v in vals):
+  if len(set(map(id, vals))) == 1:
     step_kinds.append(("bcast",))
     data.append(upload(first, lk.dtype) if lk.kind == "host" else first)
     return
@@ -847,7 +880,8 @@ def _data_column(lk, vals, bsz, step_kinds, rows, data, upload) -> None:
     step_kinds.append(("item",))
     vals = vals + [first] * (bsz - n)
   if lk.kind == "host":
-    data.append(np.stack([np.asarray(v, lk.dtype) for v in vals]))
+    a = np.stack(vals)  # numpy reads the values now: a batch sees them as they are at its flush
+    data.append(a if a.dtype == lk.dtype else a.astype(lk.dtype))
   else:
     data.append(jnp.stack(vals))
 
