@@ -20,13 +20,14 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections import defaultdict
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dynjax.control import cell, recursive
+from dynjax.control import cell, fold, recursive
 
 
 def init_params(n_types: int, d_in: int = 16, d_h: int = 32, seed: int = 0) -> dict:
@@ -239,11 +240,12 @@ arity_one = cell(arity_one_fn, name="one")
 arity_two = cell(arity_two_fn, name="two")
 
 
-def closed_cells(p) -> tuple:
+def closed_cells(p, buckets=None) -> tuple:
   """The three cells closing over ``p`` (its arrays become constants of the executables)."""
-  return (cell(lambda x: arity_leaf_fn(p, x), name="leaf_c"),
-          cell(lambda x, h, c: arity_one_fn(p, x, h, c), name="one_c"),
-          cell(lambda x, h1, c1, h2, c2: arity_two_fn(p, x, h1, c1, h2, c2), name="two_c"))
+  return (cell(lambda x: arity_leaf_fn(p, x), name="leaf_c", batch_buckets=buckets),
+          cell(lambda x, h, c: arity_one_fn(p, x, h, c), name="one_c", batch_buckets=buckets),
+          cell(lambda x, h1, c1, h2, c2: arity_two_fn(p, x, h1, c1, h2, c2), name="two_c",
+               batch_buckets=buckets))
 
 
 def binary_encoder(leaf_c, one_c, two_c, wrap=recursive):
@@ -354,34 +356,51 @@ def torch_arity_per_node(P, tree):
 
 
 class ArityForm:
-  """One argument form: the batched encoder, its per-node twin, and how to call them."""
+  """One argument form: the batched encoders (recursive, fold), the per-node twin, calls."""
 
-  def __init__(self, form: str, p_np: dict):
+  def __init__(self, form: str, p_np: dict, fresh: bool = False, cells: tuple | None = None,
+               buckets=None):
     self.form = form
     p_dev = {k: jnp.asarray(v) for k, v in p_np.items()}
     self.emb = p_np["emb"]
-    jitted = tuple(jax.jit(c.fn) for c in (arity_leaf, arity_one, arity_two))
+    base = (arity_leaf, arity_one, arity_two) if cells is None else cells
+    if fresh:  # new cell objects: nothing compiled yet (the no-warm-up compile count)
+      base = tuple(cell(c.fn, name=c.name, batch_buckets=buckets) for c in base)
+    jitted = tuple(jax.jit(c.fn) for c in base)
     ident = lambda f: f  # noqa: E731
+    kids = lambda t: (t.first_child, t.next_sibling)  # noqa: E731
     if form == "closed":
-      cells = closed_cells(p_dev)
+      cells = closed_cells(p_dev, buckets)
       self.enc = binary_encoder_closed(*cells)
       self.per_node = binary_encoder_closed(*(jax.jit(c.fn) for c in cells), wrap=ident)
+      self.fold = fold(list(cells), children=kids, inputs=lambda t: t.types)
       self.params = None
     elif form == "per_node_x":
-      self.enc = binary_encoder_x(arity_leaf, arity_one, arity_two)
+      self.enc = binary_encoder_x(*base)
       self.per_node = binary_encoder_x(*jitted, wrap=ident)
+      self.fold = fold(list(base), children=lambda s: kids(s[0]), inputs=lambda s: s[1])
       self.params = p_dev
     else:
-      self.enc = binary_encoder(arity_leaf, arity_one, arity_two)
+      self.enc = binary_encoder(*base)
       self.per_node = binary_encoder(*jitted, wrap=ident)
+      self.fold = fold(list(base), children=kids, inputs=lambda t: t.types)
       self.params = {"numpy_dict": p_np, "jnp_dict": p_dev, "nested": nest(p_dev)}[form]
 
   def items(self, trees) -> list[tuple]:
+    """Argument tuples of ``enc.batch`` (and of the per-node recursion)."""
     if self.form == "closed":
       return [(t,) for t in trees]
     if self.form == "per_node_x":
       return [(self.params, t, self.emb[t.types]) for t in trees]
     return [(self.params, t) for t in trees]
+
+  def fold_args(self, items) -> tuple:
+    """(structures, *shared) of ``fold.batch`` for the same items."""
+    if self.form == "closed":
+      return ([it[0] for it in items],)
+    if self.form == "per_node_x":
+      return [(it[1], it[2]) for it in items], self.params
+    return [it[1] for it in items], self.params
 
 
 class _CompileCount:
@@ -412,13 +431,33 @@ def _timed(fn):
   return out, time.perf_counter() - t0
 
 
-def run_arity(flags: dict | None = None) -> dict:
-  """The issue's table: every argument form, dynjax ``batch`` vs per-node jitted recursion.
+def _time_frontend(run_batch, stats_of, warmup, warm_items, timed_items, counter) -> dict:
+  """Warm-up, then per forest a first and a second call (compiles counted on the first)."""
+  c0 = counter.n
+  w = warmup(warm_items)
+  warm = {"warmup_compiles": counter.n - c0, "warmup_s": w["seconds"]}
+  first, second, comp, host_us = [], [], [], []
+  for items in timed_items:
+    c0 = counter.n
+    _, t1 = _timed(lambda items=items: run_batch(items))
+    comp.append(counter.n - c0)
+    _, t2 = _timed(lambda items=items: run_batch(items))
+    first.append(t1)
+    second.append(t2)
+    host_us.append(stats_of())
+  return {**warm, "first": first, "second": second, "compiles": comp, "host_us": host_us}
 
-  Per form: one warm-up batch (its own forest), then ``forests`` new forests of ``batch``
-  trees, each run twice (first call = any compile a new forest needs, counted with
-  ``jax.monitoring``; second call = steady state); the per-node twin on the first
-  ``per_node_forests`` of them.  Ratios use the per-node time of the *same* forests.
+
+def run_arity(flags: dict | None = None) -> dict:
+  """The issue's table: every argument form, dynjax vs per-node jitted recursion.
+
+  Per form and front end (``recursive``: the decorator form; ``fold``: the vectorised one):
+  ``warmup()`` on its own forest, then ``forests`` new forests of ``batch`` trees, each run
+  twice (first call: whatever compiles a new forest needs, counted with ``jax.monitoring``;
+  second call: steady state).  The per-node twin (same cells, ``jax.jit``, node by node)
+  runs on the first ``per_node_forests`` of them; ratios use the same forests.
+  ``record_us_per_node`` is the host time that discovers the schedule: the recording of the
+  user's recursion (recursive) or the numpy linearisation (fold).
   """
   import sys
 
@@ -434,6 +473,8 @@ def run_arity(flags: dict | None = None) -> dict:
   seed = int(flags.get("seed", 0))
   forms = flags.get("forms", FORMS)
   forms = forms.split(",") if isinstance(forms, str) else list(forms)
+  frontends = flags.get("frontends", "recursive,fold")
+  frontends = frontends.split(",") if isinstance(frontends, str) else list(frontends)
   sys.setrecursionlimit(max(sys.getrecursionlimit(), 10000))
   counter = compile_counter()
   p_np = init_arity_params(len(data.node_types()), d_h=d_h, seed=seed)
@@ -444,69 +485,94 @@ def run_arity(flags: dict | None = None) -> dict:
   rows = []
   for form in forms:
     f = ArityForm(form, p_np)
-    c0 = counter.n
-    _timed(lambda f=f: f.enc.batch(f.items(warm)))
-    warm_compiles = counter.n - c0
-    first, second, comp, rec_us, flush_ms, dyn_h = [], [], [], [], [], []
-    for forest in timed:
-      items = f.items(forest)
-      c0 = counter.n
-      _, t1 = _timed(lambda f=f, items=items: f.enc.batch(items))
-      comp.append(counter.n - c0)
-      out, t2 = _timed(lambda f=f, items=items: f.enc.batch(items))
-      (meta,) = f.enc.last_stats.batches
-      first.append(t1)
-      second.append(t2)
-      rec_us.append(1e6 * meta["record_s"] / meta["nodes"])
-      flush_ms.append(1e3 * meta["flush_s"])
-      dyn_h.append([np.asarray(h) for h, _ in out])
-    # per node: warm-up (compiles of the jitted cells) on the warm forest's first trees
-    _timed(lambda f=f: [f.per_node(*it) for it in f.items(warm[:4])])
-    pn = []
-    err = 0.0
+    warm_items = f.items(warm)
+    timed_items = [f.items(forest) for forest in timed]
+    _timed(lambda f=f, w=warm_items: [f.per_node(*it) for it in w[:4]])  # jit compiles
+    runs = {}
+    for fe in frontends:
+      if fe == "recursive":
+        enc = f.enc
+        runs[fe] = (enc.batch, lambda enc=enc: 1e6 * enc.last_stats.batches[0]["record_s"]
+                    / enc.last_stats.batches[0]["nodes"], enc.warmup)
+      else:
+        fo, fa = f.fold, f.fold_args
+        runs[fe] = (lambda items, fo=fo, fa=fa: fo.batch(*fa(items)),
+                    lambda fo=fo: 1e6 * fo.last_stats.batches[0]["linearize_s"]
+                    / fo.last_stats.batches[0]["nodes"],
+                    lambda items, fo=fo, fa=fa: fo.warmup(*fa(items)))
+    res_fe = {fe: _time_frontend(*runs[fe], warm_items, timed_items, counter)
+              for fe in frontends}
+    # Per node vs dynjax, interleaved forest by forest (the 2-core box is shared: a ratio
+    # of runs minutes apart would measure the neighbours), median of per-forest ratios.
+    pn, ratio, err = [], defaultdict(list), defaultdict(float)
     for k in range(min(pn_forests, n_forests)):
-      out, t = _timed(lambda f=f, k=k: [f.per_node(*it) for it in f.items(timed[k])])
+      out, t = _timed(lambda f=f, its=timed_items[k]: [f.per_node(*it) for it in its])
       pn.append(t)
-      err = max([err] + [float(np.max(np.abs(np.asarray(h) - d))) for (h, _), d in
-                         zip(out, dyn_h[k], strict=True)])
+      for fe in frontends:
+        dyn_out, td = _timed(lambda its=timed_items[k], run=runs[fe][0]: run(its))
+        ratio[fe].append(t / td)
+        err[fe] = max([err[fe]] + [float(np.max(np.abs(np.asarray(a[0]) - np.asarray(b[0]))))
+                                   for a, b in zip(dyn_out, out, strict=True)])
     k = len(pn)
-    dyn_s = float(np.median(second[:k]))
     pn_s = float(np.median(pn))
-    rows.append({
-        "form": form, "note": FORM_NOTES[form],
-        "dynjax_ms": round(1e3 * float(np.median(second)), 2),
-        "dynjax_first_ms": round(1e3 * float(np.median(first)), 2),
-        "dynjax_first_call_after_warmup_ms": round(1e3 * first[0], 2),
-        "dynjax_us_per_node": round(1e6 * float(np.median(
-            [t / n for t, n in zip(second, nodes, strict=True)])), 2),
-        "per_node_ms": round(1e3 * pn_s, 2),
-        "per_node_us_per_node": round(1e6 * pn_s / float(np.mean(nodes[:k])), 2),
-        "x_faster_than_per_node": round(pn_s / dyn_s, 2),
-        "record_us_per_node": round(float(np.median(rec_us)), 2),
-        "flush_ms": round(float(np.median(flush_ms)), 2),
-        "warmup_compiles": warm_compiles,
-        "compiles_per_batch": comp,
-        "max_abs_diff_vs_per_node": err,
-    })
+    for fe in frontends:
+      r = res_fe[fe]
+      rows.append({
+          "form": form, "frontend": fe, "note": FORM_NOTES[form],
+          "dynjax_ms": round(1e3 * float(np.median(r["second"])), 2),
+          "dynjax_first_ms": round(1e3 * float(np.median(r["first"])), 2),
+          "first_call_after_warmup_ms": round(1e3 * r["first"][0], 2),
+          "dynjax_us_per_node": round(1e6 * float(np.median(
+              [t / n for t, n in zip(r["second"], nodes, strict=True)])), 2),
+          "per_node_ms": round(1e3 * pn_s, 2),
+          "per_node_us_per_node": round(1e6 * pn_s / float(np.mean(nodes[:k])), 2),
+          "x_faster_than_per_node": round(float(np.median(ratio[fe])), 2),
+          "record_us_per_node": round(float(np.median(r["host_us"])), 2),
+          "warmup_compiles": r["warmup_compiles"], "warmup_s": r["warmup_s"],
+          "compiles_per_batch": r["compiles"],
+          "max_abs_diff_vs_per_node": err[fe],
+      })
   base = next((r for r in rows if r["form"] == "jnp_dict"), None)
   if base is not None:
     for r in rows:  # against the fastest natural per-node baseline (jnp params)
       r["x_faster_than_per_node_jnp"] = round(base["per_node_ms"] / r["dynjax_ms"], 2)
+  res = {"model": "child-sum Tree-LSTM, 3 cells by arity (leaf/one/two), binarized ASTs",
+         "config": {"batch": batch, "forests": n_forests, "per_node_forests": pn_forests,
+                    "max_nodes": max_nodes, "d_h": d_h, "mean_nodes": float(np.mean(nodes)),
+                    "forms": forms, "frontends": frontends},
+         "rows": rows}
+  if flags.get("no_warmup_check", True):
+    res["no_warmup"] = _no_warmup_compiles(p_np, warm, timed, counter)
   f = ArityForm("jnp_dict", p_np)
   check = timed[0][:int(flags.get("check_trees", 8))]
   with jax.default_matmul_precision("highest"):
     out = f.enc.batch(f.items(check))
-  ref_err = max(float(np.max(np.abs(np.asarray(h, np.float64) - arity_reference(p_np, t)[0])))
-                for (h, _), t in zip(out, check, strict=True))
-  res = {"model": "child-sum Tree-LSTM, 3 cells by arity (leaf/one/two), binarized ASTs",
-         "config": {"batch": batch, "forests": n_forests, "per_node_forests": pn_forests,
-                    "max_nodes": max_nodes, "d_h": d_h, "mean_nodes": float(np.mean(nodes))},
-         "rows": rows,
-         "check": {"trees": len(check), "max_abs_err_vs_float64": ref_err,
-                   "tolerance": CHECK_ATOL, "ok": ref_err <= CHECK_ATOL}}
+    out_f = f.fold.batch(check, f.params)
+  errs = {}
+  for name, o in (("recursive", out), ("fold", out_f)):
+    errs[name] = max(
+        float(np.max(np.abs(np.asarray(h, np.float64) - arity_reference(p_np, t)[0])))
+        for (h, _), t in zip(o, check, strict=True))
+  res["check"] = {"trees": len(check), "max_abs_err_vs_float64": errs,
+                  "tolerance": CHECK_ATOL, "ok": max(errs.values()) <= CHECK_ATOL}
   if flags.get("torch", True):
     res["torch"] = _torch_arity(p_np, warm, timed[:max(1, pn_forests)], nodes)
   return res
+
+
+def _no_warmup_compiles(p_np, warm, timed, counter) -> dict:
+  """Compiles per batch when a user skips ``warmup()`` (fresh cells; jnp params)."""
+  f = ArityForm("jnp_dict", p_np, fresh=True)
+  c0 = counter.n
+  _timed(lambda: f.enc.batch(f.items(warm)))
+  first = counter.n - c0
+  comp = []
+  for forest in timed:
+    c0 = counter.n
+    _timed(lambda forest=forest: f.enc.batch(f.items(forest)))
+    comp.append(counter.n - c0)
+  return {"frontend": "recursive", "form": "jnp_dict", "first_batch_compiles": first,
+          "compiles_per_batch": comp}
 
 
 def _torch_arity(p_np, warm, forests, nodes) -> dict:
@@ -576,17 +642,44 @@ def _precision_check(p, trees, use_torch: bool) -> dict:
 def run(flags: dict | None = None, out_dir: str | None = None) -> dict:
   """Tree-LSTM over minibatches of real trees; returns (and writes ``treelstm.json``) a dict.
 
-  Flags (all optional): ``quick`` (CPU setting, < 60 s), ``batch`` (trees per minibatch),
-  ``batches`` (minibatches timed), ``max_nodes``, ``d_h``, ``seed``, ``torch`` (default True).
+  Two models: ``childsum`` (four cells over child lists: ``rows``, ``check``) and ``arity``
+  (the issue's three cells by arity over binarized trees, every argument form, both front
+  ends: ``arity``; see :func:`run_arity`).  Flags (all optional): ``models``
+  ("childsum,arity"), ``quick`` (CPU setting), ``batch``, ``batches``, ``max_nodes``, ``d_h``,
+  ``seed``, ``torch`` (default True), and :func:`run_arity`'s ``forests``, ``forms``,
+  ``frontends``, ``per_node_forests``, ``no_warmup_check``.
 
   Example:
     >>> res = run({"quick": True})  # doctest: +SKIP
     >>> res["rows"][0]["mode"]  # doctest: +SKIP
     'dynjax'
   """
+  flags = dict(flags or {})
+  models = flags.get("models", "childsum,arity")
+  models = models.split(",") if isinstance(models, str) else list(models)
+  res = {"workload": "treelstm", "backend": jax.default_backend(), "jax": jax.__version__,
+         "versions": _versions()}
+  if "childsum" in models:
+    res.update(_run_childsum(flags))
+  if "arity" in models:
+    res["arity"] = run_arity(flags)
+  if out_dir:
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "treelstm.json"), "w") as f:
+      json.dump(res, f, indent=1)
+  return res
+
+
+def _versions() -> dict:
+  from dynjax.bench._suite import versions
+
+  return versions()
+
+
+def _run_childsum(flags: dict) -> dict:
+  """The four-cell child-sum model over child lists (forget/add/node; the first benchmark)."""
   from dynjax.bench import data
 
-  flags = dict(flags or {})
   quick = bool(flags.get("quick", jax.default_backend() == "cpu"))
   batch = int(flags.get("batch", 16 if quick else 64))
   n_batches = int(flags.get("batches", 2 if quick else 5))
@@ -658,37 +751,76 @@ def run(flags: dict | None = None, out_dir: str | None = None) -> dict:
   for r in rows:
     if "seconds" in r:
       r["x_slower_than_dynjax"] = round(r["seconds"] / base, 2)
-  res = {"workload": "treelstm", "backend": jax.default_backend(), "jax": jax.__version__,
-         "quick": quick, "config": {"batch": batch, "batches": n_batches, "max_nodes": max_nodes,
-                                    "d_h": d_h, "nodes_timed": n_nodes}, "rows": rows,
-         "check": res_check}
-  if out_dir:
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "treelstm.json"), "w") as f:
-      json.dump(res, f, indent=1)
-  return res
+  return {"quick": quick, "config": {"batch": batch, "batches": n_batches,
+                                     "max_nodes": max_nodes, "d_h": d_h,
+                                     "nodes_timed": n_nodes},
+          "rows": rows, "check": res_check}
 
 
 def format_table(res: dict) -> str:
-  cols = ["mode", "seconds", "us_per_node", "x_slower_than_dynjax", "invokes_per_batch",
-          "levels_per_batch", "record_ms_per_batch", "flush_ms_per_batch",
-          "max_abs_diff_vs_dynjax"]
-  lines = [" | ".join(cols)]
-  for r in res["rows"]:
-    lines.append(" | ".join(str(r.get(c, "")) for c in cols))
-  chk = res.get("check")
-  if chk:
-    lines.append(f"correctness ({chk['trees']} trees vs float64 numpy, {chk['tolerance']}): "
-                 + ", ".join(f"{k} {v:.2e}" for k, v in chk["max_abs_err"].items())
-                 + f" -> {'ok' if chk['ok'] else 'FAILED'}")
+  lines = []
+  if "rows" in res:
+    cols = ["mode", "seconds", "us_per_node", "x_slower_than_dynjax", "invokes_per_batch",
+            "levels_per_batch", "record_ms_per_batch", "flush_ms_per_batch",
+            "max_abs_diff_vs_dynjax"]
+    lines.append("childsum model (4 cells over child lists):")
+    lines.append(" | ".join(cols))
+    for r in res["rows"]:
+      lines.append(" | ".join(str(r.get(c, "")) for c in cols))
+    chk = res.get("check")
+    if chk:
+      lines.append(f"correctness ({chk['trees']} trees vs float64 numpy, {chk['tolerance']}): "
+                   + ", ".join(f"{k} {v:.2e}" for k, v in chk["max_abs_err"].items())
+                   + f" -> {'ok' if chk['ok'] else 'FAILED'}")
+  ar = res.get("arity")
+  if ar:
+    cfg = ar["config"]
+    lines.append(f"arity model ({ar['model']}): {cfg['batch']} trees/batch, mean "
+                 f"{cfg['mean_nodes']:.0f} nodes, H={cfg['d_h']}, {cfg['forests']} forests")
+    cols = ["form", "frontend", "dynjax_ms", "per_node_ms", "x_faster_than_per_node",
+            "x_faster_than_per_node_jnp", "dynjax_us_per_node", "record_us_per_node",
+            "first_call_after_warmup_ms", "dynjax_first_ms", "warmup_compiles"]
+    lines.append(" | ".join(cols) + " | compiles/batch (sum, max)")
+    for r in ar["rows"]:
+      c = r["compiles_per_batch"]
+      lines.append(" | ".join(str(r.get(k, "")) for k in cols) + f" | {sum(c)}, {max(c)}")
+    nw = ar.get("no_warmup")
+    if nw:
+      lines.append(f"without warmup() ({nw['frontend']}, {nw['form']}): first batch "
+                   f"{nw['first_batch_compiles']} compiles, then per batch "
+                   f"{nw['compiles_per_batch']}")
+    chk = ar["check"]
+    lines.append("correctness vs float64 numpy at highest precision: " + ", ".join(
+        f"{k} {v:.2e}" for k, v in chk["max_abs_err_vs_float64"].items())
+        + f" (atol {chk['tolerance']:g}) -> {'ok' if chk['ok'] else 'FAILED'}")
+    t = ar.get("torch")
+    if t:
+      lines.append("torch per node: " + ", ".join(f"{k} {v}" for k, v in t.items()))
   return "\n".join(lines)
 
 
 def _main(argv: Sequence[str] | None = None) -> None:
+  """``python -m dynjax.bench._treelstm [--full] [--out DIR] [key=value ...]``."""
   import sys
 
   argv = list(sys.argv[1:] if argv is None else argv)
-  print(format_table(run({"quick": "--full" not in argv})))
+  flags: dict = {"quick": "--full" not in argv}
+  out = None
+  for i, a in enumerate(argv):
+    if a == "--out" and i + 1 < len(argv):
+      out = argv[i + 1]
+    elif a.startswith("--out="):
+      out = a.split("=", 1)[1]
+    elif "=" in a and not a.startswith("--"):
+      k, v = a.split("=", 1)
+      try:
+        flags[k] = json.loads(v)
+      except ValueError:
+        flags[k] = v
+  res = run(flags, out)
+  print(format_table(res))
+  if out:
+    print(f"results in {out}/treelstm.json")
 
 
 if __name__ == "__main__":

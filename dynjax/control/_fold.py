@@ -528,11 +528,11 @@ def _levels(glob: np.ndarray, arity: np.ndarray, offsets, sizes) -> np.ndarray:
   if done < n:
     stuck = np.flatnonzero(level == 0)
     owner = np.searchsorted(offsets, stuck, side="right") - 1
-    lines = [f"structure {o}: nodes {list((stuck[owner == o] - offsets[o])[:10])}"
-             for o in np.unique(owner)[:8]]
+    lines = [f"structure {o}: nodes {(stuck[owner == o] - offsets[o])[:10].tolist()}"
+             for o in np.unique(owner)[:8].tolist()]
     raise ControlFlowError(
-        "fold: the structures have a cycle (these nodes depend on themselves through their "
-        "children):\n" + format_list(lines) + "\nfold runs trees and DAGs (acyclic).")
+        "fold: the structures have a cycle (these nodes are on it or depend on it through "
+        "their children):\n" + format_list(lines) + "\nfold runs trees and DAGs (acyclic).")
   return level
 
 

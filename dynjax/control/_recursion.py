@@ -873,25 +873,26 @@ def _data_column(lk, vals, bsz, step_kinds, rows, data, upload) -> None:
   """One non-node leaf column: broadcast, a table of distinct values + indices, or per item."""
   first = vals[0]
   n = len(vals)
-  if len(set(map(id, vals))) == 1:
+  n_distinct = len(set(map(id, vals)))
+  if n_distinct == 1:
     step_kinds.append(("bcast",))
     data.append(upload(first, lk.dtype) if lk.kind == "host" else first)
     return
-  index: dict[int, int] = {}
-  distinct: list = []
-  idx = []
-  for v in vals:
-    i = index.get(id(v))
-    if i is None:
-      i = index[id(v)] = len(distinct)
-      distinct.append(v)
-    idx.append(i)
-  if 2 * len(distinct) <= n:  # few distinct values (e.g. params per tree): stack them once
+  if 2 * n_distinct <= n:  # few distinct values (e.g. params per tree): stack them once
+    index: dict[int, int] = {}
+    distinct: list = []
+    idx = []
+    for v in vals:
+      i = index.get(id(v))
+      if i is None:
+        i = index[id(v)] = len(distinct)
+        distinct.append(v)
+      idx.append(i)
     m = _pow2(len(distinct))
     step_kinds.append(("table", len(rows), m))
     rows.append(idx)
     vals = distinct + [first] * (m - len(distinct))
-  else:
+  else:  # mostly distinct (e.g. a per-node input row): stacked per item
     step_kinds.append(("item",))
     vals = vals + [first] * (bsz - n)
   if lk.kind == "host":
@@ -990,7 +991,9 @@ def _warm_siblings(programs, spread=(4, 2), workers: int | None = None) -> dict:
   todo, sizes = [], defaultdict(set)
   for (cell, key0), seen in fams.items():
     pol = cell.batch_policy
-    lo, hi = max(1, min(seen) // spread[0]), max(seen) * spread[1]
+    top = max(seen)
+    above = pol.bucket(top + 1)  # at least the next bucket up, however coarse the policy
+    lo, hi = max(1, min(seen) // spread[0]), max(top * spread[1], above or top)
     b = pol.bucket(lo)
     while b is not None and b <= hi:
       sizes[cell.name].add(b)
@@ -1045,7 +1048,8 @@ class Recursive:
     arenas.  This runs the batch with arenas sized for ``headroom`` times its results
     (capacities only grow), then compiles, for every cell and argument signature the batch
     used, every batch bucket from 1/``spread[0]`` of its smallest group to ``spread[1]``
-    times its largest -- concurrently (XLA compiles release the GIL).
+    times its largest (and at least the next bucket up) -- concurrently (XLA compiles
+    release the GIL).
 
     Returns:
       ``{"compiled": n, "seconds": s, "buckets": {cell name: [sizes]}, "caps": [...]}``.
