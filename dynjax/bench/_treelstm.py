@@ -4,15 +4,22 @@ The model (Tai et al. 2015, child-sum) for node j with input x_j and children k:
 ``h~ = sum_k h_k``; ``i, o, u = sigma/sigma/tanh(W x + U h~ + b)``;
 ``f_k = sigma(W_f x + U_f h_k + b_f)``; ``c = i*u + sum_k f_k*c_k``; ``h = o*tanh(c)``.
 
-Written for ``dynjax.recursive`` with four small cells, so the variable number of children
-becomes batched work: ``forget`` per child (``f_k*c_k``), ``add`` in a balanced pairwise tree
-(log2(k) levels), ``node`` for the gates (leaves call ``node`` with zero sums via ``leaf``).
+Two ways to write it, two benchmarks (``run(flags)`` runs both; ``models=`` picks):
 
-Modes compared side by side in one run: ``dynjax`` (``encode.batch`` over a minibatch of trees:
-every cell call of one level across the whole minibatch is one vmapped call), ``jax_per_node``
-(the same recursion calling the same cells as ``jax.jit`` functions one node at a time, the way
-one writes it in plain JAX), and ``torch_per_node`` (PyTorch eager, same weights; only when
-``torch`` imports).
+* ``childsum`` (the first one): four small cells over child lists, so the variable number
+  of children becomes batched work: ``forget`` per child (``f_k*c_k``), ``add`` in a balanced
+  pairwise tree, ``node`` for the gates (leaves call ``node`` with zero sums via ``leaf``).
+  Modes: ``dynjax`` (``encode.batch``), ``jax_per_node`` (the same cells jitted, node by node),
+  ``torch_per_node`` (PyTorch eager, same weights; when ``torch`` imports).
+* ``arity`` (the VM host-speed issue): the binarized (first-child / next-sibling) tree, where
+  a node has 0, 1 or 2 children, written as three cells by arity (``leaf``, ``one``, ``two``)
+  with the parameters an ordinary argument ``enc(params, tree)``, in every argument form of
+  ``FORMS`` (numpy dict, jax dict, nested pytree, closed over, a per-node input row), through
+  both front ends (``dynjax.recursive`` and the vectorised ``dynjax.control.fold``), against
+  the same cells jitted and called node by node, and PyTorch per node.  See :func:`run_arity`.
+
+  python -m dynjax.bench treelstm --quick                   # CPU, both models (~1.5 min)
+  python -m dynjax.bench._treelstm --full models=arity --out $OUT   # the GPU run
 """
 
 from __future__ import annotations
@@ -531,6 +538,10 @@ def run_arity(flags: dict | None = None) -> dict:
           "warmup_compiles": r["warmup_compiles"], "warmup_s": r["warmup_s"],
           "compiles_per_batch": r["compiles"],
           "max_abs_diff_vs_per_node": err[fe],
+          "first_ms_all": [round(1e3 * t, 3) for t in r["first"]],
+          "second_ms_all": [round(1e3 * t, 3) for t in r["second"]],
+          "per_node_ms_all": [round(1e3 * t, 3) for t in pn],
+          "ratio_all": [round(x, 3) for x in ratio[fe]],
       })
   base = next((r for r in rows if r["form"] == "jnp_dict"), None)
   if base is not None:

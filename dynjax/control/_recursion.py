@@ -219,13 +219,19 @@ def _kind(kind, shape=None, dtype=None, extra=None) -> _Kind:
 
 _I32 = np.dtype(np.int32)
 _SCALAR_TYPES = {int: np.int64, float: np.float64, bool: np.bool_}
-_canonical = functools.lru_cache(maxsize=None)(
-    lambda dt: np.dtype(jax.dtypes.canonicalize_dtype(dt)))
+
+
+def _canonical(dt) -> np.dtype:
+  return np.dtype(jax.dtypes.canonicalize_dtype(dt))
+
+
+def _x64() -> bool:
+  return _canonical(np.int64) == np.int64  # public API (no jax.config attribute lookups)
 
 
 def _scalar_kinds() -> dict:
   """Python scalar type -> its host kind (canonical dtype: follows ``jax_enable_x64``)."""
-  x64 = bool(jax.config.jax_enable_x64)
+  x64 = _x64()
   hit = _SCALAR_CACHE.get(x64)
   if hit is None:
     hit = _SCALAR_CACHE[x64] = {t: _kind("host", (), _canonical(np.dtype(d)))
@@ -240,7 +246,7 @@ _BARE_CACHE: dict = {}
 
 def _bare_kinds() -> dict:
   """(array type, shape, dtype) -> the "obj" kind of a bare array argument (per x64 mode)."""
-  return _BARE_CACHE.setdefault(bool(jax.config.jax_enable_x64), {})
+  return _BARE_CACHE.setdefault(_x64(), {})
 
 
 # -- cells ---------------------------------------------------------------------------------
