@@ -26,6 +26,7 @@ both.  Every cell must return the same structure (a child's result feeds a paren
 
 from __future__ import annotations
 
+import gc
 import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
@@ -233,6 +234,7 @@ class Fold:
     t0 = time.perf_counter()
     self._run(structures, shared, headroom)
     res = _warm_siblings(self.last_programs, spread, workers)
+    gc.collect()  # compiling left much garbage: collect it now, not in the first real batch
     res["seconds"] = round(time.perf_counter() - t0, 3)
     res["caps"] = sorted((str(k[1]), list(k[0]), c) for k, c in self._caps.items())
     return res

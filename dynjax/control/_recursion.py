@@ -594,8 +594,8 @@ class _Graph:
     """Records one cell call; returns its placeholders.
 
     Hot path, measured on the 2-core CPU box (python 3.11, the arity Tree-LSTM of
-    ``dynjax.bench._treelstm``, 6 arguments): ~0.8 us per call (of ~1.5 us per node recorded
-    in all, with the user's own recursion).  Per argument: one type test for a pending result
+    ``dynjax.bench._treelstm``, up to 6 arguments): ~0.8-1 us per call, of ~1.7-1.9 us per
+    node recorded in all (the user's own recursion is ~0.4-0.5 us of it).  Per argument: one type test for a pending result
     or a Python scalar, else one ``dict`` lookup by ``id`` (params, per-node arrays seen
     before); the group key is the tuple (cell, interned kinds..., level); the call's argument
     tuple is appended as it is (no per-column work until the flush).
@@ -1067,6 +1067,7 @@ class Recursive:
     t0 = time.perf_counter()
     self._run(items, headroom)
     res = _warm_siblings(self.last_programs, spread, workers)
+    gc.collect()  # compiling left much garbage: collect it now, not in the first real batch
     res["seconds"] = round(time.perf_counter() - t0, 3)
     res["caps"] = sorted((str(k[1]), list(k[0]), c) for k, c in self._caps.items())
     return res
