@@ -218,7 +218,10 @@ def _kind(kind, shape=None, dtype=None, extra=None) -> _Kind:
 
 
 _I32 = np.dtype(np.int32)
-_SCALAR_TYPES = {int: np.int64, float: np.float64, bool: np.bool_}
+_SCALAR_TYPES = {int: np.int64, float: np.float64, bool: np.bool_,
+                 **{t: t for t in (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16,
+                                   np.uint32, np.uint64, np.float16, np.float32, np.float64,
+                                   np.bool_)}}
 
 
 def _canonical(dt) -> np.dtype:
@@ -230,7 +233,7 @@ def _x64() -> bool:
 
 
 def _scalar_kinds() -> dict:
-  """Python scalar type -> its host kind (canonical dtype: follows ``jax_enable_x64``)."""
+  """Python/numpy scalar type -> its host kind (canonical dtype: follows x64 mode)."""
   x64 = _x64()
   hit = _SCALAR_CACHE.get(x64)
   if hit is None:
@@ -595,10 +598,11 @@ class _Graph:
 
     Hot path, measured on the 2-core CPU box (python 3.11, the arity Tree-LSTM of
     ``dynjax.bench._treelstm``, up to 6 arguments): ~0.8-1 us per call, of ~1.7-1.9 us per
-    node recorded in all (the user's own recursion is ~0.4-0.5 us of it).  Per argument: one type test for a pending result
-    or a Python scalar, else one ``dict`` lookup by ``id`` (params, per-node arrays seen
-    before); the group key is the tuple (cell, interned kinds..., level); the call's argument
-    tuple is appended as it is (no per-column work until the flush).
+    node recorded in all (the user's own recursion is ~0.4-0.5 us of it).  Per argument: one
+    type test for a pending result or a Python/numpy scalar, else one ``dict`` lookup by
+    ``id`` (params, objects seen before in this batch), else a kind by (type, shape, dtype)
+    for a bare array; the group key is the tuple (cell, interned kinds..., level); the call's
+    argument tuple is appended as it is (no per-column work until the flush).
     """
     cur = self.cur
     seen = self.seen

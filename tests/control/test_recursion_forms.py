@@ -130,3 +130,22 @@ def test_no_compiles_after_warmup_over_new_forests(compiles):
     per_batch.append(compiles() - c0)
   assert per_batch == [0] * 5, per_batch
   assert compiles() == before
+
+
+def test_numpy_scalar_tokens_record_like_python_ints():
+  f = _form("jnp_dict")
+  leaf, one, two = CELLS
+
+  @dc.recursive
+  def enc(p, tree, i=0):  # tree.types[i] is np.int32: no int() needed
+    left, right = tree.first_child[i], tree.next_sibling[i]
+    kids = [enc(p, tree, int(k)) for k in (left, right) if k >= 0]
+    cells = (leaf, one, two)
+    return cells[len(kids)](p, tree.types[i], *[x for kid in kids for x in kid])
+
+  trees = TREES[:5]
+  got = enc.batch([(f.params, t) for t in trees])
+  want = f.enc.batch(f.items(trees))
+  for (h, _), (rh, _) in zip(got, want, strict=True):
+    np.testing.assert_array_equal(np.asarray(h), np.asarray(rh))
+  assert "hostid" in enc.last_programs[0].as_text()
