@@ -387,15 +387,22 @@ class Cell:
         arenas[pos] = arenas[pos].at[ids[row]].set(out.astype(arenas[pos].dtype), mode="drop")
       return tuple(arenas)
 
-    n_rows = 1 + max([k[-1] for k in kinds if k[0] in ("node", "hostid")]
-                     + [k[1] for k in kinds if k[0] == "table"] + [r for _, r in out_arenas])
-    avals = [jax.ShapeDtypeStruct((cap, *shape), dtype) for (shape, dtype), cap in arena_sigs]
-    avals.append(jax.ShapeDtypeStruct((n_rows, batch), np.int32))
-    avals.extend(jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in data_avals)
+    avals = _step_avals(key)
     return jax.jit(step, donate_argnums=tuple(range(n_arenas))).lower(*avals).compile()
 
   def __repr__(self) -> str:
     return f"dynjax.cell({self.name})"
+
+
+def _step_avals(key) -> list:
+  """Every argument's aval of a step executable: arenas, the ids array, data."""
+  batch, _, kinds, arena_sigs, out_arenas, data_avals = key
+  n_rows = 1 + max([k[-1] for k in kinds if k[0] in ("node", "hostid")]
+                   + [k[1] for k in kinds if k[0] == "table"] + [r for _, r in out_arenas])
+  avals = [jax.ShapeDtypeStruct((cap, *shape), dtype) for (shape, dtype), cap in arena_sigs]
+  avals.append(jax.ShapeDtypeStruct((n_rows, batch), np.int32))
+  avals.extend(jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in data_avals)
+  return avals
 
 
 def _avals(data) -> tuple:
@@ -1019,6 +1026,9 @@ def _warm_siblings(programs, spread=(4, 2), workers: int | None = None) -> dict:
       exes = list(pool.map(lambda ck: ck[0]._build_step(ck[1]), todo))
     for (cell, key), exe in zip(todo, exes, strict=True):
       n += cell.kernel.add(key, exe)
+      # The first run of an executable costs ~1.3 ms more than the next ones (XLA's one-time
+      # set-up, measured on the 2-core CPU box): pay it here, on zeros, not in a real batch.
+      jax.block_until_ready(exe(*[np.zeros(a.shape, a.dtype) for a in _step_avals(key)]))
   return {"compiled": n, "buckets": {k: sorted(v) for k, v in sizes.items()}}
 
 
