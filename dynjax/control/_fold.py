@@ -35,6 +35,7 @@ import jax
 import numpy as np
 
 from dynjax._errors import ControlFlowError, format_list
+from dynjax._jax_private import lowering_config
 from dynjax.control._recursion import (
   _LEAF_TD,
   Cell,
@@ -341,6 +342,7 @@ class Fold:
     items = {j: inputs[j][order] for j in range(len(input_kinds)) if j not in host_ix}
     out_caps = np.asarray([caps[a] for a, _ in where], np.int32)[:, None]
     layout: dict = {}
+    config = lowering_config()  # part of every key: precision etc. change the executable
     hist: dict[int, int] = defaultdict(int)
     arena_key = tuple(((sig.shape, sig.dtype), caps[a]) for a, sig in enumerate(arena_sigs))
     for _, k, s, e in sch["groups"]:
@@ -366,7 +368,7 @@ class Fold:
         if bsz > cnt:
           v = np.concatenate([v, np.repeat(v[:1], bsz - cnt, 0)])
         data.append(v if v.dtype == input_kinds[j].dtype else v.astype(input_kinds[j].dtype))
-      key = (bsz, td, step_kinds, arena_key, out_pos, _avals(shared_flat + data))
+      key = (bsz, td, step_kinds, arena_key, out_pos, _avals(shared_flat + data), config)
       ids_reg = pb.emit_const(ids)
       data_regs = [pb.emit_const(d) for d in data]
       pb.emit_invoke_into(cell.kernel, key, [*arena_regs, ids_reg, *shared_regs, *data_regs],

@@ -48,6 +48,8 @@ builds the same schedule with numpy, without running Python per node.
 
 from __future__ import annotations
 
+import ast
+import contextlib
 import functools
 import gc
 import sys
@@ -62,6 +64,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dynjax._errors import ControlFlowError, format_list
+from dynjax._jax_private import lowering_config
 from dynjax.bucketing._policies import BucketPolicy, as_policy, pow2
 from dynjax.control._frontend import any_tracer, building, is_tracer, needs_vm
 from dynjax.runtime import VM, Kernel, ProgramBuilder, VMStats
@@ -351,7 +354,7 @@ class Cell:
     compile a whole family of batch buckets concurrently without running them; calling a
     ``Compiled`` costs the same as a jitted call (~8 vs ~10 us on the 2-core CPU box).
     """
-    (batch, treedef, kinds, arena_sigs, out_arenas, data_avals) = key
+    (batch, treedef, kinds, arena_sigs, out_arenas, data_avals, config) = key
     # kinds: per flat arg leaf: ("node", arena_pos, ids_row) / ("hostid", ids_row) (int32
     # scalars ride in the ids array: one transfer per group) / ("item",) (stacked per item) /
     # ("bcast",) (one value for all) / ("table", ids_row) (distinct values, gathered by the
@@ -388,7 +391,11 @@ class Cell:
       return tuple(arenas)
 
     avals = _step_avals(key)
-    return jax.jit(step, donate_argnums=tuple(range(n_arenas))).lower(*avals).compile()
+    # The key's jax config (matmul precision, ...) is the caller's; warm-up compiles in worker
+    # threads, where thread-local contexts such as default_matmul_precision do not reach.
+    prec = ast.literal_eval(dict(config).get("jax_default_matmul_precision", "None"))
+    with jax.default_matmul_precision(prec) if prec is not None else contextlib.nullcontext():
+      return jax.jit(step, donate_argnums=tuple(range(n_arenas))).lower(*avals).compile()
 
   def __repr__(self) -> str:
     return f"dynjax.cell({self.name})"
@@ -396,7 +403,7 @@ class Cell:
 
 def _step_avals(key) -> list:
   """Every argument's aval of a step executable: arenas, the ids array, data."""
-  batch, _, kinds, arena_sigs, out_arenas, data_avals = key
+  batch, _, kinds, arena_sigs, out_arenas, data_avals, _ = key
   n_rows = 1 + max([k[-1] for k in kinds if k[0] in ("node", "hostid")]
                    + [k[1] for k in kinds if k[0] == "table"] + [r for _, r in out_arenas])
   avals = [jax.ShapeDtypeStruct((cap, *shape), dtype) for (shape, dtype), cap in arena_sigs]
@@ -410,7 +417,7 @@ def _avals(data) -> tuple:
 
 
 def _describe_step(key) -> str:
-  bsz, _, kinds, arenas, _, _ = key
+  bsz, _, kinds, arenas, _, _, _ = key
   args = ",".join(k[0] if k[0] != "node" else f"arena{k[1]}" for k in kinds)
   return f"B={bsz}; {args}; caps={[c for _, c in arenas]}"
 
@@ -769,6 +776,7 @@ class _Graph:
     arena_ix = b.arena_ix
     bucket_hist: dict[int, int] = defaultdict(int)
     upload = _Uploads()
+    config = lowering_config()  # part of every key: precision etc. change the executable
     plans = []
     nodes = 0
     for g in groups:
@@ -830,7 +838,7 @@ class _Graph:
         ids[r, n:] = row[0] if r < n_in else caps[g.out_info[r - n_in][0]]
       key = (bsz, g.treedef, tuple(step_kinds),
              tuple(((b.arena_sigs[a].shape, b.arena_sigs[a].dtype), caps[a])
-                   for a in involved), tuple(out_pos), _avals(data))
+                   for a in involved), tuple(out_pos), _avals(data), config)
       plans.append((cell, key, ids, data, involved))
     pb = ProgramBuilder(f"{self.name}.batch", num_args=0)
     arena_regs = [pb.emit_alloc_tensor((caps[i], *sig.shape), sig.dtype)
@@ -977,14 +985,14 @@ def _extract(outs: list) -> list:
 
 def _with_batch(key, b: int):
   """A step key at another batch bucket: per-item data avals take the new leading size."""
-  bsz, td, kinds, arenas, out_pos, avals = key
+  bsz, td, kinds, arenas, out_pos, avals, config = key
   new, di = [], 0
   for k in kinds:
     if k[0] in ("bcast", "item", "table"):
       shape, dtype = avals[di]
       new.append(((b, *shape[1:]), dtype) if k[0] == "item" else (shape, dtype))
       di += 1
-  return (b, td, kinds, arenas, out_pos, tuple(new))
+  return (b, td, kinds, arenas, out_pos, tuple(new), config)
 
 
 def _warm_siblings(programs, spread=(4, 2), workers: int | None = None) -> dict:
