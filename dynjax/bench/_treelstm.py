@@ -451,8 +451,11 @@ def _time_frontend(run_batch, stats_of, warmup, warm_items, timed_items, counter
     _, t2 = _timed(lambda items=items: run_batch(items))
     first.append(t1)
     second.append(t2)
-    host_us.append(stats_of())
-  return {**warm, "first": first, "second": second, "compiles": comp, "host_us": host_us}
+    meta = stats_of()
+    host_s = meta["record_s"] if "record_s" in meta else meta["linearize_s"]
+    host_us.append(1e6 * host_s / meta["nodes"])
+  return {**warm, "first": first, "second": second, "compiles": comp, "host_us": host_us,
+          "meta": meta}
 
 
 def run_arity(flags: dict | None = None) -> dict:
@@ -499,13 +502,11 @@ def run_arity(flags: dict | None = None) -> dict:
     for fe in frontends:
       if fe == "recursive":
         enc = f.enc
-        runs[fe] = (enc.batch, lambda enc=enc: 1e6 * enc.last_stats.batches[0]["record_s"]
-                    / enc.last_stats.batches[0]["nodes"], enc.warmup)
+        runs[fe] = (enc.batch, lambda enc=enc: enc.last_stats.batches[0], enc.warmup)
       else:
         fo, fa = f.fold, f.fold_args
         runs[fe] = (lambda items, fo=fo, fa=fa: fo.batch(*fa(items)),
-                    lambda fo=fo: 1e6 * fo.last_stats.batches[0]["linearize_s"]
-                    / fo.last_stats.batches[0]["nodes"],
+                    lambda fo=fo: fo.last_stats.batches[0],
                     lambda items, fo=fo, fa=fa: fo.warmup(*fa(items)))
     res_fe = {fe: _time_frontend(*runs[fe], warm_items, timed_items, counter)
               for fe in frontends}
@@ -524,8 +525,14 @@ def run_arity(flags: dict | None = None) -> dict:
     pn_s = float(np.median(pn))
     for fe in frontends:
       r = res_fe[fe]
+      meta = r["meta"]
+      host = float(np.median(r["host_us"]))
+      cost = (f"{'recording' if fe == 'recursive' else 'numpy schedule'} {host:.2f} us/node; "
+              f"{meta['groups']} executable calls/batch ({meta['levels']} levels); "
+              f"{meta['uploads']} numpy leaves uploaded/batch")
       rows.append({
-          "form": form, "frontend": fe, "note": FORM_NOTES[form],
+          "form": form, "frontend": fe, "note": FORM_NOTES[form], "cost": cost,
+          "invokes_per_batch": meta["groups"], "uploads_per_batch": meta["uploads"],
           "dynjax_ms": round(1e3 * float(np.median(r["second"])), 2),
           "dynjax_first_ms": round(1e3 * float(np.median(r["first"])), 2),
           "first_call_after_warmup_ms": round(1e3 * r["first"][0], 2),
@@ -534,7 +541,7 @@ def run_arity(flags: dict | None = None) -> dict:
           "per_node_ms": round(1e3 * pn_s, 2),
           "per_node_us_per_node": round(1e6 * pn_s / float(np.mean(nodes[:k])), 2),
           "x_faster_than_per_node": round(float(np.median(ratio[fe])), 2),
-          "record_us_per_node": round(float(np.median(r["host_us"])), 2),
+          "record_us_per_node": round(host, 2),
           "warmup_compiles": r["warmup_compiles"], "warmup_s": r["warmup_s"],
           "compiles_per_batch": r["compiles"],
           "max_abs_diff_vs_per_node": err[fe],
@@ -795,6 +802,8 @@ def format_table(res: dict) -> str:
     for r in ar["rows"]:
       c = r["compiles_per_batch"]
       lines.append(" | ".join(str(r.get(k, "")) for k in cols) + f" | {sum(c)}, {max(c)}")
+    for r in ar["rows"]:
+      lines.append(f"  {r['form']}/{r['frontend']}: {r['note']}; {r['cost']}")
     nw = ar.get("no_warmup")
     if nw:
       lines.append(f"without warmup() ({nw['frontend']}, {nw['form']}): first batch "
