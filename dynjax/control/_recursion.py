@@ -362,13 +362,32 @@ class Cell:
     fn = self.fn
     n_arenas = len(arena_sigs)
 
+    # Every node input of one arena is read by ONE gather, and every output of one arena
+    # written by ONE scatter (fewer thunks / kernels per step: the arity Tree-LSTM's `two`
+    # went from 4 gathers + 2 scatters to 1 + 1).
+    reads: dict[int, list[int]] = defaultdict(list)  # arena pos -> ids rows, in leaf order
+    for k in kinds:
+      if k[0] == "node":
+        reads[k[1]].append(k[2])
+    writes: dict[int, list[int]] = defaultdict(list)
+    for pos, row in out_arenas:
+      writes[pos].append(row)
+
+    def rows_of(ids, rows):
+      r0 = rows[0]
+      if rows == list(range(r0, r0 + len(rows))):
+        return ids[r0:r0 + len(rows)]
+      return ids[np.asarray(rows)]
+
     def step(*args):
       arenas, ids, data = list(args[:n_arenas]), args[n_arenas], args[n_arenas + 1:]
+      got = {pos: (arenas[pos][rows_of(ids, rows)], rows) for pos, rows in reads.items()}
       leaves, axes, di = [], [], 0
       for k in kinds:
         tag = k[0]
         if tag == "node":
-          leaves.append(arenas[k[1]][ids[k[2]]])
+          vals, rows = got[k[1]]
+          leaves.append(vals[rows.index(k[2])])
           axes.append(0)
         elif tag == "hostid":
           leaves.append(ids[k[1]])
@@ -386,8 +405,12 @@ class Cell:
         return jax.tree_util.tree_leaves(fn(*jax.tree_util.tree_unflatten(treedef, xs)))
 
       outs = jax.vmap(per_item, in_axes=tuple(axes))(*leaves)
-      for (pos, row), out in zip(out_arenas, outs, strict=True):
-        arenas[pos] = arenas[pos].at[ids[row]].set(out.astype(arenas[pos].dtype), mode="drop")
+      by_pos: dict[int, list] = defaultdict(list)
+      for (pos, _), out in zip(out_arenas, outs, strict=True):
+        by_pos[pos].append(out.astype(arenas[pos].dtype))
+      for pos, vals in by_pos.items():
+        idx = rows_of(ids, writes[pos]).reshape(-1)
+        arenas[pos] = arenas[pos].at[idx].set(jnp.concatenate(vals), mode="drop")
       return tuple(arenas)
 
     avals = _step_avals(key)
