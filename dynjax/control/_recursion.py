@@ -52,6 +52,7 @@ import ast
 import contextlib
 import functools
 import gc
+import operator
 import sys
 import threading
 import time
@@ -221,6 +222,7 @@ def _kind(kind, shape=None, dtype=None, extra=None) -> _Kind:
 
 
 _I32 = np.dtype(np.int32)
+_SLOT = operator.attrgetter("slot")
 _SCALAR_TYPES = {int: np.int64, float: np.float64, bool: np.bool_,
                  **{t: t for t in (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16,
                                    np.uint32, np.uint64, np.float16, np.float32, np.float64,
@@ -824,7 +826,7 @@ class _Graph:
         kk = kind.kind
         if kk == "node":
           step_kinds.append(("node", pos(arena_ix[kind]), len(rows)))
-          rows.append([v.slot for v in col])
+          rows.append(list(map(_SLOT, col)))
         elif kk == "host":  # Python scalars, one per call
           if kind.dtype == _I32:
             step_kinds.append(("hostid", len(rows)))
@@ -846,7 +848,7 @@ class _Graph:
             vals = [e.vals[j] for e in ents]
             if lk.kind == "node":
               step_kinds.append(("node", pos(arena_ix[lk]), len(rows)))
-              rows.append([v.slot for v in vals])
+              rows.append(list(map(_SLOT, vals)))
             else:
               _data_column(lk, vals, bsz, step_kinds, rows, data, upload)
       n_in = len(rows)
