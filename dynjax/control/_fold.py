@@ -319,6 +319,7 @@ class Fold:
                   for i, sig in enumerate(arena_sigs)]
     shared_flat = [v for vals in shared_data for v in vals]
     shared_regs = [pb.emit_const(v) for v in shared_flat]
+    shared_avals = _avals(shared_flat)
     # Every node's index rows at once, in (level, arity) order: hostid inputs, then each child
     # position's output slots; and the node's own output slots.  A group of arity k takes the
     # first n_h + k*m rows of its column range plus its output rows (slices, padded to the
@@ -368,7 +369,7 @@ class Fold:
         if bsz > cnt:
           v = np.concatenate([v, np.repeat(v[:1], bsz - cnt, 0)])
         data.append(v if v.dtype == input_kinds[j].dtype else v.astype(input_kinds[j].dtype))
-      key = (bsz, td, step_kinds, arena_key, out_pos, _avals(shared_flat + data), config)
+      key = (bsz, td, step_kinds, arena_key, out_pos, shared_avals + _avals(data), config)
       ids_reg = pb.emit_const(ids)
       data_regs = [pb.emit_const(d) for d in data]
       pb.emit_invoke_into(cell.kernel, key, [*arena_regs, ids_reg, *shared_regs, *data_regs],
@@ -486,6 +487,14 @@ def _child_matrix(c, i: int) -> np.ndarray:
   return m.astype(np.int64, copy=False)
 
 
+def _distinct(p: np.ndarray) -> np.ndarray:
+  # np.unique costs ~15 us a call here (hash-based in numpy 2); a sort and a mask ~3 us.
+  if p.size < 2:
+    return p
+  p = np.sort(p)
+  return p[np.concatenate(([True], p[1:] != p[:-1]))]
+
+
 def _levels(glob: np.ndarray, arity: np.ndarray, offsets, sizes) -> np.ndarray:
   """1 + the highest child level (leaves: 1), frontier by frontier: O(levels) numpy calls.
 
@@ -513,8 +522,7 @@ def _levels(glob: np.ndarray, arity: np.ndarray, offsets, sizes) -> np.ndarray:
       p = parent[frontier]
       p = p[p >= 0]
       np.subtract.at(pending, p, 1)
-      p = np.unique(p)
-      frontier = p[pending[p] == 0]
+      frontier = _distinct(p[pending[p] == 0])
   else:  # a DAG: parents of a node by CSR over the sorted child column
     by_kid = np.argsort(kids, kind="stable")
     parents = par_rows[by_kid]
@@ -527,8 +535,7 @@ def _levels(glob: np.ndarray, arity: np.ndarray, offsets, sizes) -> np.ndarray:
       first = np.repeat(start[frontier] - np.concatenate([[0], np.cumsum(cnt)[:-1]]), cnt)
       p = parents[first + np.arange(cnt.sum())]
       np.subtract.at(pending, p, 1)
-      p = np.unique(p)
-      frontier = p[pending[p] == 0]
+      frontier = _distinct(p[pending[p] == 0])
   if done < n:
     stuck = np.flatnonzero(level == 0)
     owner = np.searchsorted(offsets, stuck, side="right") - 1

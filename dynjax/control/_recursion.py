@@ -803,6 +803,17 @@ class _Graph:
     upload = _Uploads()
     config = lowering_config()  # part of every key: precision etc. change the executable
     plans = []
+    seen_avals: dict[int, tuple] = {}  # the shared leaves recur in every group: once each
+
+    def avals_of(data):
+      out = []
+      for d in data:
+        a = seen_avals.get(id(d))
+        if a is None:
+          a = seen_avals[id(d)] = (tuple(d.shape), np.dtype(d.dtype))
+        out.append(a)
+      return tuple(out)
+
     nodes = 0
     for g in groups:
       cell = g.cell
@@ -863,7 +874,7 @@ class _Graph:
         ids[r, n:] = row[0] if r < n_in else caps[g.out_info[r - n_in][0]]
       key = (bsz, g.treedef, tuple(step_kinds),
              tuple(((b.arena_sigs[a].shape, b.arena_sigs[a].dtype), caps[a])
-                   for a in involved), tuple(out_pos), _avals(data), config)
+                   for a in involved), tuple(out_pos), avals_of(data), config)
       plans.append((cell, key, ids, data, involved))
     pb = ProgramBuilder(f"{self.name}.batch", num_args=0)
     arena_regs = [pb.emit_alloc_tensor((caps[i], *sig.shape), sig.dtype)
