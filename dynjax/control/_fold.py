@@ -236,6 +236,7 @@ class Fold:
     self._run(structures, shared, headroom)
     res = _warm_siblings(self.last_programs, spread, workers)
     gc.collect()  # compiling left much garbage: collect it now, not in the first real batch
+    self._run(structures, shared, headroom)  # and touch the memory the collection gave back
     res["seconds"] = round(time.perf_counter() - t0, 3)
     res["caps"] = sorted((str(k[1]), list(k[0]), c) for k, c in self._caps.items())
     return res
