@@ -36,6 +36,7 @@ import numpy as np
 
 from dynjax._errors import ControlFlowError, format_list
 from dynjax._jax_private import lowering_config
+from dynjax.control._frontend import any_tracer, needs_vm
 from dynjax.control._recursion import (
   _LEAF_TD,
   Cell,
@@ -259,6 +260,9 @@ class Fold:
     if not isinstance(structures, list | tuple):
       raise ControlFlowError(
           f"{self.name}.batch expects a list of structures, got {type(structures).__name__}")
+    if any_tracer(jax.tree_util.tree_leaves(shared)):
+      raise needs_vm("control.fold", f"{self.name} was called with JAX tracers; it runs a "
+                     "schedule of batched cell calls on the VM")
     t0 = time.perf_counter()
     sch = self.schedule(structures)
     t1 = time.perf_counter()

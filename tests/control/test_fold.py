@@ -157,3 +157,9 @@ def test_fold_errors():
 
 def test_fold_n_types_fit():
   assert max(int(t.types.max()) for t in TREES) < N_TYPES
+
+
+def test_fold_under_jit_needs_program():
+  with pytest.raises(dc.NeedsProgram, match=r"^dynjax.control.fold cannot run inside a JAX "
+                     r"trace here: fold\(leaf,one,two\) was called with JAX tracers"):
+    jax.jit(lambda p: _fold().batch(TREES[:2], p)[0][0])(PJ)
