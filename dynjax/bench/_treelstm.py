@@ -4,15 +4,22 @@ The model (Tai et al. 2015, child-sum) for node j with input x_j and children k:
 ``h~ = sum_k h_k``; ``i, o, u = sigma/sigma/tanh(W x + U h~ + b)``;
 ``f_k = sigma(W_f x + U_f h_k + b_f)``; ``c = i*u + sum_k f_k*c_k``; ``h = o*tanh(c)``.
 
-Written for ``dynjax.recursive`` with four small cells, so the variable number of children
-becomes batched work: ``forget`` per child (``f_k*c_k``), ``add`` in a balanced pairwise tree
-(log2(k) levels), ``node`` for the gates (leaves call ``node`` with zero sums via ``leaf``).
+Two ways to write it, two benchmarks (``run(flags)`` runs both; ``models=`` picks):
 
-Modes compared side by side in one run: ``dynjax`` (``encode.batch`` over a minibatch of trees:
-every cell call of one level across the whole minibatch is one vmapped call), ``jax_per_node``
-(the same recursion calling the same cells as ``jax.jit`` functions one node at a time, the way
-one writes it in plain JAX), and ``torch_per_node`` (PyTorch eager, same weights; only when
-``torch`` imports).
+* ``childsum`` (the first one): four small cells over child lists, so the variable number
+  of children becomes batched work: ``forget`` per child (``f_k*c_k``), ``add`` in a balanced
+  pairwise tree, ``node`` for the gates (leaves call ``node`` with zero sums via ``leaf``).
+  Modes: ``dynjax`` (``encode.batch``), ``jax_per_node`` (the same cells jitted, node by node),
+  ``torch_per_node`` (PyTorch eager, same weights; when ``torch`` imports).
+* ``arity`` (the VM host-speed issue): the binarized (first-child / next-sibling) tree, where
+  a node has 0, 1 or 2 children, written as three cells by arity (``leaf``, ``one``, ``two``)
+  with the parameters an ordinary argument ``enc(params, tree)``, in every argument form of
+  ``FORMS`` (numpy dict, jax dict, nested pytree, closed over, a per-node input row), through
+  both front ends (``dynjax.recursive`` and the vectorised ``dynjax.control.fold``), against
+  the same cells jitted and called node by node, and PyTorch per node.  See :func:`run_arity`.
+
+  python -m dynjax.bench treelstm --quick                   # CPU, both models (~1.5 min)
+  python -m dynjax.bench._treelstm --full models=arity --out $OUT   # the GPU run
 """
 
 from __future__ import annotations
@@ -20,13 +27,14 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections import defaultdict
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dynjax.control import cell, recursive
+from dynjax.control import cell, fold, recursive
 
 
 def init_params(n_types: int, d_in: int = 16, d_h: int = 32, seed: int = 0) -> dict:
@@ -166,6 +174,448 @@ def torch_per_node(p, tree, device="cpu"):
     return go(0)
 
 
+# -- the issue's model: three cells by arity over binarized trees ---------------------------
+# Child-sum Tree-LSTM on the first-child / next-sibling form of each AST: a node has 0, 1 or
+# 2 children there, and one cell per arity does the whole node (no pairwise adds, no separate
+# forget cell).  Parameters are an ordinary argument, in any of the forms of ``FORMS``.
+FORMS = ("numpy_dict", "jnp_dict", "nested", "closed", "per_node_x")
+FORM_NOTES = {
+    "numpy_dict": "params: dict of numpy arrays, the same object in every call",
+    "jnp_dict": "params: dict of jax arrays, the same object in every call",
+    "nested": "params: nested pytree {emb, gates: {W, U, b}, forget: (Wf, Uf, bf)} of jax arrays",
+    "closed": "params closed over by the cells (constants of the executables)",
+    "per_node_x": "jnp params + a per-node input row (numpy, a different object per call)",
+}
+
+
+def init_arity_params(n_types: int, d_h: int = 16, seed: int = 0) -> dict:
+  """Numpy float32 weights (seeded; no device work): ``emb`` [n_types, d_h] and the gates."""
+  rng = np.random.default_rng(seed)
+  s = 1.0 / np.sqrt(d_h)
+
+  def w(*shape, scale=s):
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+  return {"emb": w(n_types, d_h, scale=1.0), "W": w(d_h, 3 * d_h), "U": w(d_h, 3 * d_h),
+          "b": np.zeros(3 * d_h, np.float32), "Wf": w(d_h, d_h), "Uf": w(d_h, d_h),
+          "bf": np.ones(d_h, np.float32)}
+
+
+def nest(p: dict) -> dict:
+  """The same weights as a nested pytree (dict, sub-dict, tuple)."""
+  return {"emb": p["emb"], "gates": {"W": p["W"], "U": p["U"], "b": p["b"]},
+          "forget": (p["Wf"], p["Uf"], p["bf"])}
+
+
+def _flat(p):
+  if "gates" in p:
+    g, (wf, uf, bf) = p["gates"], p["forget"]
+    return {"emb": p["emb"], "W": g["W"], "U": g["U"], "b": g["b"], "Wf": wf, "Uf": uf, "bf": bf}
+  return p
+
+
+def _input(p, x):
+  # a token id (looked up in the cell) or the node's input row itself
+  return p["emb"][x] if jnp.issubdtype(jnp.result_type(x), jnp.integer) else x
+
+
+def _forget(p, x, h, c):
+  return jax.nn.sigmoid(x @ p["Wf"] + h @ p["Uf"] + p["bf"]) * c
+
+
+def arity_leaf_fn(p, x):
+  p = _flat(p)
+  x = _input(p, x)
+  zero = jnp.zeros(p["Uf"].shape[0], x.dtype)
+  return _gates(p, x, zero, zero)
+
+
+def arity_one_fn(p, x, h, c):
+  p = _flat(p)
+  x = _input(p, x)
+  return _gates(p, x, h, _forget(p, x, h, c))
+
+
+def arity_two_fn(p, x, h1, c1, h2, c2):
+  p = _flat(p)
+  x = _input(p, x)
+  return _gates(p, x, h1 + h2, _forget(p, x, h1, c1) + _forget(p, x, h2, c2))
+
+
+arity_leaf = cell(arity_leaf_fn, name="leaf")
+arity_one = cell(arity_one_fn, name="one")
+arity_two = cell(arity_two_fn, name="two")
+
+
+def closed_cells(p, buckets=None) -> tuple:
+  """The three cells closing over ``p`` (its arrays become constants of the executables)."""
+  return (cell(lambda x: arity_leaf_fn(p, x), name="leaf_c", batch_buckets=buckets),
+          cell(lambda x, h, c: arity_one_fn(p, x, h, c), name="one_c", batch_buckets=buckets),
+          cell(lambda x, h1, c1, h2, c2: arity_two_fn(p, x, h1, c1, h2, c2), name="two_c",
+               batch_buckets=buckets))
+
+
+def binary_encoder(leaf_c, one_c, two_c, wrap=recursive):
+  """``enc(p, tree, i=0) -> (h, c)`` written as a user would: recurse, call a cell by arity.
+
+  ``wrap=dynjax.recursive`` gives the batched recursion; ``wrap=lambda f: f`` with jitted
+  cells gives the per-node baseline (same Python, one executable call per node).
+  """
+  def enc(p, tree, i=0):
+    left, right = tree.first_child[i], tree.next_sibling[i]
+    tok = int(tree.types[i])
+    if left < 0:
+      if right < 0:
+        return leaf_c(p, tok)
+      return one_c(p, tok, *rec(p, tree, right))
+    if right < 0:
+      return one_c(p, tok, *rec(p, tree, left))
+    return two_c(p, tok, *rec(p, tree, left), *rec(p, tree, right))
+
+  rec = wrap(enc)
+  return rec
+
+
+def binary_encoder_closed(leaf_c, one_c, two_c, wrap=recursive):
+  """``enc(tree, i=0)``: the cells close over the parameters."""
+  def enc(tree, i=0):
+    left, right = tree.first_child[i], tree.next_sibling[i]
+    tok = int(tree.types[i])
+    if left < 0:
+      if right < 0:
+        return leaf_c(tok)
+      return one_c(tok, *rec(tree, right))
+    if right < 0:
+      return one_c(tok, *rec(tree, left))
+    return two_c(tok, *rec(tree, left), *rec(tree, right))
+
+  rec = wrap(enc)
+  return rec
+
+
+def binary_encoder_x(leaf_c, one_c, two_c, wrap=recursive):
+  """``enc(p, tree, xs, i=0)``: node i's input is the row ``xs[i]`` (a new object per call)."""
+  def enc(p, tree, xs, i=0):
+    left, right = tree.first_child[i], tree.next_sibling[i]
+    x = xs[i]
+    if left < 0:
+      if right < 0:
+        return leaf_c(p, x)
+      return one_c(p, x, *rec(p, tree, xs, right))
+    if right < 0:
+      return one_c(p, x, *rec(p, tree, xs, left))
+    return two_c(p, x, *rec(p, tree, xs, left), *rec(p, tree, xs, right))
+
+  rec = wrap(enc)
+  return rec
+
+
+def arity_reference(p, tree, i=0):
+  """The binarized model per node in numpy float64 (the oracle)."""
+  P = {k: np.asarray(v, np.float64) for k, v in _flat(p).items()}
+  d = P["Uf"].shape[0]
+
+  def sig(z):
+    return 1.0 / (1.0 + np.exp(-z))
+
+  def go(j):
+    x = P["emb"][int(tree.types[j])]
+    kids = [go(int(k)) for k in (tree.first_child[j], tree.next_sibling[j]) if k >= 0]
+    hsum = sum((h for h, _ in kids), np.zeros(d))
+    fc = sum((sig(x @ P["Wf"] + h @ P["Uf"] + P["bf"]) * c for h, c in kids), np.zeros(d))
+    z = x @ P["W"] + hsum @ P["U"] + P["b"]
+    ig, og, ug = np.split(z, 3)
+    c = sig(ig) * np.tanh(ug) + fc
+    return sig(og) * np.tanh(c), c
+
+  return go(i)
+
+
+def torch_arity_params(p, device="cpu") -> dict:
+  import torch
+
+  return {k: torch.as_tensor(np.asarray(v), device=device) for k, v in _flat(p).items()}
+
+
+def torch_arity_per_node(P, tree):
+  """PyTorch eager, one node at a time, the binarized model (``P`` from torch_arity_params)."""
+  import torch
+
+  d = P["Uf"].shape[0]
+  dev = P["Uf"].device
+
+  def go(j):
+    x = P["emb"][int(tree.types[j])]
+    kids = [go(int(k)) for k in (tree.first_child[j], tree.next_sibling[j]) if k >= 0]
+    if kids:
+      hsum = sum(h for h, _ in kids)
+      fc = sum(torch.sigmoid(x @ P["Wf"] + h @ P["Uf"] + P["bf"]) * c for h, c in kids)
+    else:
+      hsum = torch.zeros(d, device=dev)
+      fc = torch.zeros(d, device=dev)
+    z = x @ P["W"] + hsum @ P["U"] + P["b"]
+    ig, og, ug = torch.split(z, d)
+    c = torch.sigmoid(ig) * torch.tanh(ug) + fc
+    return torch.sigmoid(og) * torch.tanh(c), c
+
+  with torch.no_grad():
+    return go(0)
+
+
+class ArityForm:
+  """One argument form: the batched encoders (recursive, fold), the per-node twin, calls."""
+
+  def __init__(self, form: str, p_np: dict, fresh: bool = False, cells: tuple | None = None,
+               buckets=None):
+    self.form = form
+    p_dev = {k: jnp.asarray(v) for k, v in p_np.items()}
+    self.emb = p_np["emb"]
+    base = (arity_leaf, arity_one, arity_two) if cells is None else cells
+    if fresh:  # new cell objects: nothing compiled yet (the no-warm-up compile count)
+      base = tuple(cell(c.fn, name=c.name, batch_buckets=buckets) for c in base)
+    jitted = tuple(jax.jit(c.fn) for c in base)
+    ident = lambda f: f  # noqa: E731
+    kids = lambda t: (t.first_child, t.next_sibling)  # noqa: E731
+    if form == "closed":
+      cells = closed_cells(p_dev, buckets)
+      self.enc = binary_encoder_closed(*cells)
+      self.per_node = binary_encoder_closed(*(jax.jit(c.fn) for c in cells), wrap=ident)
+      self.fold = fold(list(cells), children=kids, inputs=lambda t: t.types)
+      self.params = None
+    elif form == "per_node_x":
+      self.enc = binary_encoder_x(*base)
+      self.per_node = binary_encoder_x(*jitted, wrap=ident)
+      self.fold = fold(list(base), children=lambda s: kids(s[0]), inputs=lambda s: s[1])
+      self.params = p_dev
+    else:
+      self.enc = binary_encoder(*base)
+      self.per_node = binary_encoder(*jitted, wrap=ident)
+      self.fold = fold(list(base), children=kids, inputs=lambda t: t.types)
+      self.params = {"numpy_dict": p_np, "jnp_dict": p_dev, "nested": nest(p_dev)}[form]
+
+  def items(self, trees) -> list[tuple]:
+    """Argument tuples of ``enc.batch`` (and of the per-node recursion)."""
+    if self.form == "closed":
+      return [(t,) for t in trees]
+    if self.form == "per_node_x":
+      return [(self.params, t, self.emb[t.types]) for t in trees]
+    return [(self.params, t) for t in trees]
+
+  def fold_args(self, items) -> tuple:
+    """(structures, *shared) of ``fold.batch`` for the same items."""
+    if self.form == "closed":
+      return ([it[0] for it in items],)
+    if self.form == "per_node_x":
+      return [(it[1], it[2]) for it in items], self.params
+    return [it[1] for it in items], self.params
+
+
+class _CompileCount:
+  def __init__(self):
+    self.n = 0
+    jax.monitoring.register_event_duration_secs_listener(self)
+
+  def __call__(self, event, duration, **_):
+    if event == "/jax/core/compile/backend_compile_duration":
+      self.n += 1
+
+
+_COMPILES: _CompileCount | None = None
+
+
+def compile_counter() -> _CompileCount:
+  """A process-wide counter of XLA backend compiles (``jax.monitoring``)."""
+  global _COMPILES
+  if _COMPILES is None:
+    _COMPILES = _CompileCount()
+  return _COMPILES
+
+
+def _timed(fn):
+  t0 = time.perf_counter()
+  out = fn()
+  jax.block_until_ready(out)
+  return out, time.perf_counter() - t0
+
+
+def _time_frontend(run_batch, stats_of, warmup, warm_items, timed_items, counter) -> dict:
+  """Warm-up, then per forest a first and a second call (compiles counted on the first)."""
+  c0 = counter.n
+  w = warmup(warm_items)
+  warm = {"warmup_compiles": counter.n - c0, "warmup_s": w["seconds"]}
+  first, second, comp, host_us = [], [], [], []
+  for items in timed_items:
+    c0 = counter.n
+    _, t1 = _timed(lambda items=items: run_batch(items))
+    comp.append(counter.n - c0)
+    _, t2 = _timed(lambda items=items: run_batch(items))
+    first.append(t1)
+    second.append(t2)
+    meta = stats_of()
+    host_s = meta["record_s"] if "record_s" in meta else meta["linearize_s"]
+    host_us.append(1e6 * host_s / meta["nodes"])
+  return {**warm, "first": first, "second": second, "compiles": comp, "host_us": host_us,
+          "meta": meta}
+
+
+def run_arity(flags: dict | None = None) -> dict:
+  """The issue's table: every argument form, dynjax vs per-node jitted recursion.
+
+  Per form and front end (``recursive``: the decorator form; ``fold``: the vectorised one):
+  ``warmup()`` on its own forest, then ``forests`` new forests of ``batch`` trees, each run
+  twice (first call: whatever compiles a new forest needs, counted with ``jax.monitoring``;
+  second call: steady state).  The per-node twin (same cells, ``jax.jit``, node by node)
+  runs on the first ``per_node_forests`` of them; ratios use the same forests.
+  ``record_us_per_node`` is the host time that discovers the schedule: the recording of the
+  user's recursion (recursive) or the numpy linearisation (fold).
+  """
+  import sys
+
+  from dynjax.bench import data
+
+  flags = dict(flags or {})
+  quick = bool(flags.get("quick", jax.default_backend() == "cpu"))
+  batch = int(flags.get("batch", 64))
+  n_forests = int(flags.get("forests", 20))
+  pn_forests = int(flags.get("per_node_forests", 3))
+  max_nodes = int(flags.get("max_nodes", 150 if quick else 200))
+  d_h = int(flags.get("d_h", 16 if quick else 256))
+  seed = int(flags.get("seed", 0))
+  forms = flags.get("forms", FORMS)
+  forms = forms.split(",") if isinstance(forms, str) else list(forms)
+  frontends = flags.get("frontends", "recursive,fold")
+  frontends = frontends.split(",") if isinstance(frontends, str) else list(frontends)
+  sys.setrecursionlimit(max(sys.getrecursionlimit(), 10000))
+  counter = compile_counter()
+  p_np = init_arity_params(len(data.node_types()), d_h=d_h, seed=seed)
+  trees = data.sample_trees(batch * (n_forests + 1), seed=seed + 1, max_nodes=max_nodes)
+  forests = [trees[i * batch:(i + 1) * batch] for i in range(n_forests + 1)]
+  warm, timed = forests[0], forests[1:]
+  nodes = [sum(t.size for t in f) for f in timed]
+  rows = []
+  for form in forms:
+    f = ArityForm(form, p_np)
+    warm_items = f.items(warm)
+    timed_items = [f.items(forest) for forest in timed]
+    _timed(lambda f=f, w=warm_items: [f.per_node(*it) for it in w[:4]])  # jit compiles
+    runs = {}
+    for fe in frontends:
+      if fe == "recursive":
+        enc = f.enc
+        runs[fe] = (enc.batch, lambda enc=enc: enc.last_stats.batches[0], enc.warmup)
+      else:
+        fo, fa = f.fold, f.fold_args
+        runs[fe] = (lambda items, fo=fo, fa=fa: fo.batch(*fa(items)),
+                    lambda fo=fo: fo.last_stats.batches[0],
+                    lambda items, fo=fo, fa=fa: fo.warmup(*fa(items)))
+    res_fe = {fe: _time_frontend(*runs[fe], warm_items, timed_items, counter)
+              for fe in frontends}
+    # Per node vs dynjax, interleaved forest by forest (the 2-core box is shared: a ratio
+    # of runs minutes apart would measure the neighbours), median of per-forest ratios.  Each
+    # side runs twice and its second run counts, so neither pays for the other's garbage.
+    pn, ratio, err = [], defaultdict(list), defaultdict(float)
+    for k in range(min(pn_forests, n_forests)):
+      for _ in range(2):
+        out, t = _timed(lambda f=f, its=timed_items[k]: [f.per_node(*it) for it in its])
+      pn.append(t)
+      for fe in frontends:
+        for _ in range(2):
+          dyn_out, td = _timed(lambda its=timed_items[k], run=runs[fe][0]: run(its))
+        ratio[fe].append(t / td)
+        err[fe] = max([err[fe]] + [float(np.max(np.abs(np.asarray(a[0]) - np.asarray(b[0]))))
+                                   for a, b in zip(dyn_out, out, strict=True)])
+    k = len(pn)
+    pn_s = float(np.median(pn))
+    for fe in frontends:
+      r = res_fe[fe]
+      meta = r["meta"]
+      host = float(np.median(r["host_us"]))
+      cost = (f"{'recording' if fe == 'recursive' else 'numpy schedule'} {host:.2f} us/node; "
+              f"{meta['groups']} executable calls/batch ({meta['levels']} levels); "
+              f"{meta['uploads']} numpy leaves uploaded/batch")
+      rows.append({
+          "form": form, "frontend": fe, "note": FORM_NOTES[form], "cost": cost,
+          "invokes_per_batch": meta["groups"], "uploads_per_batch": meta["uploads"],
+          "dynjax_ms": round(1e3 * float(np.median(r["second"])), 2),
+          "dynjax_first_ms": round(1e3 * float(np.median(r["first"])), 2),
+          "first_call_after_warmup_ms": round(1e3 * r["first"][0], 2),
+          "dynjax_us_per_node": round(1e6 * float(np.median(
+              [t / n for t, n in zip(r["second"], nodes, strict=True)])), 2),
+          "per_node_ms": round(1e3 * pn_s, 2),
+          "per_node_us_per_node": round(1e6 * pn_s / float(np.mean(nodes[:k])), 2),
+          "x_faster_than_per_node": round(float(np.median(ratio[fe])), 2),
+          "record_us_per_node": round(host, 2),
+          "warmup_compiles": r["warmup_compiles"], "warmup_s": r["warmup_s"],
+          "compiles_per_batch": r["compiles"],
+          "max_abs_diff_vs_per_node": err[fe],
+          "first_ms_all": [round(1e3 * t, 3) for t in r["first"]],
+          "second_ms_all": [round(1e3 * t, 3) for t in r["second"]],
+          "per_node_ms_all": [round(1e3 * t, 3) for t in pn],
+          "ratio_all": [round(x, 3) for x in ratio[fe]],
+      })
+  base = next((r for r in rows if r["form"] == "jnp_dict"), None)
+  if base is not None:
+    for r in rows:  # against the fastest natural per-node baseline (jnp params)
+      r["x_faster_than_per_node_jnp"] = round(base["per_node_ms"] / r["dynjax_ms"], 2)
+  res = {"model": "child-sum Tree-LSTM, 3 cells by arity (leaf/one/two), binarized ASTs",
+         "config": {"batch": batch, "forests": n_forests, "per_node_forests": pn_forests,
+                    "max_nodes": max_nodes, "d_h": d_h, "mean_nodes": float(np.mean(nodes)),
+                    "forms": forms, "frontends": frontends},
+         "rows": rows}
+  if flags.get("no_warmup_check", True):
+    res["no_warmup"] = _no_warmup_compiles(p_np, warm, timed, counter)
+  f = ArityForm("jnp_dict", p_np)
+  check = timed[0][:int(flags.get("check_trees", 8))]
+  with jax.default_matmul_precision("highest"):
+    out = f.enc.batch(f.items(check))
+    out_f = f.fold.batch(check, f.params)
+  errs = {}
+  for name, o in (("recursive", out), ("fold", out_f)):
+    errs[name] = max(
+        float(np.max(np.abs(np.asarray(h, np.float64) - arity_reference(p_np, t)[0])))
+        for (h, _), t in zip(o, check, strict=True))
+  res["check"] = {"trees": len(check), "max_abs_err_vs_float64": errs,
+                  "tolerance": CHECK_ATOL, "ok": max(errs.values()) <= CHECK_ATOL}
+  if flags.get("torch", True):
+    res["torch"] = _torch_arity(p_np, warm, timed[:max(1, pn_forests)], nodes)
+  return res
+
+
+def _no_warmup_compiles(p_np, warm, timed, counter) -> dict:
+  """Compiles per batch when a user skips ``warmup()`` (fresh cells; jnp params)."""
+  f = ArityForm("jnp_dict", p_np, fresh=True)
+  c0 = counter.n
+  _timed(lambda: f.enc.batch(f.items(warm)))
+  first = counter.n - c0
+  comp = []
+  for forest in timed:
+    c0 = counter.n
+    _timed(lambda forest=forest: f.enc.batch(f.items(forest)))
+    comp.append(counter.n - c0)
+  return {"frontend": "recursive", "form": "jnp_dict", "first_batch_compiles": first,
+          "compiles_per_batch": comp}
+
+
+def _torch_arity(p_np, warm, forests, nodes) -> dict:
+  try:
+    import torch
+  except ImportError:
+    return {"skipped": "torch not importable"}
+  dev = "cuda" if torch.cuda.is_available() else "cpu"
+  P = torch_arity_params(p_np, dev)
+  torch_arity_per_node(P, warm[0])
+  ts = []
+  for forest in forests:
+    t0 = time.perf_counter()
+    [torch_arity_per_node(P, t) for t in forest]
+    if dev == "cuda":
+      torch.cuda.synchronize()
+    ts.append(time.perf_counter() - t0)
+  t = float(np.median(ts))
+  return {"device": dev, "torch": torch.__version__, "per_node_ms": round(1e3 * t, 2),
+          "per_node_us_per_node": round(1e6 * t / float(np.mean(nodes[:len(ts)])), 2)}
+
+
 # -- the benchmark ----------------------------------------------------------------------------
 CHECK_ATOL = 1e-4  # float32 vs float64 over trees up to ~40 levels deep (CPU: ~1e-6)
 
@@ -213,17 +663,44 @@ def _precision_check(p, trees, use_torch: bool) -> dict:
 def run(flags: dict | None = None, out_dir: str | None = None) -> dict:
   """Tree-LSTM over minibatches of real trees; returns (and writes ``treelstm.json``) a dict.
 
-  Flags (all optional): ``quick`` (CPU setting, < 60 s), ``batch`` (trees per minibatch),
-  ``batches`` (minibatches timed), ``max_nodes``, ``d_h``, ``seed``, ``torch`` (default True).
+  Two models: ``childsum`` (four cells over child lists: ``rows``, ``check``) and ``arity``
+  (the issue's three cells by arity over binarized trees, every argument form, both front
+  ends: ``arity``; see :func:`run_arity`).  Flags (all optional): ``models``
+  ("childsum,arity"), ``quick`` (CPU setting), ``batch``, ``batches``, ``max_nodes``, ``d_h``,
+  ``seed``, ``torch`` (default True), and :func:`run_arity`'s ``forests``, ``forms``,
+  ``frontends``, ``per_node_forests``, ``no_warmup_check``.
 
   Example:
     >>> res = run({"quick": True})  # doctest: +SKIP
     >>> res["rows"][0]["mode"]  # doctest: +SKIP
     'dynjax'
   """
+  flags = dict(flags or {})
+  models = flags.get("models", "childsum,arity")
+  models = models.split(",") if isinstance(models, str) else list(models)
+  res = {"workload": "treelstm", "backend": jax.default_backend(), "jax": jax.__version__,
+         "versions": _versions()}
+  if "childsum" in models:
+    res.update(_run_childsum(flags))
+  if "arity" in models:
+    res["arity"] = run_arity(flags)
+  if out_dir:
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "treelstm.json"), "w") as f:
+      json.dump(res, f, indent=1)
+  return res
+
+
+def _versions() -> dict:
+  from dynjax.bench._suite import versions
+
+  return versions()
+
+
+def _run_childsum(flags: dict) -> dict:
+  """The four-cell child-sum model over child lists (forget/add/node; the first benchmark)."""
   from dynjax.bench import data
 
-  flags = dict(flags or {})
   quick = bool(flags.get("quick", jax.default_backend() == "cpu"))
   batch = int(flags.get("batch", 16 if quick else 64))
   n_batches = int(flags.get("batches", 2 if quick else 5))
@@ -295,37 +772,78 @@ def run(flags: dict | None = None, out_dir: str | None = None) -> dict:
   for r in rows:
     if "seconds" in r:
       r["x_slower_than_dynjax"] = round(r["seconds"] / base, 2)
-  res = {"workload": "treelstm", "backend": jax.default_backend(), "jax": jax.__version__,
-         "quick": quick, "config": {"batch": batch, "batches": n_batches, "max_nodes": max_nodes,
-                                    "d_h": d_h, "nodes_timed": n_nodes}, "rows": rows,
-         "check": res_check}
-  if out_dir:
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "treelstm.json"), "w") as f:
-      json.dump(res, f, indent=1)
-  return res
+  return {"quick": quick, "config": {"batch": batch, "batches": n_batches,
+                                     "max_nodes": max_nodes, "d_h": d_h,
+                                     "nodes_timed": n_nodes},
+          "rows": rows, "check": res_check}
 
 
 def format_table(res: dict) -> str:
-  cols = ["mode", "seconds", "us_per_node", "x_slower_than_dynjax", "invokes_per_batch",
-          "levels_per_batch", "record_ms_per_batch", "flush_ms_per_batch",
-          "max_abs_diff_vs_dynjax"]
-  lines = [" | ".join(cols)]
-  for r in res["rows"]:
-    lines.append(" | ".join(str(r.get(c, "")) for c in cols))
-  chk = res.get("check")
-  if chk:
-    lines.append(f"correctness ({chk['trees']} trees vs float64 numpy, {chk['tolerance']}): "
-                 + ", ".join(f"{k} {v:.2e}" for k, v in chk["max_abs_err"].items())
-                 + f" -> {'ok' if chk['ok'] else 'FAILED'}")
+  lines = []
+  if "rows" in res:
+    cols = ["mode", "seconds", "us_per_node", "x_slower_than_dynjax", "invokes_per_batch",
+            "levels_per_batch", "record_ms_per_batch", "flush_ms_per_batch",
+            "max_abs_diff_vs_dynjax"]
+    lines.append("childsum model (4 cells over child lists):")
+    lines.append(" | ".join(cols))
+    for r in res["rows"]:
+      lines.append(" | ".join(str(r.get(c, "")) for c in cols))
+    chk = res.get("check")
+    if chk:
+      lines.append(f"correctness ({chk['trees']} trees vs float64 numpy, {chk['tolerance']}): "
+                   + ", ".join(f"{k} {v:.2e}" for k, v in chk["max_abs_err"].items())
+                   + f" -> {'ok' if chk['ok'] else 'FAILED'}")
+  ar = res.get("arity")
+  if ar:
+    cfg = ar["config"]
+    lines.append(f"arity model ({ar['model']}): {cfg['batch']} trees/batch, mean "
+                 f"{cfg['mean_nodes']:.0f} nodes, H={cfg['d_h']}, {cfg['forests']} forests")
+    cols = ["form", "frontend", "dynjax_ms", "per_node_ms", "x_faster_than_per_node",
+            "x_faster_than_per_node_jnp", "dynjax_us_per_node", "record_us_per_node",
+            "first_call_after_warmup_ms", "dynjax_first_ms", "warmup_compiles"]
+    lines.append(" | ".join(cols) + " | compiles/batch (sum, max)")
+    for r in ar["rows"]:
+      c = r["compiles_per_batch"]
+      lines.append(" | ".join(str(r.get(k, "")) for k in cols) + f" | {sum(c)}, {max(c)}")
+    for r in ar["rows"]:
+      lines.append(f"  {r['form']}/{r['frontend']}: {r['note']}; {r['cost']}")
+    nw = ar.get("no_warmup")
+    if nw:
+      lines.append(f"without warmup() ({nw['frontend']}, {nw['form']}): first batch "
+                   f"{nw['first_batch_compiles']} compiles, then per batch "
+                   f"{nw['compiles_per_batch']}")
+    chk = ar["check"]
+    lines.append("correctness vs float64 numpy at highest precision: " + ", ".join(
+        f"{k} {v:.2e}" for k, v in chk["max_abs_err_vs_float64"].items())
+        + f" (atol {chk['tolerance']:g}) -> {'ok' if chk['ok'] else 'FAILED'}")
+    t = ar.get("torch")
+    if t:
+      lines.append("torch per node: " + ", ".join(f"{k} {v}" for k, v in t.items()))
   return "\n".join(lines)
 
 
 def _main(argv: Sequence[str] | None = None) -> None:
+  """``python -m dynjax.bench._treelstm [--full] [--out DIR] [key=value ...]``."""
   import sys
 
   argv = list(sys.argv[1:] if argv is None else argv)
-  print(format_table(run({"quick": "--full" not in argv})))
+  flags: dict = {"quick": "--full" not in argv}
+  out = None
+  for i, a in enumerate(argv):
+    if a == "--out" and i + 1 < len(argv):
+      out = argv[i + 1]
+    elif a.startswith("--out="):
+      out = a.split("=", 1)[1]
+    elif "=" in a and not a.startswith("--"):
+      k, v = a.split("=", 1)
+      try:
+        flags[k] = json.loads(v)
+      except ValueError:
+        flags[k] = v
+  res = run(flags, out)
+  print(format_table(res))
+  if out:
+    print(f"results in {out}/treelstm.json")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@ that the runtime VM runs.
 """
 
 from dynjax.control._cond import cond as cond
+from dynjax.control._fold import Fold as Fold
+from dynjax.control._fold import fold as fold
 from dynjax.control._frontend import NeedsProgram as NeedsProgram
 from dynjax.control._inprogram import program_runs as program_runs
 from dynjax.control._inprogram import run_in_program as run_in_program
@@ -17,5 +19,6 @@ from dynjax.control._recursion import Recursive as Recursive
 from dynjax.control._recursion import cell as cell
 from dynjax.control._recursion import recursive as recursive
 
-__all__ = ["Cell", "CellValue", "NeedsProgram", "Recursive", "cell", "cond", "loop_program",
-           "loop_stats", "program_runs", "recursive", "run_in_program", "while_loop"]
+__all__ = ["Cell", "CellValue", "Fold", "NeedsProgram", "Recursive", "cell", "cond", "fold",
+           "loop_program", "loop_stats", "program_runs", "recursive", "run_in_program",
+           "while_loop"]

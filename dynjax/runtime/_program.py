@@ -103,6 +103,20 @@ class Kernel:
           self.keys_built.append(key)
     return exe
 
+  def has(self, key: Hashable) -> bool:
+    return key in self._exes
+
+  def add(self, key: Hashable, exe: Callable) -> bool:
+    """Registers an executable built elsewhere for ``key`` (e.g. compiled concurrently by a
+    warm-up); returns False (and keeps the existing one) when ``key`` was built meanwhile."""
+    with self._lock:
+      if key in self._exes:
+        return False
+      self._exes[key] = exe
+      self.compiles += 1
+      self.keys_built.append(key)
+      return True
+
   def __repr__(self) -> str:
     return f"Kernel({self.name!r}, {len(self._exes)} executables)"
 

@@ -6,6 +6,8 @@ import ast
 import dataclasses
 import inspect
 
+import numpy as np
+
 
 @dataclasses.dataclass(frozen=True)
 class SmallTree:
@@ -47,3 +49,38 @@ def stdlib_trees(modules=("textwrap", "json.decoder", "fnmatch"), max_nodes=120)
         if t.size <= max_nodes:
           out.append(t)
   return out, 64
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class BinTree:
+  """A tree in the first-child / next-sibling form (what ``dynjax.bench.data.Tree`` has)."""
+
+  name: str
+  types: np.ndarray
+  first_child: np.ndarray
+  next_sibling: np.ndarray
+
+  @property
+  def size(self) -> int:
+    return len(self.types)
+
+
+def binarize(t: SmallTree) -> BinTree:
+  n = t.size
+  first, nxt = np.full(n, -1, np.int32), np.full(n, -1, np.int32)
+  for i, kids in enumerate(t.children):
+    if kids:
+      first[i] = kids[0]
+    for a, b in zip(kids[:-1], kids[1:], strict=True):
+      nxt[a] = b
+  return BinTree(t.name, np.asarray(t.types, np.int32), first, nxt)
+
+
+ARITY_MODULES = ("textwrap", "json.decoder", "fnmatch", "shlex", "colorsys", "heapq",
+                 "calendar", "bisect")
+
+
+def binary_trees(max_nodes=60):
+  """83 binarized function ASTs (2,580 nodes; type ids < 96) for the arity-cell tests."""
+  trees, _ = stdlib_trees(ARITY_MODULES, max_nodes=max_nodes)
+  return [binarize(t) for t in trees], 96

@@ -203,8 +203,8 @@ def test_batch_program_text():
 
 
 def test_per_item_params_are_stacked_and_highest_precision_matches_reference():
-  # Two different params dicts (same structure) in one batch: one group, params stacked per
-  # item; under "highest" matmul precision (what the bench's GPU check uses) it still equals
+  # Two different params dicts (same structure) in one batch: one group, each distinct leaf
+  # stacked once into a table gathered per item (a leaf object both share stays broadcast); under "highest" matmul precision (what the bench's GPU check uses) it still equals
   # the float64 oracle.
   p2 = T.init_params(N_TYPES, d_in=8, d_h=8, seed=1)
   trees = TREES[:4]
@@ -213,4 +213,20 @@ def test_per_item_params_are_stacked_and_highest_precision_matches_reference():
     out = T.encode.batch(items)
   for (p, t), (h, _) in zip(items, out, strict=True):
     np.testing.assert_allclose(np.asarray(h), T.reference(p, t)[0], rtol=2e-5, atol=2e-6)
-  assert "stack" in T.encode.last_programs[0].as_text()
+  assert "table" in T.encode.last_programs[0].as_text()
+
+
+def test_matmul_precision_is_part_of_the_step_key():
+  items = [((0.5, 0.25),), (((0.5, 0.5), 1.0),)]
+
+  def keys():
+    prog = tree_sum.last_programs[0]
+    return {ins.key for b in prog.blocks for ins in b.instrs if ins.kernel is not None}
+
+  tree_sum.batch(items)
+  k1 = keys()
+  with jax.default_matmul_precision("bfloat16"):
+    tree_sum.batch(items)
+  k2 = keys()
+  assert k1.isdisjoint(k2)
+  assert all(("jax_default_matmul_precision", "'bfloat16'") in k[-1] for k in k2)
