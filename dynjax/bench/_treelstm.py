@@ -165,13 +165,20 @@ def torch_per_node(p, tree, device="cpu"):
     else:
       hsum = torch.zeros(d, device=device)
       fc = torch.zeros(d, device=device)
-    z = x @ P["W"] + hsum @ P["U"] + P["b"]
-    ig, og, ug = torch.split(z, d)
-    c = torch.sigmoid(ig) * torch.tanh(ug) + fc
-    return torch.sigmoid(og) * torch.tanh(c), c
+    return _torch_gates(P, x, hsum, fc)
 
   with torch.no_grad():
     return go(0)
+
+
+def _torch_gates(P, x, hsum, fc):
+  """The node update of both PyTorch twins: (h, c) from the input, child-h sum, forget sum."""
+  import torch
+
+  z = x @ P["W"] + hsum @ P["U"] + P["b"]
+  ig, og, ug = torch.split(z, P["Uf"].shape[0])
+  c = torch.sigmoid(ig) * torch.tanh(ug) + fc
+  return torch.sigmoid(og) * torch.tanh(c), c
 
 
 # -- the issue's model: three cells by arity over binarized trees ---------------------------
@@ -353,10 +360,7 @@ def torch_arity_per_node(P, tree):
     else:
       hsum = torch.zeros(d, device=dev)
       fc = torch.zeros(d, device=dev)
-    z = x @ P["W"] + hsum @ P["U"] + P["b"]
-    ig, og, ug = torch.split(z, d)
-    c = torch.sigmoid(ig) * torch.tanh(ug) + fc
-    return torch.sigmoid(og) * torch.tanh(c), c
+    return _torch_gates(P, x, hsum, fc)
 
   with torch.no_grad():
     return go(0)
