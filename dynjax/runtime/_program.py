@@ -98,10 +98,13 @@ class Kernel:
         exe = self._exes.get(key)
         if exe is None:
           exe = self.build(key)
-          self._exes[key] = exe
-          self.compiles += 1
-          self.keys_built.append(key)
+          self._keep(key, exe)
     return exe
+
+  def _keep(self, key: Hashable, exe: Callable) -> None:  # under self._lock
+    self._exes[key] = exe
+    self.compiles += 1
+    self.keys_built.append(key)
 
   def has(self, key: Hashable) -> bool:
     return key in self._exes
@@ -112,9 +115,7 @@ class Kernel:
     with self._lock:
       if key in self._exes:
         return False
-      self._exes[key] = exe
-      self.compiles += 1
-      self.keys_built.append(key)
+      self._keep(key, exe)
       return True
 
   def __repr__(self) -> str:
@@ -343,9 +344,7 @@ class ProgramBuilder:
   def emit_repad(self, srcs: Sequence[int], shapes_reg: int, dsts: Sequence[int] | None = None
                  ) -> tuple[int, ...]:
     """``shapes_reg`` holds a host tuple of target shapes, one per source."""
-    dsts = tuple(dsts) if dsts is not None else self.new_regs(len(srcs))
-    self._emit(Instr(Op.REPAD, dsts, tuple(srcs) + (shapes_reg,)))
-    return dsts
+    return self._emit_to_shapes(Op.REPAD, srcs, shapes_reg, dsts)
 
   def emit_unpad(self, srcs: Sequence[int], shapes_reg: int, to_host: bool = False
                  ) -> tuple[int, ...]:
@@ -357,8 +356,12 @@ class ProgramBuilder:
   def emit_pad(self, srcs: Sequence[int], shapes_reg: int, dsts: Sequence[int] | None = None
                ) -> tuple[int, ...]:
     """Host-side padding of (exact-shape) arguments to the shapes in ``shapes_reg``."""
+    return self._emit_to_shapes(Op.PAD, srcs, shapes_reg, dsts)
+
+  def _emit_to_shapes(self, op: Op, srcs: Sequence[int], shapes_reg: int,
+                      dsts: Sequence[int] | None) -> tuple[int, ...]:
     dsts = tuple(dsts) if dsts is not None else self.new_regs(len(srcs))
-    self._emit(Instr(Op.PAD, dsts, tuple(srcs) + (shapes_reg,)))
+    self._emit(Instr(op, dsts, tuple(srcs) + (shapes_reg,)))
     return dsts
 
   def emit_call(self, fn: Callable, args: Sequence[int], num_results: int | None = None,
