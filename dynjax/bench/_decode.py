@@ -651,11 +651,16 @@ def _program_rows(params, cfg, flags, quick, heads, seed, progress) -> list[dict
       st = compiled.stats()["programs"]
       row["program"] = st[-1] if st else None
     rows.append(row)
-  base = rows[0]["warm_ms_per_request"]
+  return _ratios(rows, "warm_ms_per_request", "ratio_vs_compiled", _fmt_prog, progress)
+
+
+def _ratios(rows: list[dict], metric: str, name: str, fmt, progress) -> list[dict]:
+  """Each row's ``metric`` over the first row's, as ``name``; rows printed as they finish."""
+  base = rows[0][metric]
   for r in rows:
-    r["ratio_vs_compiled"] = round(r["warm_ms_per_request"] / base, 3)
+    r[name] = round(r[metric] / base, 3)
     if progress:
-      progress(_fmt_prog(r))
+      progress(fmt(r))
   return rows
 
 
@@ -695,12 +700,7 @@ def _nested_rows(params, cfg, flags, quick, heads, seed, progress) -> list[dict]
       row["outer_mode"] = info.get("mode")
       row["host_syncs_per_request"] = info.get("host_syncs")
     rows.append(row)
-  base = rows[0]["warm_ms_per_token"]
-  for r in rows:
-    r["ratio_vs_dynjax"] = round(r["warm_ms_per_token"] / base, 3)
-    if progress:
-      progress(_fmt_nested(r))
-  return rows
+  return _ratios(rows, "warm_ms_per_token", "ratio_vs_dynjax", _fmt_nested, progress)
 
 
 def _while_body_ops(hlo_text: str) -> dict:
