@@ -10,11 +10,11 @@ from dynjax import control as control
 from dynjax import flax as flax
 from dynjax import route as route
 from dynjax import runtime as runtime
-from dynjax._api import Compiled as Compiled
-from dynjax._api import Lowered as Lowered
-from dynjax._api import Traced as Traced
-from dynjax._api import Wrapped as Wrapped
-from dynjax._api import jit as jit
+from dynjax.jit import Compiled as Compiled
+from dynjax.jit import Lowered as Lowered
+from dynjax.jit import Traced as Traced
+from dynjax.jit import Wrapped as Wrapped
+from dynjax.jit import jit as jit
 from dynjax._errors import ControlFlowError as ControlFlowError
 from dynjax._errors import DtypeMismatchError as DtypeMismatchError
 from dynjax._errors import DynjaxError as DynjaxError

@@ -45,7 +45,7 @@ _P = inspect.Parameter
 
 
 def _jit():
-  from dynjax._api import jit  # lazily: the core imports jax machinery we do not need at import
+  from dynjax.jit import jit  # lazily: the core imports jax machinery we do not need at import
 
   return jit
 

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 import dynjax
-from dynjax import _api
+from dynjax.jit import _family, _serving as serving_mod
 from dynjax._errors import PaddingUnsupportedError
-from dynjax.runtime._scheduler import CompileScheduler
+from dynjax.jit._scheduler import CompileScheduler
 
 
 def _model(params, x):
@@ -49,7 +49,7 @@ def test_first_call_compiles_only_the_covering_bucket_then_every_call_is_served(
   np.testing.assert_allclose(f(p, _x(5)), EXACT(p, _x(5)), rtol=1e-6, atol=1e-6)
   s = f.stats()
   assert s["per_bucket_calls"] == {"b=2, t=64": 1}  # served on the covering bucket, which
-  assert f._cache.compile_log[0][0][1] == (2, 64)  # compiled first (t=8 follows, background)
+  assert f._dispatcher.cache.compile_log[0][0][1] == (2, 64)  # compiled first (t=8 follows, background)
   assert s["waited_for_compile"] == 1
   for t in (3, 9, 17, 33, 5):  # never wait again: the top bucket covers everything
     np.testing.assert_allclose(f(p, _x(t)), EXACT(p, _x(t)), rtol=1e-6, atol=1e-6)
@@ -73,7 +73,7 @@ def test_a_dim_without_a_declared_max_does_not_hide_the_top_of_the_others(compil
   f = dynjax.jit(_model, dims={"x": "b, t, 4"}, padding="auto", serving=True,
                  buckets={"t": dynjax.buckets.pow2(4, 64)}, compile_workers=1)
   np.testing.assert_allclose(f(p, _x(5)), EXACT(p, _x(5)), rtol=1e-6, atol=1e-6)
-  assert f._cache.compile_log[0][0][1] == (2, 64)
+  assert f._dispatcher.cache.compile_log[0][0][1] == (2, 64)
   assert f.stats()["per_bucket_calls"] == {"b=2, t=64": 1}
   for t in (60, 33, 17):
     np.testing.assert_allclose(f(p, _x(t)), EXACT(p, _x(t)), rtol=1e-6, atol=1e-6)
@@ -85,15 +85,15 @@ def test_calls_never_wait_behind_a_compile_a_compiled_bucket_covers(monkeypatch)
   p = _params()
   f = _serving(compile_workers=2)
   f(p, _x(40))  # compiles the top bucket (64)
-  fam = next(iter(f._families.values()))
+  fam = next(iter(f._dispatcher.families.values()))
   slow = threading.Event()
-  real = fam.build_bucket
+  real = fam.compile_bucket
 
-  def build(bkey, *a, **k):
+  def build(*a, **k):
     slow.wait(10)  # background compiles hang until released
-    return real(bkey, *a, **k)
+    return real(*a, **k)
 
-  monkeypatch.setattr(fam, "build_bucket", build)
+  monkeypatch.setattr(fam, "compile_bucket", build)
   t0 = time.perf_counter()
   for t in (3, 7, 12, 20, 3, 7):
     np.testing.assert_allclose(f(p, _x(t)), EXACT(p, _x(t)), rtol=1e-6, atol=1e-6)
@@ -141,7 +141,7 @@ def test_scheduler_runs_the_most_valuable_job_first_and_urgent_jobs_alone():
 
 
 def test_gpu_tiers_quick_compile_first_then_full_options_replace_it(monkeypatch):
-  monkeypatch.setattr(_api, "_on_gpu", lambda: True)
+  monkeypatch.setattr(serving_mod, "on_gpu", lambda: True)
   seen = []
   real_compile = jax.stages.Lowered.compile
 
@@ -153,11 +153,11 @@ def test_gpu_tiers_quick_compile_first_then_full_options_replace_it(monkeypatch)
   p = _params()
   f = _serving(compile_workers=1)
   np.testing.assert_allclose(f(p, _x(5)), EXACT(p, _x(5)), rtol=1e-6, atol=1e-6)
-  fam = next(iter(f._families.values()))
+  fam = next(iter(f._dispatcher.families.values()))
   assert fam.buckets[(2, 64)].tier == 0
   quick = {"xla_gpu_enable_triton_gemm": False, "xla_gpu_autotune_level": 0}
   assert seen and all(o == quick for o in seen)
-  assert f._scheduler.wait_idle(5)  # tier 0 of t=8 (background); tier 1 waits for traffic
+  assert f._dispatcher.compiler.scheduler.wait_idle(5)  # tier 0 of t=8 (background); tier 1 waits for traffic
   assert all(o == quick for o in seen)
   f.wait()  # runs the queued tier-1 recompiles now
   assert fam.buckets[(2, 64)].tier == 1 and fam.buckets[(2, 8)].tier == 1 and {} in seen
@@ -166,11 +166,11 @@ def test_gpu_tiers_quick_compile_first_then_full_options_replace_it(monkeypatch)
 
 def test_no_tiers_with_explicit_compiler_options_or_off_gpu(monkeypatch):
   f = _serving()
-  assert f._tiers() == 1  # CPU
-  monkeypatch.setattr(_api, "_on_gpu", lambda: True)
-  assert f._tiers() == 2
+  assert f._dispatcher.compiler.tiers() == 1  # CPU
+  monkeypatch.setattr(serving_mod, "on_gpu", lambda: True)
+  assert f._dispatcher.compiler.tiers() == 2
   g = _serving(compiler_options={"xla_gpu_autotune_level": 2})
-  assert g._tiers() == 1 and g._compile_options(0) == {"xla_gpu_autotune_level": 2}
+  assert g._dispatcher.compiler.tiers() == 1 and g._dispatcher.compiler.compile_options(0) == {"xla_gpu_autotune_level": 2}
 
 
 def test_bad_serving_options_say_what_is_expected():
@@ -228,7 +228,7 @@ def test_a_broken_stored_executable_is_compiled_again(tmp_path):
   f = dynjax.jit(_model, dims={"x": "b, t, 4"}, cache_dir=str(tmp_path),
                  buckets={"b": [2], "t": dynjax.buckets.pow2(4, 64)})
   f(p, _x(5))
-  store = next(iter(f._families.values())).store()
+  store = next(iter(f._dispatcher.families.values())).store()
   (bkey, tier), = store.stored()
   with open(store.path(bkey, tier), "wb") as fh:
     fh.write(b"not an executable")
@@ -237,7 +237,7 @@ def test_a_broken_stored_executable_is_compiled_again(tmp_path):
   np.testing.assert_allclose(g(p, _x(5)), EXACT(p, _x(5)), rtol=1e-6, atol=1e-6)
   s = g.stats()
   assert s["compiles"] == 1 and s["loaded_from_store"] == 0
-  assert next(iter(g._families.values())).store().load_errors == 1
+  assert next(iter(g._dispatcher.families.values())).store().load_errors == 1
 
 
 def test_top_level_path_rechecks_parameters_through_the_executable(compiles):
@@ -245,8 +245,8 @@ def test_top_level_path_rechecks_parameters_through_the_executable(compiles):
                  buckets={"b": [2], "t": dynjax.buckets.pow2(4, 64)})
   p = _params()
   f(p, _x(5))
-  fam = next(iter(f._families.values()))
-  assert fam.top is not None and f._top  # f(params, x): x is a whole argument
+  fam = next(iter(f._dispatcher.families.values()))
+  assert fam.top is not None and f._dispatcher.top  # f(params, x): x is a whole argument
   # New parameter values, same shapes: served by the same executable, never stale.
   p2 = {k: v * 2 for k, v in p.items()}
   np.testing.assert_allclose(f(p2, _x(5)), EXACT(p2, _x(5)), rtol=1e-6, atol=1e-6)
@@ -256,7 +256,7 @@ def test_top_level_path_rechecks_parameters_through_the_executable(compiles):
   # Another structure: the same.
   p3 = {**p, "extra": jnp.zeros(3)}
   np.testing.assert_allclose(f(p3, _x(5)), EXACT(p, _x(5)), rtol=1e-6, atol=1e-6)
-  assert len(f._families) == 3
+  assert len(f._dispatcher.families) == 3
 
 
 def test_trailing_defaults_and_keywords_take_the_same_executable():
@@ -279,15 +279,15 @@ def test_a_bucket_whose_plan_refuses_falls_back_like_the_probe(monkeypatch, on_f
   f = dynjax.jit(_model, dims={"x": "b, t, 4"}, on_fallback=on_fallback,
                  buckets={"b": [2], "t": dynjax.buckets.pow2(4, 64)})
   np.testing.assert_allclose(f(p, _x(3)), EXACT(p, _x(3)), rtol=1e-6, atol=1e-6)
-  fam = next(iter(f._families.values()))
-  real = fam.build_bucket
+  fam = next(iter(f._dispatcher.families.values()))
+  real = fam.compile_bucket
 
-  def build(bkey, *a, **k):
+  def build(lowered, rewrites, bkey, *a, **k):
     if bkey == (2, 32):
       raise PaddingUnsupportedError("no rule for 'frobnicate' at this size")
-    return real(bkey, *a, **k)
+    return real(lowered, rewrites, bkey, *a, **k)
 
-  monkeypatch.setattr(fam, "build_bucket", build)
+  monkeypatch.setattr(fam, "compile_bucket", build)
   if on_fallback == "error":
     with pytest.raises(dynjax.PaddingFallbackError, match="frobnicate"):
       f(p, _x(20))
@@ -301,17 +301,17 @@ def test_a_bucket_whose_plan_refuses_falls_back_like_the_probe(monkeypatch, on_f
 
 def test_serving_lowers_the_plan_while_the_first_bucket_compiles(monkeypatch):
   lowered_in = []
-  real = _api._Family.lower_bucket
+  real = _family.Family.lower_bucket
 
   def spy(self, bkey):
     lowered_in.append((bkey, threading.current_thread().name))
     return real(self, bkey)
 
-  monkeypatch.setattr(_api._Family, "lower_bucket", spy)
+  monkeypatch.setattr(_family.Family, "lower_bucket", spy)
   p = _params()
   f = _serving(compile_workers=1)
   np.testing.assert_allclose(f(p, _x(5)), EXACT(p, _x(5)), rtol=1e-6, atol=1e-6)
-  fam = next(iter(f._families.values()))
+  fam = next(iter(f._dispatcher.families.values()))
   for fut in list(fam.prelowered.values()):
     fut.result(timeout=60)
   # Serving lowers on one thread, the lane; by the end of the first call it has lowered the
@@ -332,15 +332,15 @@ def test_hot_path_hits_are_exact_counted_and_follow_new_buckets(compiles):
   f = _serving(compile_workers=1)
   for t in (5, 5, 5):  # first call: the top bucket (64); then the hot path on it
     np.testing.assert_allclose(f(p, _x(t)), EXACT(p, _x(t)), rtol=1e-6, atol=1e-6)
-  fam = next(iter(f._families.values()))
-  hit = fam.hits[(((2, 5, 4),), False)]
+  fam = next(iter(f._dispatcher.families.values()))
+  hit = fam.executors[(((2, 5, 4),), False, False)]
   assert hit.bkey == (2, 64) and hit.n >= 1  # served on the covering bucket for now
   f.wait()  # t=8 compiles in the background: the hit is stale and re-resolved
-  assert fam.hits[(((2, 5, 4),), False)].gen != fam.gen
+  assert fam.executors[(((2, 5, 4),), False, False)].gen != fam.gen
   before = compiles()
   for t in (5, 5):
     np.testing.assert_allclose(f(p, _x(t)), EXACT(p, _x(t)), rtol=1e-6, atol=1e-6)
-  assert fam.hits[(((2, 5, 4),), False)].bkey == (2, 8) and compiles() == before
+  assert fam.executors[(((2, 5, 4),), False, False)].bkey == (2, 8) and compiles() == before
   s = f.stats()
   assert s["calls"] == 5 and s["per_bucket_calls"] == {"b=2, t=64": 3, "b=2, t=8": 2}
   assert s["served_on_larger_bucket"] == 3 and s["host_syncs"] == 5
@@ -350,19 +350,24 @@ def test_hot_path_hits_are_exact_counted_and_follow_new_buckets(compiles):
     out = f(p, xd)
     assert isinstance(out, jax.Array) and out.shape == (2, 4)
     np.testing.assert_allclose(out, EXACT(p, _x(5)), rtol=1e-6, atol=1e-6)
-  assert (((2, 5, 4),), True) in fam.hits and f.stats()["host_syncs"] == 5
+  assert (((2, 5, 4),), True, False) in fam.executors and f.stats()["host_syncs"] == 5
 
 
-def test_hot_path_stays_off_where_a_call_decides_something():
+def test_executors_are_kept_only_where_no_call_decides_something():
   p = _params()
-  for kw in ({"check": True}, {"return_padded": True}, {"max_executables": 2},
-             {"buckets": {"b": [2], "t": dynjax.buckets.auto(max_compiles=3, max=64)}}):
+  for kw, kept in (({"check": True}, True), ({"return_padded": True}, True),
+                   ({"max_executables": 2}, False),
+                   ({"buckets": {"b": [2], "t": dynjax.buckets.auto(max_compiles=3, max=64)}},
+                    False)):
     f = dynjax.jit(_model, dims={"x": "b, t, 4"}, padding="auto",
                    **{"buckets": {"b": [2], "t": dynjax.buckets.pow2(4, 64)}, **kw})
     for _ in range(3):
-      f(p, _x(5))
-    fam = next(iter(f._families.values()))
-    assert not fam.hits, kw
+      out = f(p, _x(5))
+    out = out.unpad() if isinstance(out, dynjax.Padded) else out
+    np.testing.assert_allclose(out, EXACT(p, _x(5)), rtol=1e-6, atol=1e-6)
+    assert f.stats()["calls"] == 3 and f.stats()["cache_hits"] == 2, kw
+    fam = next(iter(f._dispatcher.families.values()))
+    assert bool(fam.executors) == kept, kw
 
 
 def test_background_lowering_switches_the_gil_quickly_and_restores_it():
@@ -370,8 +375,8 @@ def test_background_lowering_switches_the_gil_quickly_and_restores_it():
 
   before = sys.getswitchinterval()
   seen = []
-  with _api._quick_switches():
-    with _api._quick_switches():  # nested (two lanes): restored only after the last
+  with serving_mod.quick_switches():
+    with serving_mod.quick_switches():  # nested (two lanes): restored only after the last
       seen.append(sys.getswitchinterval())
     seen.append(sys.getswitchinterval())
   assert seen == [pytest.approx(min(before, 5e-4))] * 2
@@ -380,23 +385,23 @@ def test_background_lowering_switches_the_gil_quickly_and_restores_it():
   f = _serving(compile_workers=1)
   f(p, _x(5))
   f.wait()
-  f._lower_lane().submit(lambda: None).result()  # the lane's queued pre-lowering is done
+  f._dispatcher.compiler.lane().submit(lambda: None).result()  # the lane's queued pre-lowering is done
   assert sys.getswitchinterval() == before
 
 
 def test_gpu_quick_tier_compiles_the_first_calls_own_bucket_alongside(monkeypatch):
-  monkeypatch.setattr(_api, "_on_gpu", lambda: True)
-  monkeypatch.setattr(_api.os, "cpu_count", lambda: 16)
+  monkeypatch.setattr(serving_mod, "on_gpu", lambda: True)
+  monkeypatch.setattr(serving_mod.os, "cpu_count", lambda: 16)
   p = _params()
   f = _serving(compile_workers=2)
-  assert f._co_compile_own()
+  assert f._dispatcher.compiler._co_compile_own()
   np.testing.assert_allclose(f(p, _x(5)), EXACT(p, _x(5)), rtol=1e-6, atol=1e-6)
-  built = {k[1] for k, _ in f._cache.compile_log}
-  started = built | {k[1] for k in f._scheduler.in_flight()}
+  built = {k[1] for k, _ in f._dispatcher.cache.compile_log}
+  started = built | {k[1] for k in f._dispatcher.compiler.scheduler.in_flight()}
   assert {(2, 8), (2, 64)} <= started  # both under way when the first call returned
   assert f.stats()["waited_for_compile"] == 1
   f.wait()
-  monkeypatch.setattr(_api.os, "cpu_count", lambda: 4)
-  assert not _serving(compile_workers=2)._co_compile_own()
-  monkeypatch.setattr(_api, "_on_gpu", lambda: False)
-  assert not _serving(compile_workers=4)._co_compile_own()
+  monkeypatch.setattr(serving_mod.os, "cpu_count", lambda: 4)
+  assert not _serving(compile_workers=2)._dispatcher.compiler._co_compile_own()
+  monkeypatch.setattr(serving_mod, "on_gpu", lambda: False)
+  assert not _serving(compile_workers=4)._dispatcher.compiler._co_compile_own()

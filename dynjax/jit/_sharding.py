@@ -6,7 +6,7 @@ for a user's own ``jax.jit``.  This module only
 
 * validates ``in_shardings``/``out_shardings`` and resolves them, per family, to one
   ``NamedSharding`` per flat argument leaf and per flat output (:func:`check_options`,
-  :func:`attach`);
+  :func:`resolve`);
 * makes bucket sizes of sharded dimensions multiples of the mesh axis size: a dimension
   variable that appears on an axis sharded over ``n`` devices gets ``policy.aligned(n)``;
 * checks that static dimensions are divisible, and that every mesh axis name exists
@@ -59,7 +59,6 @@ from jax.sharding import NamedSharding, PartitionSpec, Sharding
 from dynjax import _symbolic
 from dynjax._errors import ShardingError, format_list
 from dynjax._padded import Padded
-from dynjax.bucketing._policies import BucketPolicy
 
 _FORMS = ("a jax.sharding.NamedSharding, a PartitionSpec or None; a tuple with one such pytree "
           "prefix per non-static parameter; or a dict parameter name -> pytree prefix")
@@ -171,6 +170,8 @@ class FamilyShardings:
   multiples: dict[str, int]  # dimension variable -> bucket multiple
   replicated: NamedSharding
   fully_addressable: bool
+  options: ShardingOptions  # what the user gave (output shardings of exact executables)
+  name: str  # the function's name, for messages
 
   # -- lowering ----------------------------------------------------------------------------
   def jit_kwargs(self, fam, bkey, sizes_first: bool) -> dict:
@@ -188,11 +189,11 @@ class FamilyShardings:
     """Shardings for the exact-shape executable: axes a true size does not divide replicate."""
     kw: dict[str, Any] = {"in_shardings": tuple(
         _fit(s, a.shape) for s, a in zip(self.inputs, avals, strict=True))}
-    if fam.wrapped._opts.sharding.given_out:
+    if self.options.given_out:
       outs = jax.eval_shape(fam.flat_fun, *avals)  # also sets flat_fun.out_tree
       flat = self.outputs
       if flat is None or len(flat) != len(outs):
-        flat = _resolve_outputs(fam.wrapped._opts.sharding, self.mesh, fam.flat_fun.out_tree)
+        flat = _resolve_outputs(self.options, self.mesh, fam.flat_fun.out_tree)
       kw["out_shardings"] = [None if s is None else _fit(s, o.shape)
                              for s, o in zip(flat, outs, strict=True)]
     return kw
@@ -210,7 +211,7 @@ class FamilyShardings:
     if problems:
       env = ", ".join(f"{v}={n}" for v, n in zip(fam.sig.var_order, bkey, strict=True))
       raise ShardingError(
-          f"{fam.wrapped.__name__}: at bucket ({env}) the padded shapes do not divide over "
+          f"{self.name}: at bucket ({env}) the padded shapes do not divide over "
           "the mesh:\n" + format_list(problems)
           + "\nShard only axes whose dims are plain dimension variables or static multiples "
           "of the mesh axis size, or choose buckets that are.")
@@ -451,35 +452,32 @@ def _check_axes(where: str, sh: NamedSharding, dims, multiples: dict, problems: 
   return sh if keep == list(spec) else NamedSharding(sh.mesh, PartitionSpec(*keep))
 
 
-def attach(fam) -> FamilyShardings | None:
-  """Resolves the shardings of a new family and aligns its bucket policies (or None).
+def resolve(opts: ShardingOptions | None, fam, name: str, dyn_names: Sequence[str],
+            dims_auto: bool) -> FamilyShardings | None:
+  """The shardings of a new family (None without ``in_shardings``/``out_shardings``).
 
-  Called once per family, after tracing (output shardings need the output tree).
+  Asked once per family, after tracing (output shardings need the output tree).  The
+  result's ``multiples`` (dimension variable -> bucket multiple) tell the family how to align
+  its bucket policies; nothing here changes the family.
   """
-  w = fam.wrapped
-  opts: ShardingOptions | None = getattr(w._opts, "sharding", None)
   if opts is None:
     return None
-  mesh = _family_mesh(opts, w.__name__)
+  mesh = _family_mesh(opts, name)
   dyn = jax.tree_util.tree_unflatten(fam.treedef, list(fam.avals))
   flat: list = []
-  for name, value in zip(w._dyn_names, dyn, strict=True):
-    flat += _broadcast_prefix(opts.inputs.get(name), value, f"in_shardings[{name!r}]")
+  for arg, value in zip(dyn_names, dyn, strict=True):
+    flat += _broadcast_prefix(opts.inputs.get(arg), value, f"in_shardings[{arg!r}]")
   problems: list[str] = []
   replicated = NamedSharding(mesh, PartitionSpec())
   multiples: dict[str, int] = {}
-  auto = w._opts.dims == "auto"  # static axes may become dynamic later: replicate, no error
   inputs = []
-  paths = [name + jax.tree_util.keystr(k)
-           for name, value in zip(w._dyn_names, dyn, strict=True)
-           for k, _ in jax.tree_util.tree_flatten_with_path(
-               value, is_leaf=lambda v: type(v) is Padded)[0]]
-  for li, (leaf, aval, path) in enumerate(zip(flat, fam.avals, paths, strict=True)):
+  for li, (leaf, aval, path) in enumerate(zip(flat, fam.avals, fam.leaf_paths, strict=True)):
     where = f"in_shardings for argument {path}"
     sh = _to_named(leaf, mesh, where, problems) or replicated
     spec = fam.sig.leaves[li]
     dims = spec.dims if spec is not None else aval.shape
-    inputs.append(_check_axes(where, sh, dims, multiples, problems, auto))
+    # dims="auto": static axes may become dynamic later, so they replicate instead of failing.
+    inputs.append(_check_axes(where, sh, dims, multiples, problems, dims_auto))
   outputs = None
   if fam.out_tree is not None:
     outputs = _resolve_outputs(opts, mesh, fam.out_tree)
@@ -490,23 +488,13 @@ def attach(fam) -> FamilyShardings | None:
           for i, (sh, o) in enumerate(zip(outputs, fam.out_avals, strict=True)))
   if problems:
     raise ShardingError(
-        f"{w.__name__}: the shardings do not fit the arguments or the mesh:\n"
+        f"{name}: the shardings do not fit the arguments or the mesh:\n"
         + format_list(problems)
         + "\nFix: use axis names of the mesh; shard only axes whose static size is a multiple "
         "of the mesh axis size (dynamic dims are bucketed to multiples of it), or replicate "
         "them (None in the PartitionSpec).")
-  if multiples and fam.sig.var_order:
-    pols = list(fam.policies)
-    for i, v in enumerate(fam.sig.var_order):
-      m = multiples.get(v, 1)
-      if m > 1 and pols[i].multiple % m:
-        pols[i] = pols[i].aligned(m)
-        w._policies[v] = pols[i]
-    fam.policies = tuple(pols)
-    fam.observers = tuple((i, p) for i, p in enumerate(pols)
-                          if type(p).observe is not BucketPolicy.observe)
   return FamilyShardings(mesh, tuple(inputs), outputs, multiples, replicated,
-                         bool(replicated.is_fully_addressable))
+                         bool(replicated.is_fully_addressable), opts, name)
 
 
 def jit_kwargs(fam, bkey, sizes_first: bool) -> dict:

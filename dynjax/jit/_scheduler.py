@@ -6,9 +6,9 @@ submitted: each time a worker is free it asks ``value(job)`` of every pending jo
 best one, so a plan that changed, or a histogram that grew, re-orders the queue for free.  A
 job whose value is ``<= 0`` waits until it becomes positive (or is cancelled).
 
-Only runtime code lives here: a job carries a ``build()`` thunk supplied by the build side
-(``dynjax._api``), which also decides what a job is worth (expected serving time saved per
-second of compiling).
+No tracing code lives here: a job carries a ``build()`` thunk supplied by the compiler
+(``dynjax/jit/_serving.py``), which also decides what a job is worth (expected serving time
+saved per second of compiling).
 
 Measured (H100 host, 16 cores, BERT-base, triton gemm off): one bucket compiles in 3.4 s
 alone; six at once take 7.5 s wall (2.7x the throughput of one at a time); three workers get
@@ -105,6 +105,15 @@ class CompileScheduler:
     """Futures of every pending or running job, by key."""
     with self._cv:
       return {k: j.future for k, j in (*self._pending.items(), *self._running.items())}
+
+  def running_jobs(self) -> list[Job]:
+    """The running jobs (the lock is re-entrant: a value function may ask)."""
+    with self._cv:
+      return list(self._running.values())
+
+  def pending_jobs(self) -> list[Job]:
+    with self._cv:
+      return list(self._pending.values())
 
   def running(self) -> list[Hashable]:
     with self._cv:

@@ -1,0 +1,245 @@
+"""Arguments of a ``dynjax.jit`` call: binding to parameters, leaves, and ``dims="auto"``.
+
+:class:`Binder` turns ``(*args, **kwargs)`` into (static key, dynamic values) in parameter
+order, builds the flat function a family traces, and reads each leaf's dims spec.  The leaf
+helpers (:func:`leaf_key`, :func:`aval`, :func:`on_device`) are the hot path's type tests:
+each is written to avoid ABC ``isinstance`` checks (~0.8 us each on the 2-core CPU box).
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dynjax._errors import SpecError
+from dynjax._padded import Padded
+
+tree_flatten = jax.tree_util.tree_flatten
+tree_unflatten = jax.tree_util.tree_unflatten
+LEAF_TREEDEF = jax.tree_util.tree_structure(0)
+_ARRAY_IMPL = type(jnp.zeros(()))
+
+
+def is_padded(x) -> bool:
+  return type(x) is Padded
+
+
+class Binder:
+  """Binds calls of one function to its parameters (static ones taken out)."""
+
+  def __init__(self, fun, name: str, static: tuple[str, ...]):
+    self.fun = fun
+    self.name = name
+    self.params = parameters(fun)
+    self.names = [p.name for p in self.params]
+    self.static_pos = tuple(i for i, p in enumerate(self.params) if p.name in static)
+    self.dyn_names = tuple(p.name for p in self.params if p.name not in static)
+    self.nparams = len(self.params)
+    self.defaults = tuple(p.default for p in self.params)
+    # Calls with only positional arguments may leave out trailing parameters with defaults
+    # (keyword-only ones too, e.g. the Flax wrapper's rngs=None).
+    positional = 0
+    while positional < self.nparams and self.params[positional].kind in (
+        inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD):
+      positional += 1
+    first_default = self.nparams
+    while first_default > 0 and self.defaults[first_default - 1] is not inspect.Parameter.empty:
+      first_default -= 1
+    # args of length n in [first_default, positional] bind in order, the rest take defaults.
+    self.defaults_from = first_default if first_default <= positional else self.nparams
+    self.positional = positional
+
+  def split(self, args, kwargs):
+    """(static key, dynamic values in parameter order). ~1 us with positional args only (also
+    when trailing parameters take their defaults: ``inspect`` binding costs ~40 us on the GPU
+    host)."""
+    params = self.params
+    n = len(args)
+    if not kwargs and self.defaults_from <= n < self.nparams and n <= self.positional:
+      args = args + self.defaults[n:]
+    if kwargs or len(args) != len(params):
+      try:
+        bound = inspect.Signature(params).bind(*args, **kwargs)
+      except TypeError as e:
+        raise TypeError(f"{self.name}(): {e}") from None
+      bound.apply_defaults()
+      values = tuple(bound.arguments[p.name] for p in params)
+    else:
+      values = args
+    if not self.static_pos:
+      return (), values
+    static = tuple(values[i] for i in self.static_pos)
+    try:
+      hash(static)
+    except TypeError:
+      names = [params[i].name for i in self.static_pos]
+      raise SpecError(f"static arguments {names} must be hashable; got "
+                      f"{[type(s).__name__ for s in static]}") from None
+    dyn = tuple(v for i, v in enumerate(values) if i not in self.static_pos)
+    return static, dyn
+
+  def kwargs(self, static, dyn) -> dict:
+    """The call's keyword arguments again, from a static key and the dynamic values."""
+    dyn, st = iter(dyn), iter(static)
+    return {p.name: (next(st) if i in self.static_pos else next(dyn))
+            for i, p in enumerate(self.params)}
+
+  def flat_fun(self, static, treedef):
+    """``fun`` as a function of the flat dynamic leaves, returning a flat list (its output
+    tree lands in ``flat_fun.out_tree`` when traced)."""
+    fun = self.fun
+
+    def flat_fun(*leaves):
+      kw = self.kwargs(static, tree_unflatten(treedef, leaves))
+      out_leaves, flat_fun.out_tree = tree_flatten(fun(**kw))
+      return out_leaves  # a flat list, so executables return flat lists too
+
+    flat_fun.__name__ = self.name
+    flat_fun.out_tree = None
+    return flat_fun
+
+  def leaf_paths(self, dyn) -> list[str]:
+    """Keypaths of the flat leaves, in parameter order, e.g. ``"batch['mask']"``."""
+    return [name + jax.tree_util.keystr(p)
+            for name, value in zip(self.dyn_names, dyn, strict=True)
+            for p, _ in jax.tree_util.tree_flatten_with_path(value, is_leaf=is_padded)[0]]
+
+  def leaf_specs(self, dims, dyn) -> list[str | None]:
+    """The dims spec text of each flat leaf (None: no dims) from the ``dims`` option."""
+    texts: list[str | None] = []
+    for name, value in zip(self.dyn_names, dyn, strict=True):
+      n_leaves = len(tree_flatten(value, is_leaf=is_padded)[0])
+      spec = dims.get(name)
+      if spec is None:
+        texts.extend([None] * n_leaves)
+      elif isinstance(spec, str):
+        if n_leaves != 1:
+          raise SpecError(f"dims[{name!r}] = {spec!r} is one spec, but argument {name!r} is a "
+                          f"pytree with {n_leaves} leaves; give a pytree of specs matching it")
+        texts.append(spec)
+      else:
+        try:
+          per = jax.tree_util.tree_map(
+              lambda s, sub: [s] * len(tree_flatten(sub, is_leaf=is_padded)[0]), spec, value,
+              is_leaf=lambda x: x is None or isinstance(x, str))
+        except ValueError as e:
+          raise SpecError(f"dims[{name!r}] does not match the structure of argument {name!r}: "
+                          f"{e}") from None
+        texts.extend(itertools.chain.from_iterable(
+            jax.tree_util.tree_leaves(per, is_leaf=lambda x: isinstance(x, list))))
+    return texts
+
+  def donate_positions(self, donate: tuple[str, ...]) -> tuple[int, ...]:
+    """Positions (among the dynamic arguments) of ``donate_argnames``."""
+    return tuple(i for i, n in enumerate(self.dyn_names) if n in donate)
+
+
+def parameters(fun) -> tuple[inspect.Parameter, ...]:
+  try:
+    params = tuple(inspect.signature(fun).parameters.values())
+  except (TypeError, ValueError):
+    raise SpecError(f"dynjax.jit: cannot read the signature of {fun!r}") from None
+  bad = [p.name for p in params
+         if p.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)]
+  if bad:
+    raise SpecError(f"dynjax.jit: {getattr(fun, '__name__', fun)} has *args/**kwargs "
+                    f"parameters {bad}; dynjax needs named parameters. Wrap it in a function "
+                    "with explicit parameters.")
+  return params
+
+
+# -- leaves ---------------------------------------------------------------------------------
+def leaf_key_of_aval(a) -> tuple:
+  return (a.dtype, len(a.shape), bool(a.weak_type))
+
+
+def on_device(x) -> bool:
+  t = type(x)
+  if t is _ARRAY_IMPL:
+    return True
+  if t is Padded:
+    return on_device(x.buffer)
+  return t is not np.ndarray and isinstance(x, jax.Array)
+
+
+def leaf_key(x):
+  """(dtype, rank, weak) of a leaf without building an aval.
+
+  Measured (2-core CPU): ~0.15 us for a jax array through ``.aval`` and an exact type test;
+  ``isinstance(x, jax.Array)`` (an ABC check) alone cost ~0.8 us, 170 us for a 200-leaf model.
+  """
+  t = type(x)
+  if t is _ARRAY_IMPL:
+    a = x.aval
+    return (a.dtype, len(a.shape), False)
+  if t is np.ndarray:
+    return (x.dtype, x.ndim, False)
+  if t is Padded:
+    return (x.buffer.dtype, len(x.shape), False)
+  a = aval(x)
+  return (a.dtype, len(a.shape), a.weak_type)
+
+
+def aval(x) -> jax.ShapeDtypeStruct:
+  if is_padded(x):
+    return jax.ShapeDtypeStruct(x.shape, x.buffer.dtype)
+  if isinstance(x, np.ndarray | jax.Array):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype)
+  if isinstance(x, bool | int | float | complex):
+    dtype = jnp.asarray(x).dtype
+    return jax.ShapeDtypeStruct((), dtype, weak_type=True)
+  if isinstance(x, np.generic):
+    return jax.ShapeDtypeStruct((), x.dtype)
+  try:
+    a = jnp.asarray(x)
+  except TypeError:
+    raise SpecError(f"argument leaf of type {type(x).__name__} is not an array; mark its "
+                    "parameter in static_argnames") from None
+  return jax.ShapeDtypeStruct(a.shape, a.dtype)
+
+
+# -- dims="auto" ----------------------------------------------------------------------------
+def auto_fits(state, shapes) -> bool:
+  for entry, shape in zip(state, shapes, strict=True):
+    for d, n in zip(entry, shape, strict=True):
+      if isinstance(d, int) and d != n:
+        return False
+  return True
+
+
+def auto_promote(state, shapes):
+  """Makes every axis whose size changed symbolic; axes that changed together share a name."""
+  if state is None:
+    return [tuple(int(n) for n in s) for s in shapes]
+  used = {d for entry in state for d in entry if isinstance(d, str)}
+  groups: dict[tuple[int, int], str] = {}
+  new_state = []
+  counter = itertools.count()
+  for entry, shape in zip(state, shapes, strict=True):
+    row = []
+    for d, n in zip(entry, shape, strict=True):
+      if isinstance(d, int) and d != n:
+        name = groups.get((d, n))
+        if name is None:
+          name = next(f"d{i}" for i in counter if f"d{i}" not in used)
+          used.add(name)
+          groups[(d, n)] = name
+        row.append(name)
+      else:
+        row.append(d)
+    new_state.append(tuple(row))
+  return new_state
+
+
+def auto_specs(state) -> list[str | None]:
+  out = []
+  for entry in state:
+    if any(isinstance(d, str) for d in entry):
+      out.append(", ".join(str(d) for d in entry))
+    else:
+      out.append(None)
+  return out

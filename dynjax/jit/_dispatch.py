@@ -1,0 +1,440 @@
+"""Dispatch: from a call's arguments to the executable that runs them.
+
+One run routine.  Every padded call runs through :meth:`Executor.run` (pad -> run -> unpad
+-> count).  A call whose (family, shapes of the leaves with dims, host/device) was seen
+before finds its executor in ``family.executors``; a miss plans the bucket, gets the entry
+from the compiler (compiled, loaded, or a larger one while its own compiles), builds the
+executor and runs it through the same routine.  Executors are kept while the family's
+``gen`` is unchanged (a bucket added, replaced or dropped bumps it) and only where no call
+decides anything (an ``auto`` policy that re-plans with traffic decides per call; so does an
+LRU bound, which may evict the bucket).
+
+:class:`Dispatcher` is the per-function state behind ``Wrapped``: families, the executable
+cache, the compiler, counters.  Exact-shape and host-program calls (``run_exact``,
+``run_program``) are not padded and have routines of their own.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+import time
+
+import jax
+import numpy as np
+
+from dynjax import _symbolic
+from dynjax._config import config
+from dynjax._errors import (
+  DtypeMismatchError,
+  PaddingMismatchError,
+  PaddingUnsupportedError,
+  format_list,
+)
+from dynjax._padded import Padded
+from dynjax.jit import _args
+from dynjax.jit._args import is_padded, leaf_key, on_device, tree_flatten, tree_unflatten
+from dynjax.jit._cache import ExecutableCache
+from dynjax.jit._family import PADDED_MODES, Family
+from dynjax.jit._options import Policies
+from dynjax.jit._serving import Compiler
+from dynjax.jit._stats import Counters
+
+
+class Executor:
+  """The run routine of padded calls of one (family, shapes, host/device) on one bucket.
+
+  Measured (2-core CPU box, jax 0.10.2, tiny function, numpy (8, 13) in and out through the
+  top-level path): ~3 us of Python above the bucket's AOT executable called on padded input.
+  """
+
+  __slots__ = ("fam", "gen", "sizes", "bkey", "exe", "pads", "shard", "full_shapes",
+               "in_shapes", "tree", "dev_sizes", "out_slices", "out_shapes", "out_tree",
+               "single", "sync", "device", "return_padded", "timed", "check", "ctx", "n",
+               "padded_elems", "true_elems", "larger", "bucket_id", "out_dynamic", "top")
+
+  def __init__(self, ctx, fam: Family, sizes, own, bkey, entry, shapes, device: bool,
+               top: bool, dev_sizes, out_shapes, true_elems: int, all_leaves: bool):
+    opts = ctx.opts
+    self.ctx = ctx
+    self.fam = fam
+    self.gen = fam.gen
+    self.sizes = sizes
+    self.bkey = bkey
+    self.exe = entry.exe
+    self.in_shapes = entry.in_shapes
+    self.top = top
+    where = fam.top_pos if top else fam.spec_idx
+    # Leaves to pad: (position in the call's values, true shape, bucket shape, prefix).  With
+    # a Padded among them (``all_leaves``) every leaf with dims goes through pad_leaf.
+    self.pads = tuple(
+        (p, shapes[li], entry.in_shapes[li], tuple(slice(0, n) for n in shapes[li]))
+        for p, li in zip(where, fam.spec_idx, strict=True)
+        if all_leaves or shapes[li] != entry.in_shapes[li])
+    self.shard = fam.shard
+    self.full_shapes = ([shapes.get(i, s) for i, s in enumerate(fam.avals_shapes)]
+                        if fam.shard is not None else None)
+    self.tree = fam.treedef if (fam.structured and not top) else None
+    self.dev_sizes = dev_sizes  # the true-sizes vector on the device (padding="auto")
+    padded_out = [fn(bkey) for fn in fam.out_shape_fns]  # output dims at the bucket
+    self.out_shapes = out_shapes
+    self.out_slices = tuple(None if tuple(o) == tuple(p) else tuple(slice(0, n) for n in o)
+                            for o, p in zip(out_shapes, padded_out, strict=True))
+    self.out_dynamic = fam.out_dynamic
+    self.out_tree = fam.out_tree
+    self.single = fam.out_tree == _args.LEAF_TREEDEF  # one array out: no unflatten
+    self.return_padded = opts.return_padded
+    self.device = device
+    self.sync = not device and not opts.return_padded  # host request: numpy results
+    self.timed = bool(fam.observers) or (opts.serving and self.sync)
+    self.check = opts.check
+    self.n = 0  # calls served, summed into the counters by stats()
+    self.padded_elems = entry.padded_elems
+    self.true_elems = true_elems
+    self.larger = bkey != own  # served on a larger bucket than its own (still compiling)
+    self.bucket_id = (fam.fid, bkey)
+
+  def run(self, vals):
+    """pad -> run -> unpad -> count.  ``vals``: the dynamic arguments (top-level path) or
+    the flat leaves."""
+    fam = self.fam
+    if self.shard is not None:  # placed with their shardings, straight from the host
+      args = self.shard.pad(fam, vals, self.full_shapes, self.in_shapes, fam.mode == "trust")
+    elif self.pads:
+      args = list(vals)
+      for pos, shape, target, prefix in self.pads:
+        x = vals[pos]
+        if type(x) is np.ndarray:  # fresh zeroed buffer each call: see pad_leaf
+          buf = np.zeros(target, x.dtype)
+          buf[prefix] = x
+          args[pos] = buf
+        else:
+          args[pos] = pad_leaf(x, shape, target)
+    else:
+      args = vals
+    if self.tree is not None:
+      args = tree_unflatten(self.tree, args)
+    if self.timed:
+      t0 = time.perf_counter()
+    outs = self.exe(self.dev_sizes, *args) if self.dev_sizes is not None else self.exe(*args)
+    if self.sync:
+      res = [h if sl is None else h[sl]
+             for h, sl in zip(to_host(outs), self.out_slices, strict=True)]
+    elif self.return_padded:
+      res = [Padded(o, s) if dyn else o
+             for o, s, dyn in zip(outs, self.out_shapes, self.out_dynamic, strict=True)]
+    else:
+      res = [o if sl is None else self._unpad_device(o, s)
+             for o, sl, s in zip(outs, self.out_slices, self.out_shapes, strict=True)]
+    if self.timed:
+      fam.record_time(self.bkey, time.perf_counter() - t0)
+    with self.ctx.counters.lock:
+      self.n += 1
+    fam.tuple_hist[self.sizes] += 1
+    out = res[0] if self.single else tree_unflatten(self.out_tree, res)
+    if self.check:
+      leaves = tree_flatten(vals, is_leaf=is_padded)[0] if self.top else vals
+      self.ctx.maybe_check(fam, leaves, out)
+    return out
+
+  def _unpad_device(self, o, shape):
+    if self.shard is not None:
+      return self.shard.unpad(o, shape)
+    # Unpadding on device would compile a slice per exact shape (~70 ms on H100); a host
+    # round trip costs a sync plus two copies instead (~0.1-0.3 ms on H100).
+    return jax.device_put(np.asarray(o)[tuple(slice(0, n) for n in shape)])
+
+
+class Dispatcher:
+  """Everything behind one ``Wrapped``: its families, cache, compiler and counters."""
+
+  def __init__(self, opts, binder, name: str):
+    self.opts = opts
+    self.binder = binder
+    self.name = name
+    self.policies = Policies(opts.buckets)
+    self.cache = ExecutableCache(opts.max_executables, name=name, log=config.log_compiles)
+    self.counters = Counters()
+    self.compiler = Compiler(self)
+    self.fallbacks: list[str] = []
+    self.families: dict = {}  # full key -> Family (the latest one, with dims="auto")
+    self.all_families: dict[int, Family] = {}
+    self.fast: dict = {}  # (static, treedef) -> last family used: the general hot path
+    self.top: dict = {}  # static key -> family with the top-level hot path
+    self.padded_trees: set = set()  # treedefs (flattened through Padded) that hold a Padded
+    self.family_lock = threading.Lock()
+    self._fids = itertools.count()
+    self._auto_state: dict = {}
+    self._first_dtypes: dict = {}
+    self._sizes_on_device: dict = {}
+    # Executors are kept only where no call decides anything: an LRU bound may evict.
+    self.keep_executors = opts.max_executables is None
+
+  def note_fallback(self, reason: str) -> None:
+    self.fallbacks.append(reason)
+
+  # -- the general path --------------------------------------------------------------------
+  def call(self, static, dyn):
+    """A call that the top-level path did not serve: flatten, find the family, run."""
+    leaves, treedef = tree_flatten(dyn)
+    # (a treedef lookup hashes and compares the whole structure: ~10 us for 200 leaves)
+    if self.padded_trees and treedef in self.padded_trees:  # a Padded inside: keep it whole
+      leaves, treedef = tree_flatten(dyn, is_leaf=is_padded)
+    fam = self.fast.get((static, treedef))
+    if fam is not None and fam.accepts(leaves):
+      # Only the leaves with dims are checked here; a changed static leaf (a parameter of a new
+      # shape or dtype) is caught by the executable's own argument check, then the slow path.
+      try:
+        return self.run(fam, leaves)
+      except TypeError as e:
+        if not is_signature_error(e):
+          raise
+    if any(map(is_padded, jax.tree_util.tree_leaves(dyn, is_leaf=is_padded))):
+      self.padded_trees.add(tree_flatten(dyn)[1])
+      leaves, treedef = tree_flatten(dyn, is_leaf=is_padded)
+    fam = self.family(static, dyn, leaves, treedef)
+    self.fast[(static, treedef)] = fam
+    if fam.top is not None:
+      self.top[static] = fam
+    return self.run(fam, leaves)
+
+  def run(self, fam: Family, leaves):
+    """Runs one call of ``fam`` given its flat leaves, by the family's mode."""
+    if fam.mode in PADDED_MODES:
+      device = padded_in = False
+      shapes = []
+      for i in fam.spec_idx:
+        x = leaves[i]
+        device = device or on_device(x)
+        padded_in = padded_in or type(x) is Padded
+        shapes.append(getattr(x, "shape", ()))
+      key = (tuple(shapes), device, padded_in, "flat")  # top-level keys have no 4th item
+      ex = fam.executors.get(key)
+      if ex is None or ex.gen != fam.gen:
+        ex = self.resolve(fam, leaves, False, key)
+        if ex is None:
+          return self.run_exact(fam, leaves, device)
+      return ex.run(leaves)
+    device = any(on_device(leaves[i]) for i in fam.dyn_leaves)
+    if fam.mode == "program":
+      return self.run_program(fam, leaves, device)
+    return self.run_exact(fam, leaves, device)
+
+  # -- a miss: plan the bucket, get the entry, build the executor --------------------------
+  def resolve(self, fam: Family, vals, top: bool, key) -> Executor | None:
+    """The executor of a call whose key has none (or a stale one); None: run exact."""
+    shapes_t, device, padded_in = key[:3]
+    shapes = dict(zip(fam.spec_idx, shapes_t, strict=True))
+    sizes = _symbolic.solve_sizes(fam.sig, shapes)
+    own, out_shapes, true_elems = fam.size_info(sizes)
+    if own is None:  # overflow="exact", or a size of 0
+      fam.tuple_hist[sizes] += 1
+      return None
+    try:
+      entry, bkey, ready = self.compiler.entry_for(fam, own)
+    except PaddingUnsupportedError as e:  # this bucket's plan refused (the probe's did not)
+      fam.fall_back(f"the padding pass has no exact rule at bucket {own}: {e}")
+      return None
+    if not ready:
+      self.counters.miss()
+    dev_sizes = self.sizes_vector(fam, sizes) if fam.mode == "auto" else None
+    ex = Executor(self, fam, sizes, own, bkey, entry, shapes, device, top, dev_sizes,
+                  out_shapes, true_elems, padded_in)
+    # Counted on read (registered); a replaced executor stays registered: a thread may be
+    # running it right now.
+    self.counters.register(ex)
+    if self.keep_executors and not fam.dynamic_plan:
+      if len(fam.executors) > 4096:
+        fam.executors.clear()
+      fam.executors[key] = ex
+    return ex
+
+  def sizes_vector(self, fam: Family, sizes):
+    """The true sizes on the device, once per distinct tuple (a dict hit afterwards), not a
+    fresh host->device copy on every call."""
+    dev = self._sizes_on_device.get(sizes)
+    if dev is None or (fam.shard is not None and dev.sharding != fam.shard.replicated):
+      if len(self._sizes_on_device) > 4096:
+        self._sizes_on_device.clear()
+      dev = self._sizes_on_device[sizes] = (
+          jax.device_put(np.asarray(sizes, np.int32)) if fam.shard is None
+          else fam.shard.put_sizes(sizes))  # replicated over the mesh: no per-call reshard
+    return dev
+
+  # -- unpadded runs -----------------------------------------------------------------------
+  def run_exact(self, fam: Family, leaves, device: bool):
+    leaves = [x.unpad() if is_padded(x) else x for x in leaves]
+    exe = fam.exact_executable(leaves)
+    flat = exe(*leaves)
+    tree = fam.flat_fun.out_tree
+    if not device:
+      flat = to_host(flat)
+    self.counters.unpadded(fam.fid, "exact",
+                           sum(math.prod(np.shape(leaves[i])) for i in fam.dyn_leaves),
+                           not device)
+    if self.opts.return_padded:
+      flat = [Padded(o, np.shape(o)) for o in flat]
+    return tree_unflatten(tree, flat)
+
+  def run_program(self, fam: Family, leaves, device: bool):
+    """A function with dynjax control flow: a host program on the VM whose straight-line
+    segments are compiled per bucket (dynjax.control), or op by op when it cannot be staged."""
+    from dynjax.control import run_in_program
+    from dynjax.control._inprogram import ProgramRunner
+
+    leaves = [x.unpad() if is_padded(x) else x for x in leaves]
+    if fam.program is None:
+      fam.program = ProgramRunner(
+          fam.flat_fun, _symbolic.symbolic_avals(fam.sig, fam.avals), fam.sig, fam.policies,
+          self.name, self.opts.padding)
+
+    def eager():
+      kw = self.binder.kwargs(fam.key[0], tree_unflatten(fam.treedef, leaves))
+      return run_in_program(self.binder.fun, (), kw, options=self.opts)
+
+    flat, tree = fam.program.run(leaves, not device, eager)
+    if not device:
+      flat = to_host(flat)
+    self.counters.unpadded(fam.fid, "program", 0, False)
+    return tree_unflatten(tree, flat)
+
+  def maybe_check(self, fam: Family, leaves, result) -> None:
+    """``check=True``: every ``DYNJAX_CHECK_EVERY``-th call is run exact and compared."""
+    with self.counters.lock:
+      self.counters.checks += 1
+      n = self.counters.checks
+    if (n - 1) % config.check_every:
+      return
+    exact_leaves = [x.unpad() if is_padded(x) else np.asarray(x) for x in leaves]
+    want = to_host(fam.exact_executable(exact_leaves)(*exact_leaves))
+    got, _ = tree_flatten(result, is_leaf=is_padded)
+    got = [g.unpad() if is_padded(g) else np.asarray(g) for g in got]
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+      w = np.asarray(w)
+      ok = g.shape == w.shape and (
+          np.allclose(g, w, rtol=1e-5, atol=1e-6, equal_nan=True)
+          if np.issubdtype(w.dtype, np.inexact) else np.array_equal(g, w))
+      if not ok:
+        diff = (f"max abs diff {np.max(np.abs(g.astype(np.float64) - w)):.3g}"
+                if g.shape == w.shape else f"shape {g.shape} vs {w.shape}")
+        raise PaddingMismatchError(
+            f"{self.name}: check=True found output {i} of the padded executable differs "
+            f"from the exact-shape function ({diff}). Please report this with the function; "
+            "padding='exact' avoids it meanwhile.")
+
+  # -- families ----------------------------------------------------------------------------
+  def family(self, static, dyn, leaves, treedef) -> Family:
+    # The full key (slow path): dtype and rank of every leaf, plus the whole shape of leaves
+    # without dims (a parameter of a new shape is a new family, as a retrace in jax.jit).
+    avals = [_args.aval(x) for x in leaves]
+    auto = self.opts.dims == "auto"
+    specs = None if auto else self.binder.leaf_specs(self.opts.dims, dyn)
+    static_shapes = () if auto else tuple(
+        tuple(a.shape) for text, a in zip(specs, avals, strict=True) if text is None)
+    key = (static, treedef, tuple(map(leaf_key, leaves)), static_shapes)
+    fam = self.families.get(key)
+    if fam is not None and not auto:
+      return fam
+    with self.family_lock:
+      fam = self.families.get(key)
+      if auto:
+        state = self._auto_state.get(key)
+        shapes = [a.shape for a in avals]
+        if fam is not None and state is not None and _args.auto_fits(state, shapes):
+          return fam
+        state = self._auto_state[key] = _args.auto_promote(state, shapes)
+        specs = _args.auto_specs(state)
+      paths = self.binder.leaf_paths(dyn)
+      if not auto:
+        if fam is not None:
+          return fam
+        self._check_new_dtype(static, treedef, avals, specs, paths)
+      fam = Family(self, self.binder.flat_fun(static, treedef), paths, specs, avals, treedef,
+                   key, next(self._fids))
+      self.families[key] = fam
+      self.all_families[fam.fid] = fam
+      return fam
+
+  def _check_new_dtype(self, static, treedef, avals, specs, paths):
+    first = self._first_dtypes.setdefault((static, treedef), tuple(a.dtype for a in avals))
+    bad = [f"{path}: traced as {d0}, got {a.dtype}"
+           for path, text, a, d0 in zip(paths, specs, avals, first, strict=True)
+           if text is not None and a.dtype != d0]
+    if bad:
+      raise DtypeMismatchError(
+          f"{self.name}: argument dtypes changed since the first call:\n" + format_list(bad)
+          + "\nCast the arguments to the traced dtypes (e.g. x.astype(np.float32)), or wrap "
+          "a separate dynjax.jit for the other dtype.")
+
+  def clear(self) -> None:
+    with self.family_lock:
+      self.families.clear()
+      self.fast.clear()
+      self.top.clear()
+      self._auto_state.clear()
+      self.cache.clear()
+      for fam in self.all_families.values():
+        fam.executors.clear()
+        fam.gen += 1
+
+
+def top_key(fam: Family, dyn):
+  """The executor key of a call through the top-level path (the shapes of the arguments with
+  dims, host or device, Padded among them), or None: the general path decides."""
+  if fam.mode not in PADDED_MODES:
+    return None  # fell back to exact after a bucket's plan refused
+  shapes = ()
+  device = padded_in = False
+  for pos, _, lkey in fam.top:
+    x = dyn[pos]
+    if type(x) is np.ndarray:
+      if x.dtype != lkey[0] or x.ndim != lkey[1] or lkey[2]:
+        return None
+    elif leaf_key(x) != lkey:
+      return None
+    else:
+      device = device or on_device(x)
+      padded_in = padded_in or type(x) is Padded
+    shapes += (x.shape,)
+  return shapes, device, padded_in
+
+
+def is_signature_error(e: BaseException) -> bool:
+  """An executable rejected its arguments (new parameter shapes/dtypes/structure): retrace."""
+  msg = str(e)
+  return msg.startswith("Argument types differ") or msg.startswith(
+      "Function compiled with input pytree does not match")
+
+
+def pad_leaf(x, shape, target):
+  """One argument leaf padded to its bucket shape (a ``Padded`` of that shape passes as is).
+
+  Host buffers are fresh on every call, never pooled: on CPU a jit call may alias a numpy
+  argument instead of copying it, and the device and ``return_padded`` paths do not wait for
+  the result, so a reused buffer could be overwritten while an earlier computation still
+  reads it (seen as a wrong result).  ~1.5 us for (8, 37) -> (8, 64) float32 (calloc + copy).
+  """
+  if type(x) is Padded:
+    buf = x.buffer
+    if tuple(buf.shape) == target:
+      return buf
+    x = x.unpad()
+    shape = x.shape
+  if shape == target:
+    return x
+  if not isinstance(x, np.ndarray):
+    x = np.asarray(x)  # a device array of a non-bucket shape: one host round trip
+  buf = np.zeros(target, x.dtype)
+  buf[tuple(slice(0, n) for n in x.shape)] = x
+  return buf
+
+
+def to_host(outs) -> list[np.ndarray]:
+  """Device outputs to numpy. ``np.asarray`` per output costs ~2 us on CPU where
+  ``jax.device_get`` costs ~40 us (tree walk); several outputs start their copies first."""
+  if len(outs) > 1:
+    for o in outs:
+      if isinstance(o, jax.Array):
+        o.copy_to_host_async()
+  return [np.asarray(o) for o in outs]

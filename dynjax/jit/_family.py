@@ -1,0 +1,510 @@
+"""A *family*: everything of one static signature of a ``dynjax.jit`` function.
+
+A family is keyed by the static argument values, the pytree structure and each leaf's dtype
+and rank.  It holds the symbolic signature (one ``jax.export.SymbolicScope`` for every
+argument), the symbolic jaxpr traced ONCE, the output shape functions, its mode, the bucket
+plan (which bucket a tuple of true sizes runs on), and its bucket entries.  It lowers and
+compiles one bucket on request (:meth:`Family.lower_bucket`, :meth:`Family.compile_bucket`);
+*when* buckets compile is the compiler's business (``jit/_serving.py``).
+
+Modes: ``trust`` (jit of the function at the bucket shape), ``auto`` (jit of the padding
+pass's function of ``(sizes, *padded)``: one executable serves every size of a bucket),
+``exact`` (one AOT compile per exact shape: ``padding="exact"``, nothing dynamic, or a
+fallback), ``program`` (the function uses ``dynjax.while_loop``/``cond``/``recursive``: a
+host program on the VM, see ``dynjax.control``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import logging
+import math
+import os
+import re
+import warnings
+from collections import Counter
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dynjax import _jax_private, _symbolic
+from dynjax._errors import (
+  OutOfBucketsError,
+  PaddingFallbackError,
+  PaddingUnsupportedError,
+  format_list,
+)
+from dynjax.bucketing._joint import JointPlan
+from dynjax.bucketing._padding import pad_jaxpr
+from dynjax.bucketing._policies import Auto, BucketPolicy
+from dynjax.jit import _args, _sharding
+from dynjax.jit._store import ExecutableStore, fingerprint_parts
+
+logger = logging.getLogger("dynjax")
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+PADDED_MODES = ("trust", "auto")
+
+
+@dataclasses.dataclass
+class BucketEntry:
+  """One compiled bucket of a family: what an executor needs to run it."""
+
+  exe: Any  # jax Compiled
+  in_shapes: tuple[tuple[int, ...], ...]  # padded shape per leaf
+  padded_elems: int
+  rewrites: tuple[str, ...] = ()
+  tier: int = 0  # 0: quick compile options (serving on GPU) or the only tier; 1: full options
+  source: str = "compiled"  # or "stored": loaded from the executable store
+
+
+class Family:
+  """One static signature of a wrapped function: signature, jaxpr, bucket plan, entries.
+
+  ``ctx`` is the function's dispatcher (``jit/_dispatch.py``): the family reads its options,
+  binder, policies and cache, and reports fallbacks to it.
+  """
+
+  def __init__(self, ctx, flat_fun, leaf_paths, leaf_specs, avals, treedef, key, fid: int):
+    self.ctx = ctx
+    opts = ctx.opts
+    self.name = ctx.name
+    self.flat_fun = flat_fun
+    self.treedef = treedef
+    self.key = key
+    self.leaf_paths = list(leaf_paths)
+    self.avals = avals  # concrete ShapeDtypeStructs of the first call (dtypes, static shapes)
+    self.avals_shapes = tuple(tuple(a.shape) for a in avals)
+    self.fid = fid
+    self.fallback: str | None = None
+    self.gen = 0  # bumped whenever an executable of this family is added, replaced or dropped
+    self.jaxpr = None
+    self.out_tree = None
+    self.out_avals = None
+    self.out_shape_fns: tuple = ()
+    self.out_dynamic: tuple = ()
+    self.rewrites: tuple[str, ...] = ()
+    self.program = None  # control.ProgramRunner of a "program" family
+    self.mode = opts.padding
+    self.sig = _symbolic.build_signature(
+        [(path, text, len(a.shape)) for path, text, a in
+         zip(leaf_paths, leaf_specs, avals, strict=True)], self._constraints(leaf_specs))
+    self.in_shape_fns = tuple(
+        None if s is None else _symbolic.compile_shape(s.dims, self.sig.var_order)
+        for s in self.sig.leaves)
+    self.spec_idx = tuple(i for i, spec in enumerate(self.sig.leaves) if spec is not None)
+    # Leaves that decide numpy vs device outputs: those with dims (all leaves when none has).
+    self.dyn_leaves = self.spec_idx or tuple(range(len(self.sig.leaves)))
+    auto = opts.dims == "auto"
+    # With dims="auto" every leaf is checked (its static axes may need promoting); otherwise
+    # only leaves with dims are (the executable checks the rest).
+    self.checks = tuple(
+        (i, _args.leaf_key_of_aval(avals[i]),
+         tuple((ax, int(d)) for ax, d in enumerate(spec.dims if spec is not None
+                                                   else avals[i].shape)
+               if not _symbolic.is_symbolic(d)) if auto else ())
+        for i, spec in enumerate(self.sig.leaves) if spec is not None or auto)
+    if not self.sig.var_order:
+      self.mode = "exact"  # nothing dynamic: a plain jit, one compile per shape
+    self._trace()
+    self.shard = _sharding.resolve(opts.sharding, self, self.name, ctx.binder.dyn_names, auto)
+    pols = ctx.policies
+    multiples = {} if self.shard is None else self.shard.multiples
+    self.policies = tuple(pols.aligned(v, multiples.get(v, 1)) for v in self.sig.var_order)
+    self.observers = tuple((i, p) for i, p in enumerate(self.policies)
+                           if type(p).observe is not BucketPolicy.observe)
+    # Two or more auto-planned variables: plan bucket tuples jointly (not their product).
+    auto_idx = [i for i, p in enumerate(self.policies) if isinstance(p, Auto)]
+    self.joint = None
+    if len(auto_idx) >= 2:
+      self.joint = JointPlan(self.policies, auto_idx,
+                             min(self.policies[i].max_compiles for i in auto_idx))
+      self.observers = tuple((i, p) for i, p in self.observers if i not in auto_idx)
+    self.dynamic_plan = bool(self.observers) or self.joint is not None
+    # One device: executables take the arguments' own pytrees (jax flattens them in C++), so
+    # the hot path never flattens model parameters in Python.  Sharded: flat leaves.
+    self.structured = self.shard is None
+    self.buckets: dict[tuple, BucketEntry] = {}
+    self.executors: dict[tuple, Any] = {}  # hot-path key -> dispatch.Executor
+    self.tuple_hist: Counter = Counter()  # true size tuples seen (explain, compile values)
+    self.per_sizes: dict[tuple, tuple] = {}  # sizes -> (bucket, output shapes, true elems)
+    self.bucket_time: dict[tuple, float] = {}  # measured seconds per call, per bucket
+    self._store = None
+    self._store_ready = False
+    self.tiered: set = set()  # buckets whose tier-1 recompile was queued
+    self.preloaded = False  # stored executables queued for loading (serving)
+    self.prelowering = False  # the plan's buckets were handed to the lowering lane
+    self.prelowered: dict = {}  # bucket -> Future of (Lowered, rewrites)
+    # The top-level hot path: every leaf with dims is a whole argument (``f(params, tokens,
+    # lengths)``), so a call needs no Python pytree work at all.
+    self.top = None  # ((argument position, leaf index, leaf key), ...)
+    names = ctx.binder.dyn_names
+    if self.structured and not auto and self.mode in PADDED_MODES:
+      top = []
+      for li in self.spec_idx:
+        path = self.leaf_paths[li]
+        if path not in names:  # a leaf inside a pytree argument: the general path
+          top = None
+          break
+        top.append((names.index(path), li, _args.leaf_key_of_aval(avals[li])))
+      self.top = None if top is None else tuple(top)
+    self.top_pos = () if self.top is None else tuple(p for p, _, _ in self.top)
+
+  def _constraints(self, leaf_specs) -> tuple[str, ...]:
+    opts = self.ctx.opts
+    out = list(opts.constraints)
+    if opts.overflow != "grow":
+      for v in _symbolic.spec_variables([t for t in leaf_specs if t is not None]):
+        p = self.ctx.policies.for_var(v)
+        if p.max is not None:
+          out.append(f"{v} <= {p.max}")
+    return tuple(out)
+
+  def accepts(self, leaves) -> bool:
+    """Hot-path check of the leaves with dims: dtype and rank (and, with dims="auto", the axes
+    still static). ~0.3 us a leaf; the other leaves are checked by the executable itself."""
+    for i, key, static_axes in self.checks:
+      x = leaves[i]
+      if _args.leaf_key(x) != key:
+        return False
+      if static_axes:
+        shape = x.shape
+        for ax, n in static_axes:
+          if shape[ax] != n:
+            return False
+    return True
+
+  # -- tracing -----------------------------------------------------------------------------
+  def _trace(self) -> None:
+    sym = _symbolic.symbolic_avals(self.sig, self.avals)
+    try:
+      closed, out_shape = jax.make_jaxpr(self.flat_fun, return_shape=True)(*sym)
+    except Exception as e:  # noqa: BLE001 - any trace failure means: run exact
+      if needs_program(e):
+        self.mode = "program"  # dynjax.while_loop/cond/recursive inside: run on the VM
+        return
+      if self.mode == "exact":
+        return
+      first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+      self.fall_back(f"symbolic tracing failed ({type(e).__name__}: {first})")
+      return
+    self.jaxpr = closed
+    out_leaves = list(out_shape)
+    self.out_tree = self.flat_fun.out_tree
+    self.out_avals = tuple(out_leaves)
+    self.out_shape_fns = tuple(
+        _symbolic.compile_shape(o.shape, self.sig.var_order) for o in out_leaves)
+    self.out_dynamic = tuple(any(_symbolic.is_symbolic(d) for d in o.shape) for o in out_leaves)
+    if self.mode == "trust":
+      bad = [(i, o.shape) for i, o in enumerate(out_leaves)
+             if any(_symbolic.is_symbolic(d) and str(d) not in self.sig.var_order
+                    for d in o.shape)]
+      if bad:
+        i, shape = bad[0]
+        self.fall_back(
+            f"output {i} has shape ({', '.join(map(str, shape))}): with padding='trust' only "
+            "outputs whose dims are plain variables can be unpadded by slicing; use "
+            "padding='auto'")
+    elif self.mode == "auto":
+      try:
+        plan = pad_jaxpr(closed, self.sig.var_order,
+                         self.bucket_env(self._probe_bucket()))
+      except PaddingUnsupportedError as e:
+        self.fall_back(f"the padding pass has no exact rule: {e}")
+      except Exception as e:  # noqa: BLE001 - a pass bug must never give a wrong result
+        self.fall_back(f"the padding pass failed ({type(e).__name__}: {e}); please report it")
+      else:
+        self.rewrites = tuple(plan.rewrites)
+
+  def _probe_bucket(self) -> tuple[int, ...]:
+    pols = [self.ctx.policies.for_var(v) for v in self.sig.var_order]
+    return tuple(p.sizes()[0] if p.max is not None else p.grow(max(p.min, 2)) for p in pols)
+
+  def fall_back(self, reason: str) -> None:
+    """The family runs exact from now on (one compile per shape), with one warning; or
+    ``PaddingFallbackError`` under ``on_fallback="error"``."""
+    opts = self.ctx.opts
+    if opts.on_fallback == "error":
+      raise PaddingFallbackError(
+          f"dynjax.jit({self.name}): padding={opts.padding!r} cannot pad this function and "
+          f"on_fallback='error' refuses to run it unpadded (one compile per shape): "
+          f"{reason.rstrip('.')}. "
+          "Fix: rewrite the named line with primitives the pass supports "
+          "(dynjax.bucketing.rule_coverage() lists them), use padding='trust' if the function "
+          "is pad-safe, or on_fallback='warn' to accept one compile per shape") from None
+    self.fallback = reason
+    self.mode = "exact"
+    self.gen += 1
+    self.ctx.note_fallback(reason)
+    warnings.warn(
+        f"dynjax.jit({self.name}): running unpadded, one compile per shape: {reason}",
+        stacklevel=7)
+
+  def bucket_env(self, bkey) -> dict[str, int]:
+    return dict(zip(self.sig.var_order, bkey, strict=True))
+
+  # -- the bucket plan ---------------------------------------------------------------------
+  def size_info(self, sizes, observe: bool = True) -> tuple:
+    """(bucket or None: run exact, output shapes, true elements of the leaves with dims) of
+    one tuple of true sizes; memoised unless the plan changes with traffic."""
+    known = None if self.dynamic_plan else self.per_sizes.get(sizes)
+    if known is not None:
+      return known
+    bkey = self.bucket_of(sizes, observe)
+    info = (bkey, tuple(fn(sizes) for fn in self.out_shape_fns),
+            sum(math.prod(fn(sizes)) for fn in self.in_shape_fns if fn is not None))
+    if bkey is not None and not self.dynamic_plan:
+      if len(self.per_sizes) > 4096:
+        self.per_sizes.clear()
+      self.per_sizes[sizes] = info
+    return info
+
+  def bucket_of(self, sizes, observe: bool = True) -> tuple | None:
+    """The bucket of ``sizes`` under the policies (and the joint plan), or None: run exact
+    (``overflow="exact"``, or a size of 0).  ``observe``: the policies see the sizes."""
+    overflow = self.ctx.opts.overflow
+    if observe:
+      for i, p in self.observers:
+        p.observe(sizes[i])
+    joint = self.joint
+    jmap = {}
+    if joint is not None:
+      sub = joint.sub(sizes)
+      if observe:
+        joint.observe(sub)
+      jb = joint.bucket(sub)
+      if jb is None:
+        if overflow == "error":
+          self.raise_overflow(sizes)
+        elif overflow == "exact":
+          return None
+        jb = tuple(self.policies[i].grow(sizes[i]) for i in joint.idx)
+      jmap = dict(zip(joint.idx, jb, strict=True))
+    bkey = []
+    for i, (n, p) in enumerate(zip(sizes, self.policies, strict=True)):
+      b = jmap[i] if i in jmap else p.bucket(n)
+      if b is None:
+        if overflow == "error":
+          self.raise_overflow(sizes)
+        elif overflow == "exact":
+          return None
+        b = p.grow(n)
+      bkey.append(b)
+    if 0 in sizes:
+      return None
+    return tuple(bkey)
+
+  def raise_overflow(self, sizes) -> None:
+    lines = []
+    for v, n, p in zip(self.sig.var_order, sizes, self.policies, strict=True):
+      if p.bucket(n) is None:
+        uses = [f"{self.sig.leaves[li].path}.shape[{ax}]" for li, ax, vi in self.sig.solve_plan
+                if self.sig.var_order[vi] == v]
+        lines.append(f"{v} = {n} ({', '.join(uses)}) is above the largest bucket {p.max} of "
+                     f"{p!r}")
+    raise OutOfBucketsError(
+        f"{self.name}: dimension over the largest bucket:\n" + format_list(lines)
+        + "\nRaise the policy's max, or pass overflow=\"grow\" (compile a larger bucket) or "
+        "overflow=\"exact\" (run unpadded).")
+
+  def planned(self, bkey) -> bool:
+    """Whether ``bkey`` is still one of the buckets the policies want."""
+    joint = self.joint
+    for i, (p, b) in enumerate(zip(self.policies, bkey, strict=True)):
+      if (joint is None or i not in joint.idx) and not p.is_bucket(b):
+        return False
+    return joint is None or joint.is_bucket(joint.sub(bkey))
+
+  def record_time(self, bkey, seconds: float) -> None:
+    """One served call's seconds on bucket ``bkey``: the policies' and the compiler's cost
+    model (an exponential average per bucket)."""
+    for p, b in zip(self.policies, bkey, strict=True):
+      p.record_time(b, seconds)
+    old = self.bucket_time.get(bkey)
+    self.bucket_time[bkey] = seconds if old is None else 0.8 * old + 0.2 * seconds
+
+  # -- lowering and compiling --------------------------------------------------------------
+  def padded_avals(self, bkey) -> list[jax.ShapeDtypeStruct]:
+    out = []
+    for fn, aval in zip(self.in_shape_fns, self.avals, strict=True):
+      shape = aval.shape if fn is None else fn(bkey)
+      out.append(jax.ShapeDtypeStruct(shape, aval.dtype, weak_type=aval.weak_type))
+    return out
+
+  def donate_leaves(self) -> tuple[int, ...]:
+    donate = self.ctx.opts.donate_argnames
+    if not donate:
+      return ()
+    return tuple(i for i, path in enumerate(self.leaf_paths)
+                 if path.split("[", 1)[0].split(".", 1)[0] in donate)
+
+  def lower_bucket(self, bkey):
+    """Lowers the executable of one bucket: (Lowered, rewrites).
+
+    Unsharded executables take the dynamic arguments as pytrees (``structured``); sharded
+    ones take flat leaves (their shardings are per leaf).
+    """
+    avals = self.padded_avals(bkey)
+    flat_fun = self.flat_fun
+    if self.structured:
+      args = _args.tree_unflatten(self.treedef, avals)
+      donate = self.ctx.binder.donate_positions(self.ctx.opts.donate_argnames)
+      as_leaves = jax.tree_util.tree_leaves
+    else:
+      args = avals
+      donate = self.donate_leaves()
+      as_leaves = list
+    shard = {} if self.shard is None else self.shard.jit_kwargs(self, bkey, self.mode == "auto")
+    if self.mode == "trust":
+      def bucket_fun(*xs):
+        return flat_fun(*as_leaves(xs))
+
+      bucket_fun.__name__ = flat_fun.__name__
+      return jax.jit(bucket_fun, donate_argnums=donate, **shard).lower(*args), ()
+    assert self.mode == "auto", self.mode
+    plan = pad_jaxpr(self.jaxpr, self.sig.var_order, self.bucket_env(bkey))
+    nv = len(self.sig.var_order)
+
+    def padded_fun(sizes, *xs):
+      return plan.fun(tuple(sizes[i] for i in range(nv)), *as_leaves(xs))
+
+    padded_fun.__name__ = flat_fun.__name__
+    sizes_aval = jax.ShapeDtypeStruct((nv,), jnp.int32)
+    lowered = jax.jit(padded_fun, donate_argnums=tuple(d + 1 for d in donate),
+                      **shard).lower(sizes_aval, *args)
+    return lowered, tuple(plan.rewrites)
+
+  def entry_of(self, exe, bkey, rewrites, tier: int = 0, source: str = "compiled"):
+    in_shapes = tuple(a.shape for a in self.padded_avals(bkey))
+    padded = sum(math.prod(s) for s, spec in zip(in_shapes, self.sig.leaves, strict=True)
+                 if spec is not None)
+    return BucketEntry(exe, in_shapes, padded, tuple(rewrites), tier, source)
+
+  def load_stored(self, bkey, stored_min: int = 0) -> BucketEntry | None:
+    """The bucket's best stored executable of tier >= ``stored_min`` (``cache_dir``), or None."""
+    store = self.store()
+    if store is None:
+      return None
+    for t in sorted({t for b, t in store.stored() if b == bkey and t >= stored_min},
+                    reverse=True):
+      exe = store.load(bkey, t)
+      if exe is not None:
+        return self.entry_of(exe, bkey, self.rewrites, t, "stored")
+    return None
+
+  def compile_bucket(self, lowered, rewrites, bkey, tier: int, options: dict) -> BucketEntry:
+    """Compiles a lowered bucket with ``options`` (and stores it under ``cache_dir``)."""
+    store = self.store()
+    # A bucket that goes to the executable store skips JAX's persistent cache write: the
+    # store alone serves a restart, and each write serializes the executable holding the GIL
+    # (H100, BERT-base: 10-90 ms of stalled serving per compile, seen by a GIL probe).
+    with (_jax_private.no_persistent_cache_write() if store is not None
+          else contextlib.nullcontext()):
+      exe = lowered.compile(compiler_options=options) if options else lowered.compile()
+    if store is not None:
+      store.save(bkey, tier, exe)
+    return self.entry_of(exe, bkey, rewrites, tier, "compiled")
+
+  def exact_executable(self, leaves):
+    """jax.jit at the exact shape (fallback / exact mode), cached in the shared LRU."""
+    key = (self.fid, "exact", tuple(np.shape(x) for x in leaves))
+    cache = self.ctx.cache
+
+    def build():
+      avals = [jax.ShapeDtypeStruct(np.shape(x), a.dtype, weak_type=a.weak_type)
+               for x, a in zip(leaves, self.avals, strict=True)]
+      kw = {} if self.shard is None else self.shard.exact_kwargs(self, avals)
+      exe = jax.jit(self.flat_fun, donate_argnums=self.donate_leaves(),
+                    **kw).lower(*avals).compile()
+      return exe if self.shard is None else _sharding.exact_call(exe, self, avals, self.shard)
+
+    exe = cache.get(key)
+    if exe is None:
+      exe = cache.get_or_build(key, build)
+    return exe
+
+  # -- the executable store (cache_dir) ----------------------------------------------------
+  def store(self) -> ExecutableStore | None:
+    """The family's executable store, or None (no ``cache_dir``, sharded, not padded, or a
+    fingerprint that cannot be taken)."""
+    if self._store_ready:
+      return self._store
+    self._store_ready = True
+    root = self.ctx.opts.store_root
+    if root is None or not self.structured or self.mode not in PADDED_MODES:
+      return None
+    try:
+      parts = self.fingerprint_parts()
+    except Exception as e:  # noqa: BLE001 - no store, never a wrong executable
+      logger.info("dynjax: %s is not stored (fingerprint failed: %s: %s)",
+                  self.name, type(e).__name__, e)
+      return None
+    fp = fingerprint_parts(parts)
+    describe = {"function": self.name, "fingerprint": fp,
+                **{k: (v if len(str(v)) < 400 else str(v)[:400] + "...")
+                   for k, v in parts.items() if k != "consts"}}
+    self._store = ExecutableStore(root, fp, describe)
+    return self._store
+
+  def fingerprint_parts(self) -> dict[str, Any]:
+    """Everything a stored executable depends on, known before lowering.
+
+    The symbolic jaxpr (memory addresses in reprs removed) and a hash of its constants, the
+    signature, padding mode, donation, compiler options, jax/jaxlib/dynjax versions (dynjax as
+    a hash of its own source, so a changed padding pass never reuses an executable), the
+    backend and device, the jax configuration that changes lowering, and ``XLA_FLAGS``.
+    """
+    consts = hashlib.sha256()
+    for c in self.jaxpr.consts:
+      a = np.asarray(c)
+      consts.update(f"{a.dtype}{a.shape}".encode())
+      consts.update(np.ascontiguousarray(a).tobytes())
+    opts = self.ctx.opts
+    dev = jax.devices()[0]
+    return {
+        "jaxpr": _ADDRESS.sub("", str(self.jaxpr.jaxpr)),
+        "consts": consts.hexdigest(),
+        "mode": self.mode,
+        "vars": self.sig.var_order,
+        "specs": [(p, None if s is None else s.text) for p, s in
+                  zip(self.leaf_paths, self.sig.leaves, strict=True)],
+        "avals": [(str(a.dtype), tuple(a.shape), a.weak_type) for a in self.avals],
+        "treedef": str(self.treedef),
+        "donate": opts.donate_argnames,
+        "compiler_options": opts.compiler_options,
+        "versions": (jax.__version__, _jax_private.jaxlib_version(), dynjax_source_hash()),
+        "backend": (jax.default_backend(), dev.device_kind, jax.device_count()),
+        "config": _jax_private.lowering_config(),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    }
+
+
+def needs_program(e: BaseException) -> bool:
+  """True when tracing stopped at a dynjax control-flow op (dynjax.control.NeedsProgram)."""
+  while e is not None:
+    if type(e).__name__ == "NeedsProgram" and type(e).__module__.startswith("dynjax.control"):
+      return True
+    e = e.__cause__ or e.__context__
+  return False
+
+
+_SOURCE_HASH: list[str] = []
+
+
+def dynjax_source_hash() -> str:
+  """A hash of dynjax's own source: executables built by other dynjax code are not reused."""
+  if not _SOURCE_HASH:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    h = hashlib.sha256()
+    for dirpath, dirnames, files in os.walk(root):
+      dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
+      for f in sorted(files):
+        if f.endswith(".py"):
+          with open(os.path.join(dirpath, f), "rb") as fh:
+            h.update(os.path.relpath(os.path.join(dirpath, f), root).encode())
+            h.update(fh.read())
+    _SOURCE_HASH.append(h.hexdigest()[:16])
+  return _SOURCE_HASH[0]

@@ -1,0 +1,195 @@
+"""Every option of ``dynjax.jit``, checked once at ``jit()`` time.
+
+Errors list the legal values and name the argument (``SpecError``); nothing here is on a
+call's path.  :class:`Policies` hands out one bucket policy per dimension variable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+
+from dynjax import _symbolic
+from dynjax._config import config
+from dynjax._errors import SpecError
+from dynjax.bucketing._policies import BucketPolicy, as_policy, pow2
+from dynjax.jit import _sharding
+
+PADDING_MODES = ("auto", "trust", "exact")
+OVERFLOW_MODES = ("error", "exact", "grow")
+ON_FALLBACK = ("warn", "error")
+
+
+@dataclasses.dataclass
+class Options:
+  """The validated options of one ``dynjax.jit`` function."""
+
+  dims: Any  # "auto" or dict parameter name -> spec pytree
+  buckets: Any  # None, one BucketPolicy, or dict variable -> BucketPolicy
+  padding: str
+  overflow: str
+  static_argnames: tuple[str, ...]
+  donate_argnames: tuple[str, ...]
+  return_padded: bool
+  constraints: tuple[str, ...]
+  max_executables: int | None
+  check: bool
+  async_compile: bool
+  sharding: Any = None  # jit._sharding.ShardingOptions, or None (one device)
+  serving: bool = False
+  compile_workers: int = 1
+  compiler_options: tuple = ()  # sorted (name, value) pairs
+  store_root: str | None = None  # where serialized executables live (cache_dir)
+  cache_dir: str | None = None
+  on_fallback: str = "warn"
+
+
+def check(name: str, param_names: list[str], dyn_names: tuple[str, ...], *, dims, buckets,
+          padding, overflow, static_argnames, donate_argnames, return_padded, constraints,
+          max_executables, cache_dir, check, async_compile, in_shardings, out_shardings,
+          serving, compile_workers, compiler_options, on_fallback) -> Options:
+  """Validates every option of ``dynjax.jit(fun, ...)``; ``SpecError`` names what is wrong."""
+  static = names(static_argnames, "static_argnames")
+  donate = names(donate_argnames, "donate_argnames")
+  for what, group in (("static_argnames", static), ("donate_argnames", donate)):
+    unknown = [n for n in group if n not in param_names]
+    if unknown:
+      raise SpecError(f"{what}: {unknown} are not parameters of {name}; its "
+                      f"parameters are {param_names}")
+  if max_executables is not None and (isinstance(max_executables, bool) or not isinstance(
+      max_executables, int) or max_executables < 1):
+    raise SpecError(f"max_executables must be a positive integer or None, got "
+                    f"{max_executables!r}")
+  if compile_workers is not None and (isinstance(compile_workers, bool) or not isinstance(
+      compile_workers, int) or compile_workers < 1):
+    raise SpecError(f"compile_workers must be a positive integer or None, got "
+                    f"{compile_workers!r}")
+  dims, declared = _check_dims(dims, name, param_names, static)
+  cache_dir = cache_dir or config.cache_dir
+  return Options(
+      dims=dims,
+      buckets=_check_buckets(buckets, declared),
+      padding=choice(padding, PADDING_MODES, "padding"),
+      overflow=choice(overflow, OVERFLOW_MODES, "overflow"),
+      static_argnames=static, donate_argnames=donate, return_padded=bool(return_padded),
+      constraints=tuple(constraints), max_executables=max_executables,
+      check=config.check if check is None else bool(check),
+      async_compile=bool(async_compile) or bool(serving), serving=bool(serving),
+      compile_workers=compile_workers or default_workers(),
+      compiler_options=_check_compiler_options(compiler_options),
+      sharding=_sharding.check_options(in_shardings, out_shardings, dyn_names, static, name),
+      cache_dir=os.fspath(cache_dir) if cache_dir else None,
+      store_root=(os.path.join(os.fspath(cache_dir), "dynjax-executables") if cache_dir
+                  else None),
+      on_fallback=choice(on_fallback, ON_FALLBACK, "on_fallback"))
+
+
+def names(value, what: str) -> tuple[str, ...]:
+  if isinstance(value, str):
+    return (value,)
+  try:
+    out = tuple(value)
+  except TypeError:
+    raise SpecError(f"{what}: expected a name or a sequence of names, got {value!r}") from None
+  for v in out:
+    if not isinstance(v, str):
+      raise SpecError(f"{what}: expected parameter names (str), got {v!r}")
+  return out
+
+
+def choice(value, legal, what: str) -> str:
+  if value not in legal:
+    raise SpecError(f"{what}={value!r} is not valid; use one of {', '.join(map(repr, legal))}")
+  return value
+
+
+def _check_dims(dims, name: str, param_names: list[str], static: tuple[str, ...]):
+  """(dims, declared variables or None)."""
+  if isinstance(dims, str):
+    if dims != "auto":
+      raise SpecError(f"dims={dims!r}: a single string must be \"auto\"; give a dict "
+                      f"mapping parameter names to specs, e.g. {{{param_names[0]!r}: \"b, t\"}}"
+                      if param_names else f"dims={dims!r} is not valid")
+    return "auto", None
+  if not isinstance(dims, Mapping):
+    raise SpecError(f"dims: expected a dict of parameter name -> shape spec, or \"auto\"; got "
+                    f"{type(dims).__name__}")
+  unknown = [k for k in dims if k not in param_names]
+  if unknown:
+    raise SpecError(f"dims names {unknown}, which are not parameters of {name}; "
+                    f"its parameters are {param_names}")
+  in_static = [k for k in dims if k in static]
+  if in_static:
+    raise SpecError(f"dims names {in_static}, which are in static_argnames; static arguments "
+                    "have no shapes to declare")
+  texts = []
+  for v in jax.tree_util.tree_leaves(dict(dims)):
+    if not isinstance(v, str):
+      raise SpecError(f"dims: every spec must be a string like \"b, t\" (or None); got "
+                      f"{type(v).__name__} {v!r}")
+    texts.append(v)
+  return dict(dims), _symbolic.spec_variables(texts)
+
+
+def _check_buckets(buckets, declared):
+  if buckets is None:
+    return None
+  if isinstance(buckets, Mapping):
+    out = {k: as_policy(v, f"[{k!r}]") for k, v in buckets.items()}
+    if declared is not None:
+      unknown = [k for k in out if k not in declared]
+      if unknown:
+        raise SpecError(f"buckets names {unknown}, which are not dimension variables of dims; "
+                        f"the variables are {declared}")
+    return out
+  return as_policy(buckets, "")
+
+
+def _check_compiler_options(options) -> tuple:
+  if options is None:
+    return ()
+  if not isinstance(options, Mapping):
+    raise SpecError(f"compiler_options must be a dict of XLA option name -> value, got "
+                    f"{type(options).__name__}")
+  bad = [k for k, v in options.items()
+         if not isinstance(k, str) or not isinstance(v, bool | int | float | str)]
+  if bad:
+    raise SpecError(f"compiler_options: {bad} are not name -> bool/int/float/str pairs")
+  return tuple(sorted(options.items()))
+
+
+def default_workers() -> int:
+  n = os.cpu_count() or 2
+  return 1 if n <= 4 else min(4, n // 4)
+
+
+class Policies:
+  """One bucket policy per dimension variable of a function, shared by its families."""
+
+  def __init__(self, buckets):
+    self.buckets = buckets
+    self.by_var: dict[str, BucketPolicy] = {}
+
+  def for_var(self, var: str) -> BucketPolicy:
+    p = self.by_var.get(var)
+    if p is None:
+      b = self.buckets
+      base = b.get(var) if isinstance(b, dict) else b
+      p = pow2() if base is None else base.fresh()
+      self.by_var[var] = p
+    return p
+
+  def aligned(self, var: str, multiple: int) -> BucketPolicy:
+    """The variable's policy with bucket sizes that are multiples of ``multiple`` (a sharded
+    axis); it replaces the variable's policy for every later family."""
+    p = self.for_var(var)
+    if multiple > 1 and p.multiple % multiple:
+      p = self.by_var[var] = p.aligned(multiple)
+    return p
+
+  def describe(self) -> dict[str, str]:
+    return {v: repr(p) for v, p in self.by_var.items()}

@@ -1,0 +1,453 @@
+"""The compiler of a ``dynjax.jit`` function: when each bucket is built, and with what.
+
+:meth:`Compiler.entry_for` answers a call whose bucket has no executor: the bucket's entry
+when it is built; otherwise, blocking (the default), it builds it now; with
+``async_compile``/``serving`` it serves the call on the smallest compiled bucket that covers
+it while its own bucket compiles in the background (progressive serving):
+
+- First call (``serving``): the bucket covering the whole declared range compiles first (a
+  dim without a declared max keeps the call's own size: an undeclared batch dim made a
+  274-token request wait 5 s on the H100), on GPU with >= 8 cores beside the call's own
+  bucket; the call waits only for the first that covers it.
+- Later calls: a larger compiled bucket at once; their own bucket is queued.  The
+  :class:`~dynjax.jit._scheduler.CompileScheduler` runs the job worth the most serving
+  seconds saved per second of compiling (:meth:`Compiler.job_value`); buckets an ``auto``
+  policy re-planned away are worth 0.
+- Tiers on GPU: tier 0 compiles without autotuning (``QUICK_GPU_OPTIONS``), tier 1
+  recompiles with XLA's defaults once traffic is steady (``TIER_UP_AFTER`` calls) or at
+  ``wait()``.
+- Lowering holds the GIL, so it runs on one lane thread with a 0.5 ms switch interval
+  (:func:`quick_switches`); the plan's buckets are lowered while the first one compiles.
+- ``cache_dir``: stored executables load at the first call (and in ``warmup``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import functools
+import itertools
+import math
+import os
+import sys
+import threading
+import time
+
+import jax
+import numpy as np
+
+from dynjax._config import config
+from dynjax.jit._family import BucketEntry, Family
+from dynjax.jit._scheduler import CompileScheduler
+
+# Quick compiles on GPU (serving, tier 0): cuBLAS gemms chosen by cuBLAS's heuristics, no
+# autotuning.  H100, BERT-base, jax 0.11.2 (benchmarks/probe_serving.py, probe_contention.py):
+# compile 2.2 s (T=128) / 3.0 s (T=512) vs 5.2 / 5.1 s with XLA's defaults and 3.3 / 3.9 s
+# with triton gemms off but autotuned; run 2.72 / 8.70 ms vs 2.03 / 6.70 (defaults).  What
+# decides it is serving *during* background compiles: autotuning runs kernels on the GPU, and
+# while four compiles autotuned, every request took ~110 ms instead of ~8 (5 s of stalls in
+# a 600-request cold start); without autotuning the stalls were gone.  Tier 1 recompiles
+# with XLA's defaults once traffic is steady.
+QUICK_GPU_OPTIONS = {"xla_gpu_enable_triton_gemm": False, "xla_gpu_autotune_level": 0}
+# Buckets lowered in the background during the first wait (serving).
+PRELOWER_MAX = 12
+# Tier-1 recompiles (serving on GPU) wait for this many calls after the last tier-0 compile:
+# measured, they slow serving by ~40% while they run (GPU autotuning, cores), and pay back
+# only after minutes of traffic.  wait() runs them at once.
+TIER_UP_AFTER = 1000
+
+
+class Compiler:
+  """Builds (loads or compiles) the buckets of one wrapped function's families."""
+
+  def __init__(self, ctx):
+    self.ctx = ctx
+    self.opts = ctx.opts
+    self.cache = ctx.cache
+    self.counters = ctx.counters
+    self.scheduler: CompileScheduler | None = None
+    self.lane_name = f"dynjax-lower-{ctx.name}"
+    self._lane: concurrent.futures.ThreadPoolExecutor | None = None
+    self._lock = threading.Lock()
+    self.force_tier_up = False
+    self.calls_at_compile = 0  # calls so far when the last tier-0 compile finished
+
+  # -- a call's entry ----------------------------------------------------------------------
+  def ready(self, fam: Family, bkey) -> BucketEntry | None:
+    entry = fam.buckets.get(bkey)
+    if entry is not None and (self.cache.max_entries is None
+                              or (fam.fid, bkey) in self.cache):
+      return entry
+    return None
+
+  def entry_for(self, fam: Family, bkey):
+    """(entry, bucket it runs on, was it ready?) for a call whose own bucket is ``bkey``."""
+    entry = self.ready(fam, bkey)
+    if entry is not None:
+      return entry, bkey, True
+    if self.opts.async_compile:
+      b, entry = self._serve(fam, bkey)
+      return entry, b, False
+    return self.build_entry(fam, bkey), bkey, False  # new, or evicted: (re)build, wait
+
+  def build_entry(self, fam: Family, bkey, tier: int = 0) -> BucketEntry:
+    """Builds (loads or compiles) one bucket; ``tier`` 1 replaces a quick tier-0 executable."""
+    if tier == 0:
+      entry = self.cache.get_or_build((fam.fid, bkey), lambda: self._build(fam, bkey, 0))
+      if entry.source == "compiled":
+        self.calls_at_compile = self.counters.calls_so_far()
+    else:
+      t0 = time.perf_counter()
+      entry = self._build(fam, bkey, tier, stored_min=tier)
+      self.cache.put((fam.fid, bkey), entry, time.perf_counter() - t0)
+    fam.buckets[bkey] = entry
+    fam.gen += 1
+    if entry.source == "stored":  # a restarted auto policy starts from the buckets it had
+      for i, (p, b) in enumerate(zip(fam.policies, bkey, strict=True)):
+        if fam.joint is None or i not in fam.joint.idx:
+          p.adopt(b)
+      if fam.joint is not None:
+        fam.joint.adopt(fam.joint.sub(bkey))
+    if (entry.tier + 1 < self.tiers() and bkey not in fam.tiered
+        and self.scheduler is not None):
+      fam.tiered.add(bkey)
+      self.schedule(fam, bkey, entry.tier + 1)
+    return entry
+
+  def _build(self, fam: Family, bkey, tier: int, stored_min: int = 0) -> BucketEntry:
+    """The bucket's best stored executable (tier >= ``stored_min``), or lowered and compiled
+    with ``tier``'s compiler options (and stored)."""
+    entry = fam.load_stored(bkey, stored_min)
+    if entry is not None:
+      return entry
+    lowered, rewrites = self.lowered(fam, bkey)
+    if self.opts.serving and not fam.prelowering:
+      self._prelower(fam, bkey)  # the rest of the plan lowers while this one compiles
+    return fam.compile_bucket(lowered, rewrites, bkey, tier, self.compile_options(tier))
+
+  def lowered(self, fam: Family, bkey):
+    """(Lowered, rewrites) of a bucket: pre-lowered during the first wait, else now (when
+    serving, on the one lowering lane)."""
+    fut = fam.prelowered.pop(bkey, None)
+    if fut is not None and not fut.cancel():  # started (or done): wait for it
+      try:
+        return fut.result()
+      except Exception:  # noqa: BLE001 - lowered again below, raising where it belongs
+        pass
+    if self.opts.serving and threading.current_thread().name != self.lane_name:
+      return self.lane().submit(lowering, fam, bkey).result()
+    return fam.lower_bucket(bkey)
+
+  # -- progressive serving (async_compile / serving) ---------------------------------------
+  def _serve(self, fam: Family, bkey):
+    """Serves a call whose own bucket is not compiled: the smallest compiled bucket that
+    covers it, else the first covering compile in flight (waited for).  The own bucket is
+    queued for the background compiler in every case (it runs when it is worth the most)."""
+    if not fam.preloaded:
+      fam.preloaded = True
+      store = fam.store()
+      for b, _ in (store.stored() if store is not None else ()):
+        self.schedule(fam, b, 0, urgent=True)  # loads in parallel (~0.05 s a bucket)
+    t_wait = None
+    while True:
+      best = self.larger_bucket(fam, bkey)
+      if best is not None:
+        self.schedule(fam, bkey, 0)  # value-driven: compiles when worth it
+        if t_wait is not None:
+          self.counters.waited(time.perf_counter() - t_wait)
+        return best
+      if t_wait is None:
+        t_wait = time.perf_counter()
+      # Nothing compiled covers this call: it waits for the first covering executable.
+      # Serving: the bucket covering everything compiles first; the own bucket follows in
+      # the background, or (GPU quick tier, >= 8 cores) at the same time: quick compiles
+      # run no autotuning, so two at once barely slow each other, and the first requests
+      # are served on the own bucket instead of the largest (H100, BERT-base: the 512
+      # bucket runs 8.7 ms a request, the 256 one 4.2).  Otherwise (or with no declared
+      # max): the own bucket, now.
+      top = top_bucket(fam, bkey) if self.opts.serving else None
+      if top is not None and top != bkey:
+        urgent = self.schedule(fam, top, 0, urgent=True)
+        self.schedule(fam, bkey, 0, urgent=self._co_compile_own())
+      else:
+        urgent = self.schedule(fam, bkey, 0, urgent=True)
+      futs = self._covering_futures(fam, bkey) or [urgent]
+      done, _ = concurrent.futures.wait(futs, return_when=concurrent.futures.FIRST_COMPLETED)
+      for f in done:
+        if f.exception() is not None and (f is urgent or len(futs) == 1):
+          raise f.exception()
+
+  def larger_bucket(self, fam: Family, bkey):
+    """(bucket, entry) of the smallest compiled bucket that covers ``bkey``, or None."""
+    best = None
+    for other, entry in list(fam.buckets.items()):
+      if (all(o >= b for o, b in zip(other, bkey, strict=True))
+          and (fam.fid, other) in self.cache):
+        if best is None or math.prod(other) < math.prod(best[0]):
+          best = (other, entry)
+    return best
+
+  def _co_compile_own(self) -> bool:
+    """Whether a first call compiles its own bucket alongside the covering one."""
+    return (self.tiers() > 1 and self.opts.compile_workers >= 2
+            and (os.cpu_count() or 1) >= 8)
+
+  def _prelower(self, fam: Family, first) -> None:
+    """Lowers the buckets the policies plan, on the lane, while the first (urgent) bucket
+    compiles.
+
+    Lowering is Python (tracing, MLIR building) and holds the GIL: done by the compile
+    workers once serving has started, it stalled every request (H100, BERT-base: ~0.3 s of
+    GIL per bucket, ~100 ms requests for a second after the first compile).  While the first
+    bucket compiles, XLA has released the GIL and no request is being served yet, so the
+    lowering there is free.
+    """
+    fam.prelowering = True
+    store = fam.store()
+    stored = {b for b, _ in store.stored()} if store is not None else set()
+    cands = [b for b in plan_buckets(fam, first, PRELOWER_MAX)
+             if b != first and b not in stored and (fam.fid, b) not in self.cache]
+    if not cands:
+      return
+    lane = self.lane()
+    # A compile job that starts before its bucket's turn cancels the lane job (a queued
+    # future cancels) and lowers it itself.
+    fam.prelowered.update((b, lane.submit(lowering, fam, b)) for b in cands)
+
+  def lane(self) -> concurrent.futures.ThreadPoolExecutor:
+    """The one thread that lowers buckets while serving.
+
+    Lowering holds the GIL (Python tracing, and MLIR passes in C++ that cannot be
+    preempted); several compile workers lowering at once left the serving thread a fifth of
+    the GIL (H100, BERT-base, auto re-plans: ~300 ms requests).  One lane costs no lowering
+    throughput (the GIL serialises lowering anyway), and while it runs the interpreter's
+    switch interval drops to 0.5 ms (:func:`quick_switches`) so a serving thread waiting for
+    the GIL gets it back within 0.5 ms of Python instead of 5 ms.
+    """
+    lane = self._lane
+    if lane is None:
+      with self._lock:
+        if self._lane is None:
+          self._lane = concurrent.futures.ThreadPoolExecutor(
+              1, thread_name_prefix=self.lane_name)
+        lane = self._lane
+    return lane
+
+  def sched(self) -> CompileScheduler:
+    sched = self.scheduler
+    if sched is None:
+      with self._lock:
+        if self.scheduler is None:
+          self.scheduler = CompileScheduler(self.opts.compile_workers, self.job_value,
+                                            name=self.ctx.name)
+        sched = self.scheduler
+    return sched
+
+  def schedule(self, fam: Family, bkey, tier: int, urgent: bool = False):
+    """A future of the bucket's entry: queued for the background compiler (done at once when
+    the tier-0 entry is already built)."""
+    if tier == 0 and (fam.fid, bkey) in self.cache:
+      f = concurrent.futures.Future()
+      f.set_result(self.cache.get((fam.fid, bkey)))
+      return f
+    return self.sched().submit((fam.fid, bkey, tier),
+                               functools.partial(self.build_entry, fam, bkey, tier),
+                               urgent=urgent, info=(fam, bkey, tier))
+
+  def _covering_futures(self, fam: Family, bkey) -> list:
+    return [f for (fid, b, tier), f in self.sched().in_flight().items()
+            if fid == fam.fid and tier == 0 and all(x >= y for x, y in zip(b, bkey, strict=True))]
+
+  def job_value(self, job) -> float:
+    """Expected serving seconds a job saves per second of compiling (the scheduler's order).
+
+    Tier 0: over the true size tuples seen so far, how much cheaper the job's bucket would
+    serve them than the best executable they have now (compiled, or compiling), if the
+    policies still want the bucket.  Tier 1 (recompiling with full options) runs only when
+    nothing else is running or wanted, one at a time, the most used bucket first.
+    Called by the scheduler under its lock: it reads the scheduler's job lists it is given.
+    """
+    fam, bkey, tier = job.info
+    sched = self.scheduler
+    if tier > 0:
+      if (not self.force_tier_up
+          and self.counters.calls_so_far() - self.calls_at_compile < TIER_UP_AFTER):
+        return 0.0  # the traffic is not steady yet: recompiling now would slow it down
+      if sched.running_jobs():
+        return 0.0
+      for other in sched.pending_jobs():
+        ofam, obkey, otier = other.info
+        if other.urgent or (otier == 0 and self._tier0_value(ofam, obkey) > 0):
+          return 0.0
+      return 1e-9 * (1 + self.counters.bucket_uses((fam.fid, bkey)))
+    return self._tier0_value(fam, bkey)
+
+  def _tier0_value(self, fam: Family, bkey) -> float:
+    if (fam.fid, bkey) in self.cache or not fam.tuple_hist:
+      return 0.0
+    if not fam.planned(bkey):
+      return 0.0  # re-planned away (auto): retired while still queued
+    sizes = np.array(list(fam.tuple_hist), np.int64)
+    counts = np.array(list(fam.tuple_hist.values()), float)
+    have = [b for b in fam.buckets if (fam.fid, b) in self.cache]
+    have += [j.info[1] for j in self.scheduler.running_jobs()
+             if j.info[0] is fam and j.info[2] == 0 and j.info[1] != bkey]
+    cost = self._cost_model(fam)
+    mine = cost(bkey)
+    if have:
+      hb = np.array(have, np.int64)
+      covers = np.all(hb[:, None, :] >= sizes[None, :, :], axis=2)  # [have, sizes]
+      hc = np.array([cost(b) for b in have])
+      cur = np.where(covers, hc[:, None], np.inf).min(axis=0)
+    else:
+      cur = np.full(len(sizes), np.inf)
+    wait_cost = 4.0 * max([mine, *(cost(b) for b in have)])  # no executable yet: a compile
+    cur = np.where(np.isfinite(cur), cur, wait_cost)
+    mask = np.all(np.array(bkey)[None, :] >= sizes, axis=1)
+    gain = float((counts[mask] * np.maximum(cur[mask] - mine, 0.0)).sum())
+    return gain / self._compile_estimate(fam)
+
+  def _cost_model(self, fam: Family):
+    """Seconds per call of a bucket: a line through the measured buckets, else padded
+    elements (a relative cost is all the scheduler needs)."""
+    known = [(math.prod(b), t) for b, t in list(fam.bucket_time.items())]
+    if len(known) >= 2:
+      xs, ys = np.array(known, float).T
+      if np.ptp(xs) > 0:
+        slope, icpt = np.polyfit(xs, ys, 1)
+        if slope > 0:
+          return lambda b: float(icpt + slope * math.prod(b))
+    scale = known[0][1] / known[0][0] if known else 1.0
+    return lambda b: float(scale * math.prod(b))
+
+  def _compile_estimate(self, fam: Family) -> float:
+    ts = [dt for key, dt in self.cache.compile_log if key[0] == fam.fid]
+    return float(np.mean(ts)) if ts else 1.0
+
+  def tiers(self) -> int:
+    """2 when serving on GPU with default compiler options (quick tier first), else 1."""
+    if self.opts.serving and not self.opts.compiler_options and on_gpu():
+      return 2
+    return 1
+
+  def compile_options(self, tier: int) -> dict:
+    opts = dict(self.opts.compiler_options)
+    if tier == 0 and self.tiers() > 1:
+      opts.update(QUICK_GPU_OPTIONS)
+    return opts
+
+  # -- ahead of time -----------------------------------------------------------------------
+  def warmup(self, fam: Family, sizes, progress: bool | None, max_workers: int | None,
+             background: bool) -> dict:
+    """``Wrapped.warmup``: every bucket of the declared ranges (and every stored one)."""
+    if fam.mode not in ("trust", "auto"):
+      return {"buckets": [], "compiled": 0, "seconds": 0.0,
+              "note": fam.fallback or f"{fam.mode} mode"}
+    per_var = [p.sizes() if p.max is not None else (p.bucket(n),)
+               for n, p in zip(sizes, fam.policies, strict=True)]
+    todo = list(itertools.product(*per_var))
+    if fam.joint is not None:  # the planned tuples, not the product of the auto tables
+      jidx = fam.joint.idx
+      todo = sorted({tuple(jt[jidx.index(i)] if i in jidx else b[i] for i in range(len(b)))
+                     for b in todo for jt in fam.joint.sizes()})
+    store = fam.store()
+    if store is not None:
+      todo = sorted(set(todo) | {b for b, _ in store.stored() if len(b) == len(fam.policies)})
+    before, loads_before = self.cache.compiles, self.cache.loads
+    t0 = time.perf_counter()
+    if background:
+      futs = [self.schedule(fam, b, 0, urgent=True)
+              for b in sorted(todo, key=math.prod, reverse=True)]
+      return {"buckets": todo, "pending": sum(not f.done() for f in futs), "seconds": 0.0}
+    show = config.progress if progress is None else progress
+    workers = max_workers or min(len(todo), max(2, os.cpu_count() or 2))
+    done = 0
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+      futs = [pool.submit(self.build_entry, fam, b) for b in todo]
+      for f in concurrent.futures.as_completed(futs):
+        f.result()
+        done += 1
+        if show:
+          _progress(f"dynjax warmup {self.ctx.name}", done, len(todo),
+                    time.perf_counter() - t0)
+    if show:
+      sys.stderr.write("\n")
+    return {"buckets": todo, "compiled": self.cache.compiles - before,
+            "loaded": self.cache.loads - loads_before, "seconds": time.perf_counter() - t0}
+
+  def wait(self, timeout: float | None = None) -> bool:
+    """Waits for background compiles, including queued tier-1 recompiles; False on timeout."""
+    if self.scheduler is None:
+      return True
+    self.force_tier_up = True  # whoever waits lets the tier-1 recompiles run now
+    self.scheduler.poke()
+    return self.scheduler.wait_idle(timeout)
+
+
+_SWITCH = {"active": 0, "saved": None}
+_SWITCH_LOCK = threading.Lock()
+_QUICK_SWITCH_S = 5e-4
+
+
+@contextlib.contextmanager
+def quick_switches():
+  """While any background lowering runs: the interpreter's GIL switch interval at most
+  0.5 ms (restored when the last one ends).  Process-wide, as ``sys.setswitchinterval``."""
+  with _SWITCH_LOCK:
+    if _SWITCH["active"] == 0:
+      _SWITCH["saved"] = sys.getswitchinterval()
+      sys.setswitchinterval(min(_SWITCH["saved"], _QUICK_SWITCH_S))
+    _SWITCH["active"] += 1
+  try:
+    yield
+  finally:
+    with _SWITCH_LOCK:
+      _SWITCH["active"] -= 1
+      if _SWITCH["active"] == 0 and _SWITCH["saved"] is not None:
+        sys.setswitchinterval(_SWITCH["saved"])
+        _SWITCH["saved"] = None
+
+
+def lowering(fam: Family, bkey):
+  """A lowering-lane job: ``fam.lower_bucket(bkey)`` with quick GIL switches."""
+  with quick_switches():
+    return fam.lower_bucket(bkey)
+
+
+def plan_buckets(fam: Family, bkey, limit: int) -> list[tuple]:
+  """Up to ``limit`` bucket tuples the policies plan now, for calls like one of bucket
+  ``bkey`` (dims without a declared max keep ``bkey``'s size), largest first."""
+  if fam.joint is not None:
+    return []
+  axes = []
+  for p, b in zip(fam.policies, bkey, strict=True):
+    try:
+      sizes = (b,) if p.max is None else tuple(p.sizes())
+    except Exception:  # noqa: BLE001 - a policy that cannot list its sizes yet
+      sizes = (b,)
+    axes.append(sorted(sizes, reverse=True))
+  return list(itertools.islice(itertools.product(*axes), limit))
+
+
+def top_bucket(fam: Family, bkey) -> tuple:
+  """The bucket that covers every size of the declared ranges, for a call of bucket ``bkey``:
+  the largest bucket of each dim with a declared max, ``bkey``'s own size along a dim without
+  one (an undeclared batch dim ``b`` must not leave the sequence dim ``t`` uncovered: a server
+  whose first request is short would otherwise wait again for the first long one)."""
+  return tuple(b if p.max is None else max(b, p.sizes()[-1])
+               for p, b in zip(fam.policies, bkey, strict=True))
+
+
+def on_gpu() -> bool:
+  try:
+    return jax.default_backend() == "gpu"
+  except RuntimeError:
+    return False
+
+
+def _progress(label: str, done: int, total: int, seconds: float) -> None:
+  width = 30
+  filled = int(width * done / max(total, 1))
+  sys.stderr.write(f"\r{label} [{'#' * filled}{'.' * (width - filled)}] {done}/{total} "
+                   f"{seconds:.1f}s")
+  sys.stderr.flush()
