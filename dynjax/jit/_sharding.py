@@ -34,7 +34,7 @@ let each process make its part of every input with ``jax.make_array_from_process
 and call the function with those global arrays; use ``return_padded=True`` (or read
 ``.addressable_shards`` of the outputs).  Axes sharded across processes must already have a
 bucket size (e.g. a fixed per-process batch); other dynamic axes are padded shard by shard on
-each process.  See WORKSPACE.md, "Sharding", and tests/test_sharding.py.
+each process.  See WORKSPACE.md, "Sharding", and tests/jit/test_sharding.py.
 
 Example:
   >>> mesh = jax.make_mesh((2, 4), ("data", "model"))
