@@ -13,13 +13,15 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/python -m pip install -q $(JAX_PIN) -e ".[dev]"
 	touch $@
 
+# -n: pytest-xdist, one worker per core (the suite is compile-bound: ~2x on the 2-core CI box).
 test: $(BIN)/.installed
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n auto
 
 demo: $(BIN)/.installed
 	$(BIN)/python -m dynjax.bench bert --size tiny --quick
 
 lint: $(BIN)/.installed
+	$(BIN)/python -m pip install -q -e ".[lint]"
 	$(BIN)/ruff check dynjax tests benchmarks examples
 
 clean:

@@ -1,4 +1,12 @@
-"""Shared fixtures: a jax.monitoring compile counter, x64 off, deterministic hypothesis."""
+"""Shared fixtures: a jax.monitoring compile counter, x64 off, deterministic hypothesis.
+
+Compiles dominate the suite's time on the 2-core CI box, so XLA's optimisation passes are off
+(``jax_disable_most_optimizations``: about half the compile time).  Every exactness test
+compares dynjax with ``jax.jit`` under the same setting, and the padding pass works on jaxprs,
+before XLA.  ``DYNJAX_TEST_OPTIMIZE=1`` runs the suite with XLA's defaults instead.
+The 8 fake CPU devices are for tests/jit/test_sharding.py; they cost the other tests nothing
+measurable (a CPU client's devices share one thread pool).
+"""
 
 from __future__ import annotations
 
@@ -13,6 +21,8 @@ from hypothesis import settings  # noqa: E402
 
 # Exactness tests compare padded and exact runs: on GPU, TF32 matmuls differ by shape.
 jax.config.update("jax_default_matmul_precision", "highest")
+if os.environ.get("DYNJAX_TEST_OPTIMIZE", "") not in ("1", "true"):
+  jax.config.update("jax_disable_most_optimizations", True)
 
 settings.register_profile("ci", deadline=None, max_examples=25, derandomize=True)
 settings.load_profile("ci")
