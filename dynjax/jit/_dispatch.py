@@ -206,6 +206,8 @@ class Dispatcher:
       shapes = []
       for i in fam.spec_idx:
         x = leaves[i]
+        if type(x) is np.ndarray and x.dtype.itemsize >= 8 and x.dtype != fam.avals[i].dtype:
+          fam.note_converted(i, x.dtype, fam.avals[i].dtype)
         device = device or on_device(x)
         padded_in = padded_in or type(x) is Padded
         shapes.append(getattr(x, "shape", ()))
@@ -352,6 +354,9 @@ class Dispatcher:
         self._check_new_dtype(static, treedef, avals, specs, paths)
       fam = Family(self, self.binder.flat_fun(static, treedef), paths, specs, avals, treedef,
                    key, next(self._fids))
+      for i, (x, a) in enumerate(zip(leaves, avals, strict=True)):
+        if type(x) is np.ndarray and x.dtype != a.dtype:
+          fam.note_converted(i, x.dtype, a.dtype)
       self.families[key] = fam
       self.all_families[fam.fid] = fam
       return fam
@@ -386,16 +391,23 @@ def top_key(fam: Family, dyn):
     return None  # fell back to exact after a bucket's plan refused
   shapes = ()
   device = padded_in = False
-  for pos, _, lkey in fam.top:
+  for pos, li, lkey in fam.top:
     x = dyn[pos]
-    if type(x) is np.ndarray:
-      if x.dtype != lkey[0] or x.ndim != lkey[1] or lkey[2]:
+    t = type(x)
+    if t is np.ndarray:
+      if x.dtype != lkey[0]:
+        if _args.canonical(x.dtype) != lkey[0]:
+          return None
+        fam.note_converted(li, x.dtype, lkey[0])  # float64 -> float32 with x64 off
+      if x.ndim != lkey[1] or lkey[2]:
         return None
-    elif leaf_key(x) != lkey:
-      return None
-    else:
+    elif t is _args.ARRAY_IMPL or t is Padded:
+      if leaf_key(x) != lkey:
+        return None
       device = device or on_device(x)
-      padded_in = padded_in or type(x) is Padded
+      padded_in = padded_in or t is Padded
+    else:  # scalars, lists, None, other array types: the general path checks them
+      return None
     shapes += (x.shape,)
   return shapes, device, padded_in
 

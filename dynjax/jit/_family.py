@@ -88,6 +88,7 @@ class Family:
     self.out_dynamic: tuple = ()
     self.rewrites: tuple[str, ...] = ()
     self.program = None  # control.ProgramRunner of a "program" family
+    self.converted: set = set()  # (leaf path, host dtype, traced dtype) canonicalised inputs
     self.mode = opts.padding
     self.sig = _symbolic.build_signature(
         [(path, text, len(a.shape)) for path, text, a in
@@ -162,6 +163,10 @@ class Family:
         if p.max is not None:
           out.append(f"{v} <= {p.max}")
     return tuple(out)
+
+  def note_converted(self, i: int, host, traced) -> None:
+    """A host input of a 64-bit dtype ran as its canonical dtype (x64 off, as jax.jit)."""
+    self.converted.add((self.leaf_paths[i], str(host), str(traced)))
 
   def accepts(self, leaves) -> bool:
     """Hot-path check of the leaves with dims: dtype and rank (and, with dims="auto", the axes

@@ -11,17 +11,21 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+import re
+
 import jax
+from jax import export
 
 from dynjax import _symbolic
 from dynjax._config import config
-from dynjax._errors import SpecError
+from dynjax._errors import SpecError, format_list
 from dynjax.bucketing._policies import BucketPolicy, as_policy, pow2
 from dynjax.jit import _sharding
 
 PADDING_MODES = ("auto", "trust", "exact")
 OVERFLOW_MODES = ("error", "exact", "grow")
 ON_FALLBACK = ("warn", "error")
+_AUTO_VAR = re.compile(r"^d[0-9]+$")
 
 
 @dataclasses.dataclass
@@ -126,12 +130,24 @@ def _check_dims(dims, name: str, param_names: list[str], static: tuple[str, ...]
   if in_static:
     raise SpecError(f"dims names {in_static}, which are in static_argnames; static arguments "
                     "have no shapes to declare")
-  texts = []
-  for v in jax.tree_util.tree_leaves(dict(dims)):
+  texts, bad = [], []
+  for path, v in jax.tree_util.tree_flatten_with_path(dict(dims))[0]:
+    where = f"dims{jax.tree_util.keystr(path)}"
     if not isinstance(v, str):
-      raise SpecError(f"dims: every spec must be a string like \"b, t\" (or None); got "
-                      f"{type(v).__name__} {v!r}")
+      bad.append(f"{where}: expected a string like \"b, t\" (or None), got "
+                 f"{type(v).__name__} {v!r}")
+      continue
+    try:
+      export.symbolic_shape(v)
+    except Exception as e:  # noqa: BLE001 - jax explains the syntax error in its message
+      first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+      bad.append(f"{where} = {v!r} does not parse: {first}")
+      continue
     texts.append(v)
+  if bad:
+    raise SpecError(f"dims of {name}:\n" + format_list(bad)
+                    + "\nWrite each spec in jax.export.symbolic_shape syntax: names or sizes "
+                    "separated by commas, e.g. \"b, t, 768\".")
   return dict(dims), _symbolic.spec_variables(texts)
 
 
@@ -140,7 +156,15 @@ def _check_buckets(buckets, declared):
     return None
   if isinstance(buckets, Mapping):
     out = {k: as_policy(v, f"[{k!r}]") for k, v in buckets.items()}
-    if declared is not None:
+    if declared is None:  # dims="auto": its variables are d0, d1, ... as axes become dynamic
+      unknown = [k for k in out if not _AUTO_VAR.match(str(k))]
+      if unknown:
+        raise SpecError(
+            f"buckets names {unknown}, but with dims=\"auto\" the dimension variables are "
+            "named d0, d1, ... in the order axes turn dynamic, so these policies would never "
+            "apply. Declare dims (e.g. dims={\"x\": \"b, t\"}) to name the variables, or "
+            "pass one policy for every variable (buckets=dynjax.buckets.pow2(16, 512)).")
+    else:
       unknown = [k for k in out if k not in declared]
       if unknown:
         raise SpecError(f"buckets names {unknown}, which are not dimension variables of dims; "

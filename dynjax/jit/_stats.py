@@ -191,6 +191,9 @@ def explain(d) -> str:
     for path, spec, a in zip(fam.leaf_paths, sig.leaves, fam.avals, strict=True):
       dims = ", ".join(map(str, spec.dims if spec is not None else a.shape))
       lines.append(f"    {path}: {a.dtype}[{dims}]{'' if spec else '  (static)'}")
+    if fam.converted:
+      lines.append("  inputs converted to the traced dtypes (x64 is off, as in jax.jit): "
+                   + ", ".join(f"{p} {a} -> {b}" for p, a, b in sorted(fam.converted)))
     if fam.out_avals is not None:
       lines.append("  outputs (shape functions of the dims):")
       for i, o in enumerate(fam.out_avals):
