@@ -395,7 +395,7 @@ class Family:
       return None
     for t in sorted({t for b, t in store.stored() if b == bkey and t >= stored_min},
                     reverse=True):
-      exe = store.load(bkey, t)
+      exe = store.load(bkey, t, self.exe_avals(bkey))
       if exe is not None:
         return self.entry_of(exe, bkey, self.rewrites, t, "stored")
     return None
@@ -410,8 +410,16 @@ class Family:
           else contextlib.nullcontext()):
       exe = lowered.compile(compiler_options=options) if options else lowered.compile()
     if store is not None:
-      store.save(bkey, tier, exe)
+      store.save(bkey, tier, exe, self.exe_avals(bkey))
     return self.entry_of(exe, bkey, rewrites, tier, "compiled")
+
+  def exe_avals(self, bkey) -> list[tuple]:
+    """(shape, dtype name) of every input of the bucket's executable (a stored one must
+    match them to be used)."""
+    avals = [(tuple(a.shape), str(a.dtype)) for a in self.padded_avals(bkey)]
+    if self.mode == "auto":
+      avals.insert(0, ((len(self.sig.var_order),), "int32"))  # the true-sizes vector
+    return avals
 
   def exact_executable(self, leaves):
     """jax.jit at the exact shape (fallback / exact mode), cached in the shared LRU."""

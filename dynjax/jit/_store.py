@@ -7,10 +7,15 @@ by what the build side knows *before* lowering (a fingerprint of the family's sy
 constants, options and versions, plus the bucket), and holds executables serialized with
 ``jax.experimental.serialize_executable``: six BERT-base buckets load in 0.29 s in parallel.
 
-Layout: ``<dir>/<fingerprint[:24]>/<bucket>.<tier>.exe`` (pickle of the serialized executable
-and its pytree defs) and ``<fingerprint[:24]>/family.json`` (what the fingerprint covered, for
-people).  Writes go to a temporary file first and are renamed into place, so a reader never
-sees a half-written file; a file that fails to load is treated as missing (and logged).
+Layout: ``<dir>/<fingerprint[:24]>/<bucket>.<tier>.exe`` and ``<fingerprint[:24]>/family.json``
+(what the fingerprint covered, for people).  A ``.exe`` file is a pickle of ``(header, blob)``:
+the header names the fingerprint, bucket, tier and input avals the executable was compiled
+for and the sha256 of ``blob`` (the serialized executable and its pytree defs).  A file is
+verified before its blob is unpickled: one that was swapped with another bucket's, copied
+from another family, truncated or corrupted, or written by an older dynjax is discarded with
+one warning and compiled again, and the new executable replaces it on disk (the store heals).
+Writes go to a temporary file first and are renamed into place, so a reader never sees a
+half-written file.
 
 Loading runs code from the file (pickle + XLA executables): only point ``cache_dir`` at a
 directory you trust, as with any executable cache.
@@ -18,13 +23,17 @@ directory you trust, as with any executable cache.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
 import pickle
 import tempfile
 import threading
+import warnings
 from collections.abc import Hashable
+
+_FORMAT = 2
 
 logger = logging.getLogger("dynjax")
 
@@ -67,15 +76,24 @@ class ExecutableStore:
         continue
     return sorted(out)
 
-  def save(self, bkey: tuple, tier: int, compiled) -> bool:
-    """Serializes ``compiled`` (a ``jax.stages.Compiled``); False when it cannot be."""
+  def _header(self, bkey: tuple, tier: int, in_avals) -> dict:
+    return {"format": _FORMAT, "fingerprint": self.fingerprint,
+            "bucket": tuple(int(b) for b in bkey), "tier": int(tier),
+            "in_avals": [list(a) for a in in_avals]}
+
+  def save(self, bkey: tuple, tier: int, compiled, in_avals=()) -> bool:
+    """Serializes ``compiled`` (a ``jax.stages.Compiled`` for ``in_avals``, a list of
+    ``(shape, dtype name)``); False when it cannot be."""
     from jax.experimental import serialize_executable
 
     try:
       payload, in_tree, out_tree = serialize_executable.serialize(compiled)
       devices = _device_ids(compiled)
-      blob = pickle.dumps((payload, in_tree, out_tree, devices),
-                          protocol=pickle.HIGHEST_PROTOCOL)
+      inner = pickle.dumps((payload, in_tree, out_tree, devices),
+                           protocol=pickle.HIGHEST_PROTOCOL)
+      header = self._header(bkey, tier, in_avals)
+      header["sha256"] = hashlib.sha256(inner).hexdigest()
+      blob = pickle.dumps((header, inner), protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as e:  # noqa: BLE001 - e.g. executables with constants; not fatal
       logger.info("dynjax: executable of bucket %s not stored (%s: %s)", bkey,
                   type(e).__name__, e)
@@ -98,30 +116,62 @@ class ExecutableStore:
       self.saved += 1
     return True
 
-  def load(self, bkey: tuple, tier: int):
-    """The stored ``jax.stages.Compiled`` for (bucket, tier), or None."""
+  def load(self, bkey: tuple, tier: int, in_avals=()):
+    """The stored ``jax.stages.Compiled`` for (bucket, tier) compiled for ``in_avals``, or
+    None: missing, or discarded with a warning because it does not fit (see the module)."""
     from jax.experimental import serialize_executable
 
     path = self.path(bkey, tier)
     try:
       with open(path, "rb") as fh:
-        payload, in_tree, out_tree, device_ids = pickle.load(fh)
+        raw = fh.read()
+    except FileNotFoundError:
+      return None
+    except OSError as e:
+      return self._discard(path, bkey, f"unreadable ({e})")
+    why = None
+    try:
+      header, inner = pickle.loads(raw)
+      want = self._header(bkey, tier, in_avals)
+      if not isinstance(header, dict) or header.get("format") != _FORMAT:
+        why = "written by another dynjax version"
+      elif header.get("fingerprint") != self.fingerprint:
+        why = "compiled for another function or configuration (copied from another family)"
+      elif tuple(header.get("bucket", ())) != want["bucket"] or header.get("tier") != tier:
+        why = (f"compiled for bucket {tuple(header.get('bucket', ()))} tier "
+               f"{header.get('tier')} (swapped or renamed)")
+      elif in_avals and header.get("in_avals") != want["in_avals"]:
+        why = f"compiled for inputs {header.get('in_avals')}, not {want['in_avals']}"
+      elif hashlib.sha256(inner).hexdigest() != header.get("sha256"):
+        why = "its checksum does not match (truncated or corrupted)"
+    except Exception as e:  # noqa: BLE001 - not our format at all
+      why = f"not a dynjax executable file ({type(e).__name__})"
+    if why is not None:
+      return self._discard(path, bkey, why)
+    try:
+      payload, in_tree, out_tree, device_ids = pickle.loads(inner)
       import jax
 
       by_id = {d.id: d for d in jax.devices()}
       exe = serialize_executable.deserialize_and_load(
           payload, in_tree, out_tree, execution_devices=[by_id[i] for i in device_ids])
-    except FileNotFoundError:
-      return None
     except Exception as e:  # noqa: BLE001 - a stale or broken file is a cache miss
-      logger.warning("dynjax: stored executable %s did not load (%s: %s); compiling instead",
-                     path, type(e).__name__, e)
-      with self._lock:
-        self.load_errors += 1
-      return None
+      return self._discard(path, bkey, f"did not load ({type(e).__name__}: {e})")
     with self._lock:
       self.loaded += 1
     return exe
+
+  def _discard(self, path: str, bkey: tuple, why: str):
+    """One warning; the bucket compiles again and its save replaces the file."""
+    with self._lock:
+      self.load_errors += 1
+    warnings.warn(f"dynjax: stored executable {path} for bucket {tuple(bkey)} is discarded: "
+                  f"{why}; the bucket is compiled again and the file replaced", stacklevel=2)
+    try:
+      os.remove(path)
+    except OSError:
+      pass
+    return None
 
 
 def _device_ids(compiled) -> list[int]:

@@ -3,6 +3,7 @@ store behind ``cache_dir``, and the top-level-argument hot path."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -234,10 +235,58 @@ def test_a_broken_stored_executable_is_compiled_again(tmp_path):
     fh.write(b"not an executable")
   g = dynjax.jit(_model, dims={"x": "b, t, 4"}, cache_dir=str(tmp_path),
                  buckets={"b": [2], "t": dynjax.buckets.pow2(4, 64)})
-  np.testing.assert_allclose(g(p, _x(5)), EXACT(p, _x(5)), rtol=1e-6, atol=1e-6)
+  with pytest.warns(UserWarning, match="is discarded: not a dynjax executable file"):
+    np.testing.assert_allclose(g(p, _x(5)), EXACT(p, _x(5)), rtol=1e-6, atol=1e-6)
   s = g.stats()
   assert s["compiles"] == 1 and s["loaded_from_store"] == 0
   assert next(iter(g._dispatcher.families.values())).store().load_errors == 1
+
+
+def _store_fn(cache, scale=1.0):
+  def model(p, x):
+    return _model(p, x) * scale
+
+  return dynjax.jit(model, dims={"x": "b, t, 4"}, cache_dir=cache,
+                    buckets={"b": [2], "t": dynjax.buckets.pow2(4, 64)})
+
+
+def test_swapped_or_copied_store_files_are_discarded_once_and_healed(tmp_path):
+  import shutil
+  import warnings
+
+  p = _params()
+  cache = str(tmp_path)
+  f = _store_fn(cache)
+  for t in (3, 12):  # buckets t=4 and t=16
+    f(p, _x(t))
+  store = next(iter(f._dispatcher.families.values())).store()
+  (b4, tier), (b16, _) = store.stored()
+  a, b = store.path(b4, tier), store.path(b16, tier)
+  os.rename(a, a + ".swap")
+  os.rename(b, a)
+  os.rename(a + ".swap", b)
+  # Another family (another constant) stores under another fingerprint: copy one of ours in.
+  other = _store_fn(cache, scale=2.0)
+  other(p, _x(3))
+  ostore = next(iter(other._dispatcher.families.values())).store()
+  shutil.copy(a, ostore.path(b4, tier))
+  g = _store_fn(cache)
+  with pytest.warns(UserWarning) as rec:
+    for t in (3, 12, 3, 12):
+      np.testing.assert_allclose(g(p, _x(t)), EXACT(p, _x(t)), rtol=1e-6, atol=1e-6)
+  msgs = [str(w.message) for w in rec if "dynjax: stored executable" in str(w.message)]
+  assert len(msgs) == 2 and all("(swapped or renamed)" in m for m in msgs), msgs
+  assert g.stats()["compiles"] == 2 and g.stats()["loaded_from_store"] == 0
+  h = _store_fn(cache, scale=2.0)
+  with pytest.warns(UserWarning, match="copied from another family"):
+    np.testing.assert_allclose(h(p, _x(3)), 2.0 * EXACT(p, _x(3)), rtol=1e-6, atol=1e-6)
+  # Healed: the recompiled executables replaced the bad files; a restart loads them silently.
+  k = _store_fn(cache)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    for t in (3, 12):
+      np.testing.assert_allclose(k(p, _x(t)), EXACT(p, _x(t)), rtol=1e-6, atol=1e-6)
+  assert k.stats()["compiles"] == 0 and k.stats()["loaded_from_store"] == 2
 
 
 def test_top_level_path_rechecks_parameters_through_the_executable(compiles):
