@@ -167,6 +167,34 @@ _GRAPHDEF = "nnx_graphdef__"
 _STATE = "nnx_state__"
 
 
+class _GraphKey:
+  """A GraphDef as a static argument: equal when the graph definitions are equal.
+
+  A module whose config holds a list (Gemma's ``attention_types``) has a GraphDef that
+  ``hash()`` refuses, while ``nnx.jit`` runs it; such a GraphDef is hashed by its repr
+  (computed once per call: tens of microseconds for a large model), others by their own hash.
+  """
+
+  __slots__ = ("graphdef", "_hash")
+
+  def __init__(self, graphdef):
+    self.graphdef = graphdef
+    try:
+      self._hash = hash(graphdef)
+    except TypeError:
+      self._hash = hash(repr(graphdef))
+
+  def __hash__(self) -> int:
+    return self._hash
+
+  def __eq__(self, other) -> bool:
+    return (type(other) is _GraphKey and self._hash == other._hash
+            and self.graphdef == other.graphdef)
+
+  def __repr__(self) -> str:
+    return f"GraphKey({type(self.graphdef).__name__})"
+
+
 @functools.cache
 def _graph_node_types() -> tuple[type, ...]:
   from flax import nnx
@@ -229,7 +257,7 @@ class NnxWrapped:
     from flax import nnx
 
     def inner(**kw):
-      graphdef, state = kw.pop(_GRAPHDEF), kw.pop(_STATE)
+      graphdef, state = kw.pop(_GRAPHDEF).graphdef, kw.pop(_STATE)
       nodes = nnx.merge(graphdef, state)
       values = dict(kw)
       values.update(zip(graph_names, nodes, strict=True))
@@ -265,7 +293,7 @@ class NnxWrapped:
 
     nodes = tuple(values[n] for n in graph_names)
     graphdef, state = nnx.split(nodes)
-    call = {_GRAPHDEF: graphdef, _STATE: state}
+    call = {_GRAPHDEF: _GraphKey(graphdef), _STATE: state}
     call.update((n, values[n]) for n in self._names if n not in graph_names)
     return nodes, call
 
@@ -286,26 +314,9 @@ class NnxWrapped:
 
   def stats(self) -> dict:
     """The dynjax counters, added over the inner functions (see ``dynjax.jit(...).stats``)."""
-    parts = [w.stats() for w in self._inner.values()]
-    if len(parts) == 1:
-      return parts[0]
-    total: dict = {}
-    for s in parts:
-      for k, v in s.items():
-        if isinstance(v, int | float) and not isinstance(v, bool) and k != "padded_fraction":
-          total[k] = total.get(k, 0) + v
-        elif isinstance(v, dict):
-          d = total.setdefault(k, {})
-          for kk, vv in v.items():
-            d[kk] = d.get(kk, 0) + vv if isinstance(vv, int) else vv
-        elif isinstance(v, list):
-          total.setdefault(k, []).extend(v)
-    if parts:
-      weights = [max(s.get("calls", 0), 1) for s in parts]
-      total["padded_fraction"] = sum(
-          w * s.get("padded_fraction", 0.0) for w, s in zip(weights, parts, strict=True)
-      ) / sum(weights)
-    return total
+    from dynjax.jit._stats import combine
+
+    return combine([w.stats() for w in self._inner.values()])
 
   def explain(self) -> str:
     """The dynjax reports of the inner functions."""

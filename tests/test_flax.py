@@ -217,3 +217,26 @@ def test_nnx_errors():
     f(nnx.Linear(4, 2, rngs=nnx.Rngs(0)), np.ones((2, 4), np.float32))
   with pytest.raises(dynjax.SpecError, match="static_argnames"):
     dflax.nnx_jit(lambda model, x: model(x), static_argnames=("nope",))
+
+
+def test_nnx_model_whose_config_holds_a_list_runs_like_nnx_jit(compiles):
+  from flax import nnx
+
+  class Block(nnx.Module):  # as Gemma keeps attention_types: a list in the module's config
+    def __init__(self, rngs):
+      self.attention_types = ["global", "local_sliding"]
+      self.proj = nnx.Linear(4, 4, rngs=rngs)
+
+    def __call__(self, x):
+      h = self.proj(x)
+      return h.sum(-1) if self.attention_types[0] == "global" else h.mean(-1)
+
+  model = Block(nnx.Rngs(0))
+  f = dynjax.flax.nnx_jit(lambda m, x: m(x), dims={"x": "b, t, 4"},
+                          buckets={"t": dynjax.buckets.pow2(4, 16)})
+  ref = nnx.jit(lambda m, x: m(x))
+  for t in (3, 4, 7, 3):
+    x = np.random.RandomState(t).randn(2, t, 4).astype(np.float32)
+    np.testing.assert_allclose(f(model, x), ref(model, x), rtol=1e-6, atol=1e-6)
+  s = f.stats()
+  assert s["calls"] == 4 and s["compiles"] == 2  # buckets t=4 and t=8
