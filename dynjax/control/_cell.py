@@ -278,7 +278,10 @@ class Cell:
       def per_item(*xs):
         return jax.tree_util.tree_leaves(fn(*jax.tree_util.tree_unflatten(treedef, xs)))
 
-      outs = jax.vmap(per_item, in_axes=tuple(axes))(*leaves)
+      # axis_size: a group whose every argument is shared (one call of a one-leaf tree, a
+      # sync right after one call, every leaf reading one W) has no batched input; vmap then
+      # computes the cell once and broadcasts its results to the batch.
+      outs = jax.vmap(per_item, in_axes=tuple(axes), axis_size=batch)(*leaves)
       by_pos: dict[int, list] = defaultdict(list)
       for (pos, _), out in zip(out_arenas, outs, strict=True):
         by_pos[pos].append(out.astype(arenas[pos].dtype))
