@@ -53,8 +53,14 @@ def flat_fns(cond_fun, body_fun, treedef):
   return cond_flat, body_flat
 
 
-def trace_error(what: str, e: Exception) -> ControlFlowError:
-  """A trace failure of a loop's body or cond, explained for the user."""
+def trace_error(what: str, e: Exception) -> ControlFlowError | None:
+  """The explanation of a trace failure of a loop's body or cond, or None.
+
+  Shapes that depend on data and Python comparisons of symbolic dims are dynjax's to explain
+  (a :class:`ControlFlowError`).  Anything else -- the user's own ``KeyError``, an
+  ``assert``, a shape error of their code -- is not: the caller re-raises it unchanged (only
+  a note says where dynjax was), so ``except KeyError`` around a ``while_loop`` works.
+  """
   first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
   if isinstance(e, jax.errors.ConcretizationTypeError | jax.errors.TracerBoolConversionError
                 | jax.errors.TracerIntegerConversionError | jax.errors.NonConcreteBooleanIndexError):
@@ -68,8 +74,10 @@ def trace_error(what: str, e: Exception) -> ControlFlowError:
         f"{what} compares a dynamic carry dim in Python ({first}). With shapes that change, "
         "dims are symbolic while dynjax traces the loop: write the comparison as an array "
         "op, e.g. jnp.asarray(x.shape[0]) < 8 instead of x.shape[0] < 8.")
-  return ControlFlowError(f"{what} could not be traced with symbolic dims: "
-                          f"{type(e).__name__}: {first}")
+  note = f"(raised while dynjax.while_loop traced {what} with symbolic carry dims)"
+  if note not in getattr(e, "__notes__", ()):
+    e.add_note(note)
+  return None
 
 
 def eval_shape_body(body_flat, avals):
@@ -80,7 +88,10 @@ def eval_shape_body(body_flat, avals):
   except ControlFlowError:
     raise
   except Exception as e:
-    raise trace_error("body_fun", e) from None
+    err = trace_error("body_fun", e)
+    if err is None:
+      raise
+    raise err from None
 
 
 def trace_symbolic(part: str, fn, sym_avals):
@@ -91,7 +102,10 @@ def trace_symbolic(part: str, fn, sym_avals):
   except ControlFlowError:
     raise
   except Exception as e:
-    raise trace_error(f"{part}_fun", e) from None
+    err = trace_error(f"{part}_fun", e)
+    if err is None:
+      raise
+    raise err from None
 
 
 def check_structure(what, avals_in, outs, treedef, out_tree, paths) -> None:

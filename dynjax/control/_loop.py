@@ -190,7 +190,10 @@ def _traced_while(cond_fun, body_fun, init_val, leaves, treedef, options):
   except ControlFlowError:
     raise
   except Exception as e:
-    raise trace_error("body_fun", e) from None
+    err = trace_error("body_fun", e)
+    if err is None:
+      raise
+    raise err from None
   out_leaves, out_tree = jax.tree_util.tree_flatten(out)
   changed = []
   if out_tree == treedef:
@@ -251,7 +254,10 @@ def _stage_while(stager: Stager, cond_fun, body_fun, init_val, options: dict):
   except ControlFlowError:
     raise
   except Exception as e:
-    raise trace_error("body_fun", e) from None
+    err = trace_error("body_fun", e)
+    if err is None:
+      raise
+    raise err from None
   check_structure("body_fun", avals, outs, None, None, paths)
   leaf_dims, sym_avals, fresh = stager.carry_dims(avals, outs, options["dims"], treedef)
   buckets = options["buckets"]
