@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from dynjax import _symbolic
-from dynjax._errors import ControlFlowError, format_list
+from dynjax._errors import ControlFlowError, OutOfBucketsError, format_list
 from dynjax.bucketing._policies import BucketPolicy, as_policy, pow2
 from dynjax.control._frontend import building
 
@@ -256,3 +256,20 @@ def user_policy(buckets, name: str) -> BucketPolicy | None:
   if isinstance(buckets, Mapping):
     return as_policy(buckets[name], f"[{name!r}]") if name in buckets else None
   return as_policy(buckets, "")
+
+
+def overflow_error(items) -> OutOfBucketsError:
+  """``items``: ``(var, size, where in the carry, policy)`` of every dim past its max."""
+  lines = [f"{v} = {n} ({where}) is above the largest bucket {p.max} of {p!r}"
+           for v, n, where, p in items]
+  return OutOfBucketsError(
+      "while_loop: a carry dimension grows over the largest bucket:\n" + format_list(lines)
+      + "\nRaise the policy's max (buckets=), or pass overflow=\"grow\" (compile larger "
+      "buckets) or overflow=\"exact\" (run the sizes past the max unpadded, one compile per "
+      "shape).")
+
+
+def max_iterations_error(n: int) -> ControlFlowError:
+  return ControlFlowError(
+      f"while_loop: cond_fun is still true after max_iterations={n} iterations. Raise "
+      "max_iterations, or make sure cond_fun becomes false (e.g. bound a step counter).")

@@ -32,7 +32,9 @@ from dynjax.control._carry import (
   initial_dims,
   keypaths,
   leaf_dims_of,
+  max_iterations_error,
   named_axes,
+  overflow_error,
   policies,
   user_policy,
 )
@@ -69,6 +71,18 @@ class _HostIterations:
     self._out_shapes = lambda env: out_fn(*[env[v] for v in out_names])
     self.solve = [(li, ax, d) for li, ld in enumerate(leaf_dims) for ax, d in enumerate(ld)
                    if isinstance(d, str) and d in self.carry_vars]
+    # Host mode grows past a policy's max for overflow="exact" too (it has no exact path).
+    self.overflow, self.max_iterations = "grow", None
+
+  def bucket(self, sizes: dict) -> dict:
+    """The buckets of the carry vars' sizes (raises past a max with overflow="error")."""
+    if self.overflow == "error":
+      over = [(v, n, ", ".join(f"init leaf {li}.shape[{ax}]" for li, ax, u in self.solve
+                               if u == v), self.policies[v])
+              for v, n in sizes.items() if self.policies[v].bucket(n) is None]
+      if over:
+        raise overflow_error(over)
+    return {v: bucket_of(self.policies[v], n) for v, n in sizes.items()}
 
   def shapes(self, env: dict):
     return self._shapes(*[env[v] for v in self._shape_names])
@@ -81,6 +95,8 @@ class _HostIterations:
       info["host_syncs"] += 1
       if not bool(np.asarray(p)):
         return env, carry
+      if self.max_iterations is not None and info["iterations"] >= self.max_iterations:
+        raise max_iterations_error(self.max_iterations)
       env_b, outs = self.body.run_padded(env, [*bconsts, *carry])
       info["iterations"] += 1
       exact = self._out_shapes(env_b.sizes)
@@ -92,7 +108,7 @@ class _HostIterations:
       if bad:
         raise ControlFlowError("body_fun returned a carry whose axes sharing a dimension "
                                "disagree:\n" + format_list(bad))
-      buckets = {v: bucket_of(self.policies[v], n) for v, n in sizes.items()}
+      buckets = self.bucket(sizes)
       env = env.updated(sizes, buckets)
       want = self.shapes(env.sizes)
       if tuple(map(tuple, want)) != tuple(map(tuple, exact)):
@@ -113,8 +129,10 @@ def _carry_axes(avals, outs, dims, treedef) -> tuple[list[tuple], list[str]]:
 class HostLoop:
   """A standalone ``while_loop`` run in host mode (see the module docstring)."""
 
-  def __init__(self, cond_fun, body_fun, treedef, avals, dims, buckets, reason: str):
+  def __init__(self, cond_fun, body_fun, treedef, avals, dims, buckets, reason: str,
+               overflow: str = "error", max_iterations: int | None = None):
     self.reason = reason
+    self.overflow, self.max_iterations = overflow, max_iterations
     self.mode = "host"
     self.fallback = None
     self.cond_fun, self.body_fun, self.treedef = cond_fun, body_fun, treedef
@@ -144,6 +162,7 @@ class HostLoop:
     if body.consts or cond.consts:  # closure values: constants of the staged programs
       pass
     self.core = _HostIterations(cond, body, body_out, leaf_dims, names, body.policies)
+    self.core.overflow, self.core.max_iterations = self.overflow, self.max_iterations
     self._fixed = [tuple((ax, int(d)) for ax, d in enumerate(ld) if not isinstance(d, str))
                    for ld in leaf_dims]
 
@@ -187,6 +206,8 @@ class HostLoop:
       info["host_syncs"] += 1
       if not bool(self.cond_fun(carry)):
         return jax.tree_util.tree_leaves(carry)
+      if self.max_iterations is not None and info["iterations"] >= self.max_iterations:
+        raise max_iterations_error(self.max_iterations)
       carry = self.body_fun(carry)
       info["iterations"] += 1
 
@@ -195,7 +216,7 @@ class HostLoop:
     sizes = {}
     for li, ax, v in core.solve:
       sizes.setdefault(v, leaves[li].shape[ax])
-    buckets = {v: bucket_of(core.policies[v], n) for v, n in sizes.items()}
+    buckets = core.bucket(sizes)
     env = Env(sizes, buckets)
     carry, _ = pad(leaves, core.shapes(buckets))
     info["buckets"].append(tuple(buckets[v] for v in self.carry_vars))
@@ -224,7 +245,7 @@ class _HostLoopCall(Call):
     consts, carry = list(inputs[:self.n_consts]), list(inputs[self.n_consts:])
     sizes = dict(zip(core.carry_vars, (int(x) for x in self._init(
         *[env.sizes[v] for v in self._init_names])), strict=True))
-    buckets = {v: bucket_of(core.policies[v], n) for v, n in sizes.items()}
+    buckets = core.bucket(sizes)
     env = env.updated(sizes, buckets)
     carry = list(repad(carry, core.shapes(env.buckets)))
     info = {"mode": "host", "iterations": 0, "host_syncs": 0, "buckets": []}
@@ -255,6 +276,7 @@ def stage_host_loop(stager: Stager, cond_fun, body_fun, init_val, options: dict)
   cond, _ = stage(lambda *xs: [jnp.asarray(cond_flat(*xs))], sym_avals, stager.scope,
                     stager.policies, "while_loop.cond", stager=stager, hoist_consts=True)
   core = _HostIterations(cond, body, body_out, leaf_dims, carry_vars, dict(stager.policies))
+  core.overflow, core.max_iterations = options["overflow"], options["max_iterations"]
   init_text = initial_dims(leaf_dims, avals, carry_vars)
   consts = list(cond.hoisted_consts) + list(body.hoisted_consts)
   out_avals = [jp.shaped_array(a.shape, a.dtype) for a in sym_avals]

@@ -68,6 +68,7 @@ from dynjax.control._stager import (
 )
 
 _BUCKET_FROM = ("auto", "cap", "init")
+_OVERFLOW = ("error", "exact", "grow")  # as dynjax.jit's overflow=
 
 # Older private names, still read by the benchmarks (dynjax.bench._decode).
 _use_cap, _bucket_for, _padded_shapes, _size_max, _Cap, _Loop = (
@@ -84,11 +85,12 @@ _PER_KEY = 8
 
 
 def get_loop(cond_fun, body_fun, treedef, avals, dims, buckets, padding, unroll=1,
-              bucket_from="init"):
+             bucket_from="init", overflow="error", max_iterations=None):
+  """The built loop for these arguments (cached; one serves every init its dims fit)."""
   dkey = None if dims is None else repr(dims)
   bkey = repr(buckets)
   key = (cond_fun, body_fun, treedef, tuple((len(a.shape), str(a.dtype)) for a in avals),
-         dkey, bkey, padding, unroll, bucket_from)
+         dkey, bkey, padding, unroll, bucket_from, overflow, max_iterations)
   shapes = [tuple(a.shape) for a in avals]
   loops = _CACHE.get(key)
   if loops is None:
@@ -102,9 +104,10 @@ def get_loop(cond_fun, body_fun, treedef, avals, dims, buckets, padding, unroll=
         return loop
   try:
     spec = build_spec(cond_fun, body_fun, treedef, avals, dims, buckets, padding, unroll,
-                       bucket_from)
+                      bucket_from, overflow, max_iterations)
   except NotLowerable as e:
-    loop = HostLoop(cond_fun, body_fun, treedef, avals, dims, buckets, str(e))
+    loop = HostLoop(cond_fun, body_fun, treedef, avals, dims, buckets, str(e), overflow,
+                    max_iterations)
   else:
     loop = Loop(spec)
   loops.append(loop)
@@ -112,7 +115,7 @@ def get_loop(cond_fun, body_fun, treedef, avals, dims, buckets, padding, unroll=
   return loop
 
 
-def _check_options(padding, unroll, bucket_from):
+def _check_options(padding, unroll, bucket_from, overflow="error", max_iterations=None):
   if padding not in ("auto", "exact"):
     raise ControlFlowError(f'padding must be "auto" or "exact", got {padding!r}')
   if unroll is not None and (not isinstance(unroll, int | np.integer) or isinstance(unroll, bool)
@@ -121,6 +124,12 @@ def _check_options(padding, unroll, bucket_from):
   if bucket_from not in _BUCKET_FROM:
     raise ControlFlowError(f"bucket_from must be one of {list(_BUCKET_FROM)}, got "
                            f"{bucket_from!r}")
+  if overflow not in _OVERFLOW:
+    raise ControlFlowError(f"overflow must be one of {list(_OVERFLOW)}, got {overflow!r}")
+  if max_iterations is not None and (not isinstance(max_iterations, int | np.integer)
+                                     or isinstance(max_iterations, bool) or max_iterations < 0):
+    raise ControlFlowError(f"max_iterations must be None or an int >= 0, got "
+                           f"{max_iterations!r}")
 
 
 def default_unroll() -> int:
@@ -131,7 +140,8 @@ def default_unroll() -> int:
 
 def while_loop(cond_fun: Callable, body_fun: Callable, init_val, *, dims=None,
                buckets: BucketPolicy | Mapping[str, Any] | list | None = None,
-               padding: str = "auto", unroll: int | None = None, bucket_from: str = "auto"):
+               padding: str = "auto", unroll: int | None = None, bucket_from: str = "auto",
+               overflow: str = "error", max_iterations: int | None = None):
   """``lax.while_loop`` whose carry may change shape from one iteration to the next.
 
   While the carry stays inside its bucket, iterations run inside ONE compiled
@@ -153,6 +163,18 @@ def while_loop(cond_fun: Callable, body_fun: Callable, init_val, *, dims=None,
       e.g. ``step < max_new``: no bucket crossing, one sync to read the counter), ``"init"``
       (start in the bucket of the initial sizes and grow), ``"auto"`` (``"cap"`` on GPU/TPU,
       where a bigger bucket costs little per step; ``"init"`` on CPU).
+    overflow: a carry dim past its policy's max (``buckets=pow2(16, 256)`` and a carry that
+      reaches 257), as ``dynjax.jit``'s ``overflow=``: ``"error"`` (raise
+      :class:`dynjax.OutOfBucketsError` naming the carry path, the size and the max),
+      ``"exact"`` (the iterations past the max run unpadded, one compile per exact shape and
+      one host sync per iteration; not inside ``dynjax.jit``, where such a loop makes the
+      function run op by op), ``"grow"`` (compile buckets past the max by the policy's rule).
+      Loops run in host mode (a shape-changing loop in the body) treat ``"exact"`` as
+      ``"grow"``.
+    max_iterations: ``None`` (no limit) or the most body runs allowed: when ``cond_fun`` is
+      still true after that many, :class:`dynjax.ControlFlowError` is raised (a guard against
+      loops that never stop).  Not enforced where the loop lowers to ``lax.while_loop`` (a
+      carry of fixed shapes under ``jax.jit``).
 
   Returns:
     The final carry, exact shapes.
@@ -162,19 +184,25 @@ def while_loop(cond_fun: Callable, body_fun: Callable, init_val, *, dims=None,
     ...                         lambda c: jnp.concatenate([c, c[-1:] + 1]), jnp.zeros(1))
     >>> out
     Array([0., 1., 2., 3., 4., 5.], dtype=float32)
+    >>> long = dynjax.while_loop(lambda c: c.sum() < 1e9, lambda c: jnp.concatenate([c, c]),
+    ...                          jnp.ones(1), buckets=dynjax.buckets.pow2(16, 64))
+    Traceback (most recent call last):
+    ...
+    dynjax.OutOfBucketsError: while_loop: a carry dimension grows over the largest bucket: ...
   """
-  _check_options(padding, unroll, bucket_from)
+  _check_options(padding, unroll, bucket_from, overflow, max_iterations)
   unroll = default_unroll() if unroll is None else int(unroll)
   leaves, treedef = jax.tree_util.tree_flatten(init_val)
   if any_tracer(leaves):
     return _traced_while(cond_fun, body_fun, init_val, leaves, treedef,
                          dict(dims=dims, buckets=buckets, padding=padding, unroll=unroll,
-                              bucket_from=bucket_from))
+                              bucket_from=bucket_from, overflow=overflow,
+                              max_iterations=max_iterations))
   # device_put, not jnp.asarray: the latter compiles a tiny executable per shape (jax 0.10)
   leaves = [x if isinstance(x, jax.Array) else jax.device_put(x) for x in leaves]
   avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
   loop = get_loop(cond_fun, body_fun, treedef, avals, dims, buckets, padding, unroll,
-                   bucket_from)
+                  bucket_from, overflow, max_iterations)
   return jax.tree_util.tree_unflatten(treedef, loop.run(leaves))
 
 
@@ -223,14 +251,15 @@ def loop_stats() -> dict:
 
 def loop_program(cond_fun, body_fun, init_val, *, dims=None, buckets=None,
                  padding: str = "auto", unroll: int | None = None,
-                 bucket_from: str = "auto") -> str:
+                 bucket_from: str = "auto", overflow: str = "error",
+                 max_iterations: int | None = None) -> str:
   """The VM program ``while_loop`` runs for these arguments, as text (builds, runs nothing)."""
-  _check_options(padding, unroll, bucket_from)
+  _check_options(padding, unroll, bucket_from, overflow, max_iterations)
   unroll = default_unroll() if unroll is None else int(unroll)
   leaves, treedef = jax.tree_util.tree_flatten(init_val)
   avals = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in leaves]
   loop = get_loop(cond_fun, body_fun, treedef, avals, dims, buckets, padding, unroll,
-                   bucket_from)
+                  bucket_from, overflow, max_iterations)
   return loop.program_text() if hasattr(loop, "program_text") else loop.vm(
       loop.mode).program.as_text()
 
@@ -244,6 +273,8 @@ def _stage_while(stager: Stager, cond_fun, body_fun, init_val, options: dict):
   paths = keypaths(treedef)
   if options["padding"] == "exact":
     raise StagingError('while_loop(padding="exact") runs per exact shape: not staged')
+  if options["overflow"] == "exact":
+    raise StagingError('while_loop(overflow="exact") may run per exact shape: not staged')
   avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
   cond_flat, body_flat = flat_fns(cond_fun, body_fun, treedef)
   try:
@@ -280,7 +311,10 @@ def _stage_while(stager: Stager, cond_fun, body_fun, init_val, options: dict):
       [d for a in sym_avals for d in a.shape]))
   spec = spec_from_symbolic(cond_fun, body_fun, treedef, paths, sym_avals, leaf_dims,
                             declared, policy_of, options["padding"], options["unroll"],
-                            options["bucket_from"], allow_tracer_consts=True)
+                            options["bucket_from"], allow_tracer_consts=True,
+                            overflow=options["overflow"],
+                            max_iterations=options["max_iterations"])
+  spec.labels = dict(user_of)
   for v in spec.var_order:
     stager.policies.setdefault(v, policy_of(v))
   try:  # every padding-pass refusal surfaces here, not in the middle of a run

@@ -16,11 +16,13 @@ import jax
 import numpy as np
 
 from dynjax._errors import PaddingUnsupportedError
-from dynjax.control._carry import LAST_RUN
+from dynjax.control._carry import LAST_RUN, max_iterations_error
 from dynjax.control._loopspec import (
   LoopSpec,
   bucket_for,
   capped_bucket,
+  over_max,
+  overflow_error,
   pad_jaxpr,
   padded_shapes,
 )
@@ -39,6 +41,7 @@ class Loop:
     elif pad_jaxpr is None:
       self.mode, spec.fallback_reason = "exact", "the padding pass is not available"
     self._vms: dict[str, VM] = {}
+    self._budget = {"left": spec.max_iterations}
     self._fixed = [tuple((ax, int(d)) for ax, d in enumerate(ld) if not isinstance(d, str))
                    for ld in spec.leaf_dims]
 
@@ -58,7 +61,7 @@ class Loop:
     v = self._vms.get(mode)
     if v is None:
       if mode == "exact":
-        prog = exact_program(self.spec)
+        prog = exact_program(self.spec, self._budget)
       else:
         prog = hoisted_program(self.spec, padded_io=mode == "padded_io")
       v = self._vms[mode] = VM(prog)
@@ -67,6 +70,7 @@ class Loop:
   def run(self, leaves: list) -> list:
     spec = self.spec
     consts = [*spec.body_consts, *spec.cond_consts]
+    self._budget["left"] = spec.max_iterations
     if self.mode == "hoisted":
       try:
         vm = self.vm("hoisted")
@@ -75,10 +79,30 @@ class Loop:
         self.mode = "exact"
         spec.fallback_reason = f"padding pass: {str(e).splitlines()[0]}"
         return self.run(leaves)
+      if spec.overflow == "exact":
+        *outs, spilled = outs
+        info = self._record(vm)
+        if spilled:  # sizes past the policy's max: the rest of the loop runs exact
+          return self._run_exact_rest(consts, outs, info)
+        return list(outs)
     else:
       vm = self.vm("exact")
       outs = vm.run(*consts, *leaves)
     self._record(vm)
+    return list(outs)
+
+  def _run_exact_rest(self, consts, leaves, info) -> list:
+    spec = self.spec
+    if spec.max_iterations is not None:
+      self._budget["left"] = spec.max_iterations - info["iterations"]
+    vm = self.vm("exact")
+    outs = vm.run(*consts, *leaves)
+    st = vm.take_stats()
+    n = st.invokes // 2
+    info.update(exact_iterations=n, iterations=info["iterations"] + n,
+                host_syncs=info["host_syncs"] + st.host_syncs,
+                fallback='sizes past the policy\'s max (overflow="exact")')
+    record(st)
     return list(outs)
 
   def run_padded(self, consts: list, leaves: list, sizes: tuple, buckets: tuple) -> tuple:
@@ -93,7 +117,7 @@ class Loop:
     nv = len(self.spec.var_order)
     return list(outs), tuple(int(x) for x in status[1:1 + nv]), tuple(bk)
 
-  def _record(self, vm: VM) -> None:
+  def _record(self, vm: VM) -> dict:
     spec = self.spec
     st = vm.take_stats()
     info = dict(mode=self.mode, host_syncs=st.host_syncs, invokes=st.invokes,
@@ -112,6 +136,7 @@ class Loop:
     st.loops.append(info)
     LAST_RUN["loop"] = info
     record(st)
+    return info
 
 
 def use_cap(spec: LoopSpec) -> bool:
@@ -148,9 +173,21 @@ def hoisted_program(spec: LoopSpec, padded_io: bool = False):
     LAST_RUN["info"] = info
     return sizes
 
+  def checked(sizes, given=None):
+    """The bucket of ``sizes``; past a policy's max: raise, None (spill to exact) or grow."""
+    if spec.overflow != "grow":
+      over = over_max(spec, sizes, given)
+      if over:
+        if spec.overflow == "error":
+          raise overflow_error(spec, sizes, over)
+        return None
+    return bucket_for(spec, sizes)
+
   def start_bucket(sizes, given=None, counter=None):
     info = LAST_RUN["info"]
-    bk = bucket_for(spec, sizes)
+    bk = checked(sizes, given)
+    if bk is None:
+      return None
     if given is not None:
       bk = tuple(g if g is not None else x for g, x in zip(given, bk, strict=True))
     if from_cap:
@@ -164,19 +201,32 @@ def hoisted_program(spec: LoopSpec, padded_io: bool = False):
     return bk
 
   def bucket_of(sizes):
-    bk = bucket_for(spec, sizes)
-    LAST_RUN["info"]["buckets"].append(bk)
+    bk = checked(sizes)
+    if bk is not None:
+      LAST_RUN["info"]["buckets"].append(bk)
     return bk
+
+  def fits(bk):
+    return bk is not None
 
   def shapes_of(bucket):
     return padded_shapes(spec, bucket)
 
+  max_it = spec.max_iterations
+
   def sizes_array(sizes):
-    return np.asarray(sizes, np.int32).reshape(nv)
+    if max_it is None:
+      return np.asarray(sizes, np.int32).reshape(nv)
+    # The iteration budget rides at the end of the sizes vector.
+    return np.asarray([*sizes, max_it - LAST_RUN["info"]["iterations"]], np.int32)
 
   def keep_going(status):
-    LAST_RUN["info"]["iterations"] += int(status[-1])
-    return bool(status[0])
+    info = LAST_RUN["info"]
+    info["iterations"] += int(status[-1])
+    go = bool(status[0])
+    if go and max_it is not None and info["iterations"] >= max_it:
+      raise max_iterations_error(max_it)
+    return go
 
   def grow_sizes(status):
     cur = tuple(int(x) for x in status[1:1 + nv])
@@ -207,6 +257,12 @@ def hoisted_program(spec: LoopSpec, padded_io: bool = False):
 
     start.__name__ = "start_bucket"
     bk = b.emit_host_op(start, [sizes, *counter])
+  spill = spec.overflow == "exact" and not padded_io  # the Loop continues in exact mode
+  if spill:
+    b.emit_if(b.emit_host_op(fits, [bk]), "enter", "spill_init")
+    b.block("spill_init")
+    b.emit_ret([*carry, b.emit_const(True)])
+    b.block("enter")
   shp = b.emit_host_op(shapes_of, [bk])
   if padded_io:
     b.emit_repad(carry, shp, dsts=carry)
@@ -224,6 +280,12 @@ def hoisted_program(spec: LoopSpec, padded_io: bool = False):
   pair = b.emit_host_op(grow_sizes, [status_h])
   need = b.emit_host_op(first, [pair])
   b.emit_host_op(bucket_of, [need], dst=bk)
+  if spill:
+    b.emit_if(b.emit_host_op(fits, [bk]), "repad", "spill")
+    b.block("spill")
+    fs = b.emit_host_op(final_shapes, [status_h])
+    b.emit_ret([*b.emit_unpad(carry, fs), b.emit_const(True)])
+    b.block("repad")
   b.emit_host_op(shapes_of, [bk], dst=shp)
   b.emit_repad(carry, shp, dsts=carry)
   cur = b.emit_host_op(second, [pair])
@@ -235,11 +297,13 @@ def hoisted_program(spec: LoopSpec, padded_io: bool = False):
   else:
     fs = b.emit_host_op(final_shapes, [status_h])
     out = b.emit_unpad(carry, fs)
-    b.emit_ret(out)
+    b.emit_ret([*out, b.emit_const(False)] if spill else out)
   return b.finish()
 
 
-def exact_program(spec: LoopSpec):
+def exact_program(spec: LoopSpec, budget: dict):
+  """One executable per exact shape, one sync per iteration.  ``budget["left"]``: iterations
+  left before ``max_iterations`` is exceeded (None: no limit), set by the caller per run."""
   nb, nc, n = len(spec.body_consts), len(spec.cond_consts), len(spec.leaf_dims)
   b = ProgramBuilder("while_loop.exact", nb + nc + n,
                      [f"bc{i}" for i in range(nb)] + [f"cc{i}" for i in range(nc)]
@@ -254,6 +318,13 @@ def exact_program(spec: LoopSpec):
   b.emit_read_scalar(pred, dst=ph)
   b.emit_if(ph, "body", "done")
   b.block("body")
+  if spec.max_iterations is not None:
+    def tick():
+      if budget["left"] <= 0:
+        raise max_iterations_error(spec.max_iterations)
+      budget["left"] -= 1
+
+    b.emit_host_op(tick, [])
   b.emit_invoke_into(spec.exact_body, None, carry, carry, key_reg=key)
   b.emit_goto("loop")
   b.block("done")

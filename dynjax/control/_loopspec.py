@@ -39,9 +39,10 @@ from dynjax.control._carry import (
   policies,
   trace_symbolic,
 )
+from dynjax.control._carry import overflow_error as _overflow_error
 from dynjax.control._frontend import any_tracer, needs_vm
 from dynjax.runtime import Kernel
-from dynjax.runtime._vm import _fit
+from dynjax.runtime._vm import fit
 
 try:  # the padding pass (issue 3); without it loops run in exact mode
   from dynjax.bucketing._padding import pad_jaxpr
@@ -86,6 +87,9 @@ class LoopSpec:
   body_fun: Callable
   unroll: int = 1
   bucket_from: str = "init"
+  overflow: str = "error"  # sizes past a policy's max: "error", "exact" or "grow"
+  max_iterations: int | None = None
+  labels: dict = dataclasses.field(default_factory=dict)  # var -> the user's name (staged)
   cap: Cap | None = None
   shapes_fn: Callable = None
   next_host: Callable = None
@@ -98,7 +102,7 @@ class LoopSpec:
 
 
 def build_spec(cond_fun, body_fun, treedef, avals, dims, buckets, padding, unroll,
-                bucket_from) -> LoopSpec:
+               bucket_from, overflow="error", max_iterations=None) -> LoopSpec:
   """The spec of a loop run on concrete values (its own symbolic scope)."""
   paths = keypaths(treedef)
   cond_flat, body_flat = flat_fns(cond_fun, body_fun, treedef)
@@ -110,7 +114,8 @@ def build_spec(cond_fun, body_fun, treedef, avals, dims, buckets, padding, unrol
                                     a.dtype) for ld, a in zip(leaf_dims, avals, strict=True)]
   policy_of = dict(zip(var_order, policies(buckets, var_order), strict=True))
   spec = spec_from_symbolic(cond_fun, body_fun, treedef, paths, sym_avals, leaf_dims,
-                            var_order, policy_of.__getitem__, padding, unroll, bucket_from)
+                            var_order, policy_of.__getitem__, padding, unroll, bucket_from,
+                            overflow=overflow, max_iterations=max_iterations)
   spec.exact_body = Kernel("while.body_exact", lambda key: jax.jit(body_flat),
                            lambda key: "exact")
   spec.exact_cond = Kernel("while.cond_exact", lambda key: jax.jit(
@@ -119,8 +124,8 @@ def build_spec(cond_fun, body_fun, treedef, avals, dims, buckets, padding, unrol
 
 
 def spec_from_symbolic(cond_fun, body_fun, treedef, paths, sym_avals, leaf_dims, var_order,
-                       policy_of, padding, unroll, bucket_from, allow_tracer_consts=False
-                       ) -> LoopSpec:
+                       policy_of, padding, unroll, bucket_from, allow_tracer_consts=False,
+                       overflow="error", max_iterations=None) -> LoopSpec:
   """Traces body and cond over symbolic carries and derives next sizes, cap and kernels.
 
   ``leaf_dims``: per leaf per axis an int, a var name of ``var_order`` (a loop variable) or, for
@@ -190,7 +195,8 @@ def spec_from_symbolic(cond_fun, body_fun, treedef, paths, sym_avals, leaf_dims,
   spec = LoopSpec(treedef, paths, [a.dtype for a in sym_avals], var_order, list(leaf_dims),
                    solve, next_exprs, bcj, bconsts, ccj, cconsts,
                    [policy_of(v) for v in var_order], padding,
-                   cond_fun, body_fun, unroll=unroll, bucket_from=bucket_from)
+                   cond_fun, body_fun, unroll=unroll, bucket_from=bucket_from,
+                   overflow=overflow, max_iterations=max_iterations)
   spec.cap = find_cap(bcj, ccj, len(bconsts), len(cconsts), len(leaf_dims))
   spec.shapes_fn = _symbolic.shape_fn(leaf_dims, var_order)
   spec.next_host = _symbolic.dim_fn(next_exprs, var_order)
@@ -259,6 +265,22 @@ def bucket_for(spec: LoopSpec, sizes) -> tuple[int, ...]:
   return tuple(out)
 
 
+def over_max(spec: LoopSpec, sizes, given=None) -> list[int]:
+  """The variables (indices) whose size is past their policy's max (``given``: fixed ones)."""
+  return [i for i, (p, n) in enumerate(zip(spec.policies, sizes, strict=True))
+          if (given is None or given[i] is None) and p.bucket(n) is None]
+
+
+def overflow_error(spec: LoopSpec, sizes, over: list[int]):
+  """Every carry dim past its policy's max, where it sits in the carry, and how to fix it."""
+  items = []
+  for i in over:
+    uses = [f"{spec.paths[li]}.shape[{ax}]" for li, ax, vi in spec.solve if vi == i]
+    items.append((spec.labels.get(spec.var_order[i], spec.var_order[i]), sizes[i], ", ".join(uses) or "the body's closure",
+                  spec.policies[i]))
+  return _overflow_error(items)
+
+
 def capped_bucket(spec: LoopSpec, sizes, counter) -> tuple[int, ...] | None:
   """The bucket of the sizes after the most iterations the cap allows (None: no usable cap)."""
   n = spec.cap.iterations(int(np.asarray(counter)))
@@ -309,30 +331,33 @@ def build_hoisted(spec: LoopSpec, bucket: tuple[int, ...]):
   limit = jnp.asarray(bucket, jnp.int32) if nv else None
   next_dev = spec.next_dev
   unroll = spec.unroll
+  limited = spec.max_iterations is not None  # the sizes vector then ends with the budget
 
-  def go_of(s, cconsts, carry):
+  def go_of(s, cconsts, carry, it, budget):
     (p, ) = cond_plan.fun(tuple(s), *cconsts, *carry)
     p = jnp.asarray(p).astype(jnp.bool_)
+    go = p if budget is None else p & (it < budget)
     if not nv:
-      return p, p
+      return p, go
     ns = jnp.stack([jnp.asarray(x, jnp.int32) for x in next_dev(*s)])
-    return p, p & jnp.all(ns <= limit)
+    return p, go & jnp.all(ns <= limit)
 
   def step(bconsts, s, carry):
     out = body_plan.fun(tuple(s), *bconsts, *carry)
-    out = tuple(_fit(o, shp).astype(o.dtype) for o, shp in zip(out, shapes, strict=True))
+    out = tuple(fit(o, shp).astype(o.dtype) for o, shp in zip(out, shapes, strict=True))
     return tuple(jnp.asarray(x, jnp.int32) for x in next_dev(*s)), out
 
   def run(*args):
     bconsts, cconsts = args[:nb], args[nb:nb + nc]
     sizes0, carry0 = args[nb + nc], tuple(args[nb + nc + 1:])
     s0 = tuple(sizes0[i] for i in range(nv))
+    budget = sizes0[nv] if limited else None
     if unroll == 1:
       # The predicate is computed in the loop's condition (one fusion, as a hand-written
       # lax.while_loop has), the body is the padded body alone.
       def c(state):
-        s, carry, _ = state
-        return go_of(s, cconsts, carry)[1]
+        s, carry, it = state
+        return go_of(s, cconsts, carry, it, budget)[1]
 
       def b(state):
         s, carry, it = state
@@ -353,12 +378,12 @@ def build_hoisted(spec: LoopSpec, bucket: tuple[int, ...]):
           s = tuple(jnp.where(g, x, y) for x, y in zip(ns, s, strict=True))
           carry = tuple(jnp.where(g, x, y) for x, y in zip(out, carry, strict=True))
           it = it + g.astype(jnp.int32)
-          g = go_of(s, cconsts, carry)[1]
+          g = go_of(s, cconsts, carry, it, budget)[1]
         return s, carry, it, g
 
-      g0 = go_of(s0, cconsts, carry0)[1]
+      g0 = go_of(s0, cconsts, carry0, jnp.int32(0), budget)[1]
       s, carry, it, _ = lax.while_loop(c, b, (s0, carry0, jnp.int32(0), g0))
-    p = go_of(s, cconsts, carry)[0]
+    p = go_of(s, cconsts, carry, it, budget)[0]
     status = jnp.stack([p.astype(jnp.int32), *[jnp.asarray(x, jnp.int32) for x in s], it])
     return (*carry, status)
 
