@@ -73,11 +73,12 @@ class _HostIterations:
                    if isinstance(d, str) and d in self.carry_vars]
     # Host mode grows past a policy's max for overflow="exact" too (it has no exact path).
     self.overflow, self.max_iterations = "grow", None
+    self.paths = [f"init leaf {i}" for i in range(len(leaf_dims))]  # keypaths, when known
 
   def bucket(self, sizes: dict) -> dict:
     """The buckets of the carry vars' sizes (raises past a max with overflow="error")."""
     if self.overflow == "error":
-      over = [(v, n, ", ".join(f"init leaf {li}.shape[{ax}]" for li, ax, u in self.solve
+      over = [(v, n, ", ".join(f"{self.paths[li]}.shape[{ax}]" for li, ax, u in self.solve
                                if u == v), self.policies[v])
               for v, n in sizes.items() if self.policies[v].bucket(n) is None]
       if over:
@@ -163,6 +164,7 @@ class HostLoop:
       pass
     self.core = _HostIterations(cond, body, body_out, leaf_dims, names, body.policies)
     self.core.overflow, self.core.max_iterations = self.overflow, self.max_iterations
+    self.core.paths = keypaths(self.treedef)
     self._fixed = [tuple((ax, int(d)) for ax, d in enumerate(ld) if not isinstance(d, str))
                    for ld in leaf_dims]
 
@@ -277,6 +279,7 @@ def stage_host_loop(stager: Stager, cond_fun, body_fun, init_val, options: dict)
                     stager.policies, "while_loop.cond", stager=stager, hoist_consts=True)
   core = _HostIterations(cond, body, body_out, leaf_dims, carry_vars, dict(stager.policies))
   core.overflow, core.max_iterations = options["overflow"], options["max_iterations"]
+  core.paths = keypaths(treedef)
   init_text = initial_dims(leaf_dims, avals, carry_vars)
   consts = list(cond.hoisted_consts) + list(body.hoisted_consts)
   out_avals = [jp.shaped_array(a.shape, a.dtype) for a in sym_avals]

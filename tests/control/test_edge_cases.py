@@ -160,3 +160,23 @@ def test_user_exception_in_a_loop_cond_passes_through():
 def test_dynjax_own_trace_errors_stay_control_flow_errors():
   with pytest.raises(ControlFlowError, match="compares a dynamic carry dim in Python"):
     dc.while_loop(lambda c: c.shape[0] < 8, _grow_body, jnp.ones(1))
+
+
+def _inner(x):
+  return dc.while_loop(lambda c: c.sum() < 20.0, lambda c: jnp.concatenate([c, c[-1:] + 1.0]), x)
+
+
+def _outer_body(c):
+  seq, k = c
+  return jnp.concatenate([seq, _inner(seq[-1:] * 0.1)]), k + 1
+
+
+def test_host_mode_loop_honours_max_iterations_and_the_bucket_max():
+  init = (jnp.arange(1.0, 4.0), jnp.int32(0))
+  with pytest.raises(ControlFlowError, match=r"still true after max_iterations=2 "):
+    dc.while_loop(lambda c: c[1] < 3, _outer_body, init, max_iterations=2)
+  assert int(dc.while_loop(lambda c: c[1] < 3, _outer_body, init, max_iterations=3)[1]) == 3
+  assert dc.loop_stats()["mode"] == "host"
+  with pytest.raises(OutOfBucketsError, match=r"n0 = \d+ \(init\[0\]\.shape\[0\]\) is above "
+                     r"the largest bucket 8 "):
+    dc.while_loop(lambda c: c[1] < 3, _outer_body, init, buckets=dynjax.buckets.pow2(4, 8))
