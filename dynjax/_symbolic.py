@@ -7,7 +7,10 @@ the same symbol (and is checked to agree at call time).
 
 Shape functions turn a symbolic output dim (``b*t``, ``t + 1``, ``max(t, 3)``) into a Python
 function of the solved sizes, compiled once from the expression's text: evaluating one costs
-~0.3 us, so output shapes come per call without re-tracing.
+~0.3 us, so output shapes come per call without re-tracing.  ONE compiler (``_compile``) serves
+every caller: :func:`dim_fn`/:func:`shape_fn` (positional sizes, host ints or traced int32:
+loops, staged programs) and :func:`compile_dim`/:func:`compile_shape` (a sizes tuple: the jit
+core).  :func:`is_symbolic` is the one "is this dim symbolic" predicate.
 """
 
 from __future__ import annotations

@@ -38,6 +38,7 @@ from dynjax.control._carry import (
   DEFAULT_POLICY,
   LAST_RUN,
   check_structure,
+  eval_shape_body,
   flat_fns,
   initial_dims,
   keypaths,
@@ -278,17 +279,9 @@ def _stage_while(stager: Stager, cond_fun, body_fun, init_val, options: dict):
   avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
   cond_flat, body_flat = flat_fns(cond_fun, body_fun, treedef)
   try:
-    with building("while_loop body"):
-      outs = jax.eval_shape(body_flat, *avals)
-  except NotLowerable:
+    outs = eval_shape_body(body_flat, avals)
+  except NotLowerable:  # a shape-changing op inside the body: host iterations
     return stage_host_loop(stager, cond_fun, body_fun, init_val, options)
-  except ControlFlowError:
-    raise
-  except Exception as e:
-    err = trace_error("body_fun", e)
-    if err is None:
-      raise
-    raise err from None
   check_structure("body_fun", avals, outs, None, None, paths)
   leaf_dims, sym_avals, fresh = stager.carry_dims(avals, outs, options["dims"], treedef)
   buckets = options["buckets"]
