@@ -111,7 +111,8 @@ def has_dim_expr(obj) -> bool:
   return jp.is_dim_expr(obj)
 
 
-def _sub_jaxprs(params) -> list:
+def sub_jaxprs(params) -> list:
+  """The jaxprs an equation holds in its params (bodies of jit, scan, while, cond...)."""
   out = []
   for v in params.values():
     for item in v if isinstance(v, (tuple, list)) else (v,):
@@ -153,7 +154,7 @@ def eqn_touches_dynamic(eqn) -> bool:
       continue
     if has_dim_expr(p):
       return True
-  return any(jaxpr_touches_dynamic(j) for j in _sub_jaxprs(eqn.params))
+  return any(jaxpr_touches_dynamic(j) for j in sub_jaxprs(eqn.params))
 
 
 _ENCLOSING = threading.local()

@@ -4,7 +4,10 @@ On concrete values it is a three-block VM program: read the predicate (one host 
 is a device value, none for a Python bool), ``if``, ``invoke`` the taken branch's executable
 (``jax.jit`` of the branch, compiled per operand shapes).  Under a JAX trace it lowers to
 ``lax.cond`` when both branches agree on structure, shapes and dtypes; otherwise it raises
-:class:`~dynjax.control.NeedsProgram` (``dynjax.jit`` then runs the function through the VM).
+:class:`~dynjax.control.NeedsProgram`, or -- inside ``dynjax.jit`` -- is staged by its rule here
+(``_stage_cond``): each branch traced symbolically and planned by the padding pass, dims that
+differ between the branches fresh; at run time the predicate is read (one sync) and the taken
+branch's padded executable invoked.
 """
 
 from __future__ import annotations
@@ -14,12 +17,28 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
-from dynjax._errors import ControlFlowError
-from dynjax.control._frontend import any_tracer, current_stager, needs_vm
+from dynjax import _jax_private as jp
+from dynjax import _symbolic
+from dynjax._errors import ControlFlowError, PaddingUnsupportedError
+from dynjax.bucketing._padding import pad_jaxpr
+from dynjax.control._carry import DEFAULT_POLICY, changing_axes, hoist_consts
+from dynjax.control._frontend import any_tracer, building, current_stager, is_tracer, needs_vm
+from dynjax.control._stager import (
+  Call,
+  Env,
+  Stager,
+  StagingError,
+  first_line,
+  padded_exe,
+  probe_bucket,
+  register,
+  sizes_vec,
+)
 from dynjax.runtime import VM, Kernel, ProgramBuilder
-from dynjax.runtime._vm import record
+from dynjax.runtime._vm import VMStats, record
 
 
 def _shapes_key(*xs):
@@ -128,5 +147,111 @@ def _traced_cond(pred, true_fun, false_fun, operands):
     return lax.cond(pred, true_fun, false_fun, *operands)
   stager = current_stager()
   if stager is not None:  # inside dynjax.jit: a cond instruction of the host program
-    return stager.stage_cond(pred, true_fun, false_fun, operands)
+    return stager.stage("cond", pred, true_fun, false_fun, operands)
   raise needs_vm("cond", "its branches return different shapes (" + "; ".join(diff) + ")")
+
+
+# -- the staging rule: a cond inside dynjax.jit ------------------------------------------------
+@register("cond")
+def _stage_cond(stager: Stager, pred, true_fun, false_fun, operands):
+  """Stages a cond whose branches differ as one ``call cond`` of the host program."""
+  if not is_tracer(pred):  # a Python bool: the branch is known while tracing
+    return true_fun(*operands) if pred else false_fun(*operands)
+  leaves, treedef = jax.tree_util.tree_flatten(operands)
+  avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
+  branches, trees = [], []
+  for name, fn in (("true_fun", true_fun), ("false_fun", false_fun)):
+    def flat(*xs, fn=fn):
+      out = fn(*jax.tree_util.tree_unflatten(treedef, xs))
+      out_leaves, tree = jax.tree_util.tree_flatten(out)
+      trees.append(tree)
+      return out_leaves
+    try:
+      with building(f"cond {name}"):
+        closed = jax.make_jaxpr(flat)(*avals)
+    except ControlFlowError:
+      raise
+    except Exception as e:
+      raise StagingError(f"cond {name} could not be traced: {first_line(e)}") from None
+    branches.append(hoist_consts(closed))
+  if trees[0] != trees[1]:
+    raise StagingError(f"cond branches return different structures: {trees[0]} vs "
+                       f"{trees[1]}")
+  t_out, f_out = branches[0][0].out_avals, branches[1][0].out_avals
+  bad = [f"output leaf {i}: {a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}"
+         for i, (a, b) in enumerate(zip(t_out, f_out, strict=True))
+         if a.dtype != b.dtype or len(a.shape) != len(b.shape)]
+  if bad:
+    raise StagingError("cond branches differ in dtype or rank: " + "; ".join(bad))
+  # Axes whose sizes differ between the branches get a fresh dim (decided when it runs).
+  per, names = changing_axes([a.shape for a in t_out], [b.shape for b in f_out])
+  fresh = stager.fresh_for(names)
+  out_avals = [jp.shaped_array(tuple(fresh[n][1] if n is not None else d
+                                     for n, d in zip(ns, a.shape, strict=True)), a.dtype)
+               for a, ns in zip(t_out, per, strict=True)]
+  ins, plans = [], []
+  for cj, consts in branches:
+    slots = [k for k, c in enumerate(consts) if is_tracer(c)]
+    ins.extend(consts[k] for k in slots)
+    names = sorted(_symbolic.vars_of_dims([d for a in cj.in_avals for d in a.shape])
+                   | _symbolic.vars_of_dims([d for a in cj.out_avals for d in a.shape]))
+    for v in names:
+      stager.policies.setdefault(v, DEFAULT_POLICY)
+    try:
+      pad_jaxpr(cj, names, probe_bucket(stager.policies, names), monotone=False)
+    except PaddingUnsupportedError as e:
+      raise StagingError(f"cond branch: {first_line(e)}") from None
+    plans.append((cj, [None if is_tracer(c) else c for c in consts], slots, names))
+  call = _CondCall(plans, out_avals, {v[0] for v in fresh.values()})
+  outs = stager.bind(call, [jnp.asarray(pred)] + ins + list(leaves))
+  return jax.tree_util.tree_unflatten(trees[0], outs)
+
+
+class _CondCall(Call):
+  """A staged cond: read the predicate, invoke the taken branch's padded executable."""
+
+  name = "cond"
+
+  def __init__(self, plans, out_avals, fresh: set):
+    super().__init__(out_avals)
+    self.branches = []
+    self.n_in = [len(p[2]) for p in plans]
+    for i, (cj, consts, slots, names) in enumerate(plans):
+      kernel = Kernel(f"cond.{('true_fun', 'false_fun')[i]}",
+                      lambda key, cj=cj, names=names: _plan_exe(cj, names, key),
+                      lambda key, names=names: f"bucket={dict(zip(names, key, strict=True))}")
+      # fresh var -> (leaf, axis) of its first axis, and its size in this branch
+      where, dims = {}, []
+      for li, (ob, oa) in enumerate(zip(cj.out_avals, out_avals, strict=True)):
+        for ax, (d_b, d_o) in enumerate(zip(ob.shape, oa.shape, strict=True)):
+          name = str(d_o)
+          if name in fresh and name not in where:
+            where[name] = (li, ax)
+            dims.append(d_b)
+      size_of = _symbolic.dim_fn(dims, names)
+      self.branches.append((kernel, consts, slots, names, where, size_of))
+    self.calls = 0
+
+  def run(self, env: Env, pred, *inputs):
+    taken = 0 if bool(np.asarray(pred)) else 1  # the one sync
+    record(VMStats(host_syncs=1))
+    kernel, consts, slots, names, where, size_of = self.branches[taken]
+    off = sum(self.n_in[:taken])
+    k = self.n_in[taken]
+    consts = list(consts)
+    for slot, x in zip(slots, inputs[off:off + k], strict=True):
+      consts[slot] = x
+    ops = inputs[sum(self.n_in):]
+    key = tuple(env.buckets[v] for v in names)
+    exe, out_shapes = kernel.get(key)
+    true_sizes = tuple(env.sizes[v] for v in names)
+    outs = exe(sizes_vec(true_sizes), *consts, *ops)
+    sizes = dict(zip(where, size_of(*true_sizes), strict=True))
+    buckets = {var: out_shapes[li][ax] for var, (li, ax) in where.items()}
+    self.calls += 1
+    return (env.updated(sizes, buckets), *outs)
+
+
+def _plan_exe(cj, names, key):
+  """(callable, padded output shapes) of a jaxpr for one bucket (a cond branch)."""
+  return padded_exe(cj, names, key, "cond_branch")

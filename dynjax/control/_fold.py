@@ -36,19 +36,20 @@ import numpy as np
 
 from dynjax._errors import ControlFlowError, format_list
 from dynjax._jax_private import lowering_config
+from dynjax.control._cell import Cell
 from dynjax.control._frontend import any_tracer, needs_vm
-from dynjax.control._recursion import (
-  _LEAF_TD,
-  Cell,
-  _avals,
-  _canonical,
-  _cap,
-  _kind,
-  _leaf_kind,
-  _scalar_kinds,
-  _take_rows,
-  _Uploads,
+from dynjax.control._kinds import (
+  LEAF_TD,
+  Uploads,
+  arena_cap,
+  avals_of,
+  canonical,
+  intern_kind,
+  leaf_kind,
+  scalar_kinds,
+  take_rows,
 )
+from dynjax.control._recursion import warm_siblings
 from dynjax.runtime import VM, ProgramBuilder, VMStats
 from dynjax.runtime._vm import record as _record_stats
 
@@ -200,18 +201,18 @@ class Fold:
           f"{'that arity' if len(missing) == 1 else 'those arities'}; cells are given for "
           f"arities {sorted(self.cells)}. Pass cells[k] for every k, or binarize the "
           "structure (first-child / next-sibling).")
-    base = [(k.td, k.flat) for k in shared_kinds] + [(_LEAF_TD, k.flat) for k in input_kinds]
+    base = [(k.td, k.flat) for k in shared_kinds] + [(LEAF_TD, k.flat) for k in input_kinds]
     leaf = self.cells[0] if 0 in self.cells else None
     if leaf is None:
       raise ControlFlowError("fold: no cell for arity 0 (leaves); every structure has leaves.")
-    out_tree, out_sigs = leaf._signature(*_args_sig(base, []))
+    out_tree, out_sigs = leaf.signature(*_args_sig(base, []))
     child = _child_args(out_tree, out_sigs)
     bad = []
     for k in arities:
       if k == 0:
         continue
       c = self.cells[k]
-      t, s = c._signature(*_args_sig(base, child * k))
+      t, s = c.signature(*_args_sig(base, child * k))
       if t != out_tree or [x[:2] for x in s] != [x[:2] for x in out_sigs]:
         bad.append(f"cells[{k}] ({c.name}) returns {_show(t, s)}")
     if bad:
@@ -231,11 +232,9 @@ class Fold:
     batch's nodes, and every batch bucket from 1/``spread[0]`` of each cell's smallest group
     to ``spread[1]`` times its largest compiled concurrently.
     """
-    from dynjax.control._recursion import _warm_siblings
-
     t0 = time.perf_counter()
     self._run(structures, shared, headroom)
-    res = _warm_siblings(self.last_programs, spread, workers)
+    res = warm_siblings(self.last_programs, spread, workers)
     gc.collect()  # compiling left much garbage: collect it now, not in the first real batch
     self._run(structures, shared, headroom)  # and touch the memory the collection gave back
     res["seconds"] = round(time.perf_counter() - t0, 3)
@@ -266,14 +265,14 @@ class Fold:
     t0 = time.perf_counter()
     sch = self.schedule(structures)
     t1 = time.perf_counter()
-    scalars = _scalar_kinds()
+    scalars = scalar_kinds()
     shared_kinds, shared_vals = [], []
     for a in shared:
       leaves, td = jax.tree_util.tree_flatten(a)
-      kv = [_leaf_kind(x, self.name, scalars) for x in leaves]
-      shared_kinds.append(_kind("obj", extra=(td, tuple(k for k, _ in kv))))
+      kv = [leaf_kind(x, self.name, scalars) for x in leaves]
+      shared_kinds.append(intern_kind("obj", extra=(td, tuple(k for k, _ in kv))))
       shared_vals.append([v for _, v in kv])
-    input_kinds = tuple(_kind("host", x.shape[1:], _canonical(x.dtype)) for x in sch["inputs"])
+    input_kinds = tuple(intern_kind("host", x.shape[1:], canonical(x.dtype)) for x in sch["inputs"])
     arities = sorted({a for _, a, _, _ in sch["groups"]})
     out_tree, out_sigs, child = self._node_signature(tuple(shared_kinds), input_kinds,
                                                      arities)
@@ -300,7 +299,7 @@ class Fold:
     arena_sigs: list = []
     where = []  # per output leaf: (arena, rank r within it)
     for shape, dtype, _ in out_sigs:
-      sig = _kind("node", shape, dtype)
+      sig = intern_kind("node", shape, dtype)
       a = arena_ix.get(sig)
       if a is None:
         a = arena_ix[sig] = len(arena_sigs)
@@ -311,11 +310,11 @@ class Fold:
     caps = []
     for a, sig in enumerate(arena_sigs):
       k = (sig.shape, sig.dtype)
-      cap = self._caps[k] = max(self._caps.get(k, 0), _cap(int(n * per[a] * headroom)))
+      cap = self._caps[k] = max(self._caps.get(k, 0), arena_cap(int(n * per[a] * headroom)))
       caps.append(cap)
     order, children, inputs = sch["order"], sch["children"], sch["inputs"]
     order = order.astype(np.int64, copy=False)
-    upload = _Uploads()
+    upload = Uploads()
     shared_data = [[v if lk.kind == "dev" else upload(v, lk.dtype)
                     for lk, v in zip(k.leaves, vals, strict=True)]
                    for k, vals in zip(shared_kinds, shared_vals, strict=True)]
@@ -324,7 +323,7 @@ class Fold:
                   for i, sig in enumerate(arena_sigs)]
     shared_flat = [v for vals in shared_data for v in vals]
     shared_regs = [pb.emit_const(v) for v in shared_flat]
-    shared_avals = _avals(shared_flat)
+    shared_avals = avals_of(shared_flat)
     # Every node's index rows at once, in (level, arity) order: hostid inputs, then each child
     # position's output slots; and the node's own output slots.  A group of arity k takes the
     # first n_h + k*m rows of its column range plus its output rows (slices, padded to the
@@ -374,7 +373,7 @@ class Fold:
         if bsz > cnt:
           v = np.concatenate([v, np.repeat(v[:1], bsz - cnt, 0)])
         data.append(v if v.dtype == input_kinds[j].dtype else v.astype(input_kinds[j].dtype))
-      key = (bsz, td, step_kinds, arena_key, out_pos, shared_avals + _avals(data), config)
+      key = (bsz, td, step_kinds, arena_key, out_pos, shared_avals + avals_of(data), config)
       ids_reg = pb.emit_const(ids)
       data_regs = [pb.emit_const(d) for d in data]
       pb.emit_invoke_into(cell.kernel, key, [*arena_regs, ids_reg, *shared_regs, *data_regs],
@@ -390,7 +389,7 @@ class Fold:
   def _layout(self, k, shared_kinds, input_kinds, host_ix, where, child):
     """(treedef, step kinds, output rows) of an arity-k call; see the rows in ``_build``."""
     td = jax.tree_util.treedef_tuple(
-        [sk.td for sk in shared_kinds] + [_LEAF_TD] * len(input_kinds)
+        [sk.td for sk in shared_kinds] + [LEAF_TD] * len(input_kinds)
         + [ctd for _ in range(k) for ctd, _ in child])
     n_h, m = len(host_ix), len(where)
     kinds: list[tuple] = [("bcast",)] * sum(len(sk.leaves) for sk in shared_kinds)
@@ -422,7 +421,7 @@ class Fold:
     leaves: list[list] = [[None] * len(where) for _ in root_pos]
     for a, outs in by_arena.items():
       slots = [int(p) * per[a] + where[i][1] for p in root_pos for i in outs]
-      rows = _take_rows(arenas[a], slots)
+      rows = take_rows(arenas[a], slots)
       j = 0
       for t in range(len(root_pos)):
         for i in outs:

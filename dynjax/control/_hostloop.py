@@ -16,28 +16,36 @@ Python loop of eager calls (``mode="host_eager"``, reason in ``loop_stats()["fal
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import export
 
 from dynjax import _jax_private as jp
+from dynjax import _symbolic
 from dynjax._errors import ControlFlowError, PaddingUnsupportedError, format_list
-from dynjax.bucketing._policies import as_policy
-from dynjax.control import _loop as L
-from dynjax.control import _staging as S
+from dynjax.control._carry import (
+  LAST_RUN,
+  bucket_of,
+  changing_axes,
+  flat_fns,
+  initial_dims,
+  keypaths,
+  leaf_dims_of,
+  max_iterations_error,
+  named_axes,
+  overflow_error,
+  policies,
+  user_policy,
+)
+from dynjax.control._frontend import is_tracer
+from dynjax.control._stager import Call, Env, Stager, StagingError, first_line
+from dynjax.control._staging import StagedFunction, stage
 from dynjax.runtime._vm import VMStats, collect_stats, pad, record, repad, unpad
 
 
 def _crossed(buckets: list) -> int:
   return sum(1 for a, b in zip(buckets, buckets[1:], strict=False) if a != b)
-
-
-def _bucket(policy, n: int) -> int:
-  b = policy.bucket(n)
-  return policy.grow(n) if b is None else b
 
 
 class _HostIterations:
@@ -47,29 +55,40 @@ class _HostIterations:
   (text); ``carry_vars``: the carry variables (they change), with ``policies``.
   """
 
-  def __init__(self, cond: S.StagedFunction, body: S.StagedFunction, body_out_avals,
+  def __init__(self, cond: StagedFunction, body: StagedFunction, body_out_avals,
                leaf_dims, carry_vars, policies: dict):
     self.cond, self.body = cond, body
     self.carry_vars = tuple(carry_vars)
     self.policies = policies
     self.leaf_dims = leaf_dims
-    names = set(carry_vars)
-    for ld in leaf_dims:
-      for d in ld:
-        if isinstance(d, str):
-          names |= S._names(d)
-    self._shapes = L._compile_shapes([tuple(str(d) for d in ld) for ld in leaf_dims],
-                                     tuple(sorted(names)))
+    names = set(carry_vars) | _symbolic.vars_of_dims(
+        [d for ld in leaf_dims for d in ld if isinstance(d, str)])
     self._shape_names = tuple(sorted(names))
-    self._out_shapes = S._shape_fn(body_out_avals, S._vars_of_dims(
-        [d for a in body_out_avals for d in a.shape]))
-    self._solve = [(li, ax, d) for li, ld in enumerate(leaf_dims) for ax, d in enumerate(ld)
+    self._shapes = _symbolic.shape_fn(leaf_dims, self._shape_names)
+    out_shapes = [a.shape for a in body_out_avals]
+    out_names = tuple(sorted(_symbolic.vars_of_dims([d for s in out_shapes for d in s])))
+    out_fn = _symbolic.shape_fn(out_shapes, out_names)
+    self._out_shapes = lambda env: out_fn(*[env[v] for v in out_names])
+    self.solve = [(li, ax, d) for li, ld in enumerate(leaf_dims) for ax, d in enumerate(ld)
                    if isinstance(d, str) and d in self.carry_vars]
+    # Host mode grows past a policy's max for overflow="exact" too (it has no exact path).
+    self.overflow, self.max_iterations = "grow", None
+    self.paths = [f"init leaf {i}" for i in range(len(leaf_dims))]  # keypaths, when known
+
+  def bucket(self, sizes: dict) -> dict:
+    """The buckets of the carry vars' sizes (raises past a max with overflow="error")."""
+    if self.overflow == "error":
+      over = [(v, n, ", ".join(f"{self.paths[li]}.shape[{ax}]" for li, ax, u in self.solve
+                               if u == v), self.policies[v])
+              for v, n in sizes.items() if self.policies[v].bucket(n) is None]
+      if over:
+        raise overflow_error(over)
+    return {v: bucket_of(self.policies[v], n) for v, n in sizes.items()}
 
   def shapes(self, env: dict):
     return self._shapes(*[env[v] for v in self._shape_names])
 
-  def iterate(self, env: S.Env, n_cond: int, consts: list, carry: list, info: dict):
+  def iterate(self, env: Env, n_cond: int, consts: list, carry: list, info: dict):
     """Runs the loop from ``env`` (sizes and buckets of the carry vars included)."""
     cconsts, bconsts = consts[:n_cond], consts[n_cond:]
     while True:
@@ -77,18 +96,20 @@ class _HostIterations:
       info["host_syncs"] += 1
       if not bool(np.asarray(p)):
         return env, carry
+      if self.max_iterations is not None and info["iterations"] >= self.max_iterations:
+        raise max_iterations_error(self.max_iterations)
       env_b, outs = self.body.run_padded(env, [*bconsts, *carry])
       info["iterations"] += 1
       exact = self._out_shapes(env_b.sizes)
       sizes, bad = {}, []
-      for li, ax, v in self._solve:
+      for li, ax, v in self.solve:
         n = exact[li][ax]
         if sizes.setdefault(v, n) != n:
           bad.append(f"{v}: {sizes[v]} vs {n} (leaf {li} axis {ax})")
       if bad:
         raise ControlFlowError("body_fun returned a carry whose axes sharing a dimension "
                                "disagree:\n" + format_list(bad))
-      buckets = {v: _bucket(self.policies[v], n) for v, n in sizes.items()}
+      buckets = self.bucket(sizes)
       env = env.updated(sizes, buckets)
       want = self.shapes(env.sizes)
       if tuple(map(tuple, want)) != tuple(map(tuple, exact)):
@@ -100,27 +121,19 @@ class _HostIterations:
 
 def _carry_axes(avals, outs, dims, treedef) -> tuple[list[tuple], list[str]]:
   """Carry variables from one staged abstract step (or from ``dims``)."""
-  if dims is not None:
-    leaf_dims, names = L._explicit_dims(dims, treedef, avals, L._keypaths(treedef))
-    return leaf_dims, names
-  groups: dict[Any, str] = {}
-  leaf_dims = []
-  for a, o in zip(avals, outs, strict=True):
-    per = []
-    for d_in, d_out in zip(a.shape, o.shape, strict=True):
-      if not jp.is_dim_expr(d_out) and int(d_out) == int(d_in):
-        per.append(int(d_in))
-      else:
-        per.append(groups.setdefault((int(d_in), str(d_out)), f"n{len(groups)}"))
-    leaf_dims.append(tuple(per))
-  return leaf_dims, sorted(set(groups.values()), key=lambda s: int(s[1:]))
+  shapes = [tuple(a.shape) for a in avals]
+  named = None if dims is None else named_axes(dims, treedef, shapes, keypaths(treedef))
+  per, names = changing_axes(shapes, [tuple(o.shape) for o in outs], named)
+  return leaf_dims_of(per, shapes), sorted(names) if named is not None else names
 
 
 class HostLoop:
   """A standalone ``while_loop`` run in host mode (see the module docstring)."""
 
-  def __init__(self, cond_fun, body_fun, treedef, avals, dims, buckets, reason: str):
+  def __init__(self, cond_fun, body_fun, treedef, avals, dims, buckets, reason: str,
+               overflow: str = "error", max_iterations: int | None = None):
     self.reason = reason
+    self.overflow, self.max_iterations = overflow, max_iterations
     self.mode = "host"
     self.fallback = None
     self.cond_fun, self.body_fun, self.treedef = cond_fun, body_fun, treedef
@@ -128,14 +141,14 @@ class HostLoop:
     self.core = None
     try:
       self._stage(avals, dims, buckets)
-    except (S.StagingError, PaddingUnsupportedError, ControlFlowError) as e:
-      self.mode, self.fallback = "host_eager", S._first_line(e)
+    except (StagingError, PaddingUnsupportedError, ControlFlowError) as e:
+      self.mode, self.fallback = "host_eager", first_line(e)
     except Exception as e:  # noqa: BLE001 - an unstageable body still runs, eagerly
-      self.mode, self.fallback = "host_eager", f"{type(e).__name__}: {S._first_line(e)}"
+      self.mode, self.fallback = "host_eager", f"{type(e).__name__}: {first_line(e)}"
 
   def _stage(self, avals, dims, buckets):
-    cond_flat, body_flat = L._flat_fns(self.cond_fun, self.body_fun, self.treedef)
-    _, outs = S.stage(body_flat, avals, export.SymbolicScope(), {}, "while_loop.body")
+    cond_flat, body_flat = flat_fns(self.cond_fun, self.body_fun, self.treedef)
+    _, outs = stage(body_flat, avals, export.SymbolicScope(), {}, "while_loop.body")
     leaf_dims, names = _carry_axes(avals, outs, dims, self.treedef)
     self.leaf_dims, self.carry_vars = leaf_dims, tuple(names)
     scope = export.SymbolicScope()
@@ -143,13 +156,15 @@ class HostLoop:
                 ) if names else {}
     sym_avals = [jax.ShapeDtypeStruct(tuple(syms[d] if isinstance(d, str) else d for d in ld),
                                       a.dtype) for ld, a in zip(leaf_dims, avals, strict=True)]
-    pols = dict(zip(names, L._policies(buckets, tuple(names)), strict=True))
-    body, body_out = S.stage(body_flat, sym_avals, scope, pols, "while_loop.body")
-    cond, _ = S.stage(lambda *xs: [jnp.asarray(cond_flat(*xs))], sym_avals, scope, pols,
+    pols = dict(zip(names, policies(buckets, tuple(names)), strict=True))
+    body, body_out = stage(body_flat, sym_avals, scope, pols, "while_loop.body")
+    cond, _ = stage(lambda *xs: [jnp.asarray(cond_flat(*xs))], sym_avals, scope, pols,
                       "while_loop.cond")
     if body.consts or cond.consts:  # closure values: constants of the staged programs
       pass
     self.core = _HostIterations(cond, body, body_out, leaf_dims, names, body.policies)
+    self.core.overflow, self.core.max_iterations = self.overflow, self.max_iterations
+    self.core.paths = keypaths(self.treedef)
     self._fixed = [tuple((ax, int(d)) for ax, d in enumerate(ld) if not isinstance(d, str))
                    for ld in leaf_dims]
 
@@ -183,7 +198,7 @@ class HostLoop:
     info["buckets_crossed"] = _crossed(info["buckets"])
     info["compiles"] = inner.compiles
     st.loops.append(info)
-    L._LAST_RUN["loop"] = info
+    LAST_RUN["loop"] = info
     record(st)
     return outs
 
@@ -193,16 +208,18 @@ class HostLoop:
       info["host_syncs"] += 1
       if not bool(self.cond_fun(carry)):
         return jax.tree_util.tree_leaves(carry)
+      if self.max_iterations is not None and info["iterations"] >= self.max_iterations:
+        raise max_iterations_error(self.max_iterations)
       carry = self.body_fun(carry)
       info["iterations"] += 1
 
   def _run_staged(self, leaves, info) -> list:
     core = self.core
     sizes = {}
-    for li, ax, v in core._solve:
+    for li, ax, v in core.solve:
       sizes.setdefault(v, leaves[li].shape[ax])
-    buckets = {v: _bucket(core.policies[v], n) for v, n in sizes.items()}
-    env = S.Env(sizes, buckets)
+    buckets = core.bucket(sizes)
+    env = Env(sizes, buckets)
     carry, _ = pad(leaves, core.shapes(buckets))
     info["buckets"].append(tuple(buckets[v] for v in self.carry_vars))
     env, carry = core.iterate(env, 0, [], list(carry), info)
@@ -211,7 +228,7 @@ class HostLoop:
 
 
 # -- a host loop inside a staged program ----------------------------------------------------
-class _HostLoopCall(S._Call):
+class _HostLoopCall(Call):
   """A host loop staged as one control op of an enclosing program (padded values in/out)."""
 
   name = "host_loop"
@@ -221,17 +238,16 @@ class _HostLoopCall(S._Call):
     super().__init__(out_avals)
     self.core = core
     self.n_cond, self.n_consts = n_cond, n_consts
-    names = sorted({n for t in init_text.values() for n in S._names(t)})
-    exprs = [init_text[v] for v in core.carry_vars]
-    self._init = L._compile_exprs(exprs, tuple(names), L._HOST_NS)
+    names = sorted(_symbolic.vars_of_dims(init_text.values()))
+    self._init = _symbolic.dim_fn([init_text[v] for v in core.carry_vars], names)
     self._init_names = names
 
-  def run(self, env: S.Env, *inputs):
+  def run(self, env: Env, *inputs):
     core = self.core
     consts, carry = list(inputs[:self.n_consts]), list(inputs[self.n_consts:])
     sizes = dict(zip(core.carry_vars, (int(x) for x in self._init(
         *[env.sizes[v] for v in self._init_names])), strict=True))
-    buckets = {v: _bucket(core.policies[v], n) for v, n in sizes.items()}
+    buckets = core.bucket(sizes)
     env = env.updated(sizes, buckets)
     carry = list(repad(carry, core.shapes(env.buckets)))
     info = {"mode": "host", "iterations": 0, "host_syncs": 0, "buckets": []}
@@ -239,43 +255,36 @@ class _HostLoopCall(S._Call):
     st = VMStats(host_syncs=info["host_syncs"])
     info["buckets_crossed"] = _crossed(info["buckets"])
     st.loops.append(info)
-    L._LAST_RUN["loop"] = info
+    LAST_RUN["loop"] = info
     record(st)
     return (env, *carry)
 
 
-def stage_host_loop(stager: S.Stager, cond_fun, body_fun, init_val, options: dict):
+def stage_host_loop(stager: Stager, cond_fun, body_fun, init_val, options: dict):
   """Stages a loop whose body holds a shape-changing control op, inside a program trace."""
   leaves, treedef = jax.tree_util.tree_flatten(init_val)
   avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
-  cond_flat, body_flat = L._flat_fns(cond_fun, body_fun, treedef)
-  _, outs = S.stage(body_flat, avals, stager.scope, stager.policies, "while_loop.body",
+  cond_flat, body_flat = flat_fns(cond_fun, body_fun, treedef)
+  _, outs = stage(body_flat, avals, stager.scope, stager.policies, "while_loop.body",
                     stager=stager, hoist_consts=True)
-  leaf_dims, sym_avals, users = stager._carry_dims(avals, outs, options["dims"], treedef)
-  buckets = options["buckets"]
+  leaf_dims, sym_avals, users = stager.carry_dims(avals, outs, options["dims"], treedef)
   for u, v in users.items():
-    if buckets is None:
-      continue
-    if isinstance(buckets, dict):
-      if u in buckets:
-        stager.policies[v] = as_policy(buckets[u], f"[{u!r}]")
-    else:
-      stager.policies[v] = as_policy(buckets, "")
+    pol = user_policy(options["buckets"], u)
+    if pol is not None:
+      stager.policies[v] = pol
   carry_vars = tuple(users.values())
-  body, body_out = S.stage(body_flat, sym_avals, stager.scope, stager.policies,
+  body, body_out = stage(body_flat, sym_avals, stager.scope, stager.policies,
                            "while_loop.body", stager=stager, hoist_consts=True)
-  cond, _ = S.stage(lambda *xs: [jnp.asarray(cond_flat(*xs))], sym_avals, stager.scope,
+  cond, _ = stage(lambda *xs: [jnp.asarray(cond_flat(*xs))], sym_avals, stager.scope,
                     stager.policies, "while_loop.cond", stager=stager, hoist_consts=True)
   core = _HostIterations(cond, body, body_out, leaf_dims, carry_vars, dict(stager.policies))
-  init_text = {}
-  for ld, a in zip(leaf_dims, avals, strict=True):
-    for d, d0 in zip(ld, a.shape, strict=True):
-      if isinstance(d, str) and d in carry_vars and d not in init_text:
-        init_text[d] = str(d0)
+  core.overflow, core.max_iterations = options["overflow"], options["max_iterations"]
+  core.paths = keypaths(treedef)
+  init_text = initial_dims(leaf_dims, avals, carry_vars)
   consts = list(cond.hoisted_consts) + list(body.hoisted_consts)
   out_avals = [jp.shaped_array(a.shape, a.dtype) for a in sym_avals]
   call = _HostLoopCall(core, len(cond.hoisted_consts), len(consts), init_text, out_avals)
-  outs = stager.bind(call, [jnp.asarray(c) if not S.is_tracer(c) else c for c in consts]
+  outs = stager.bind(call, [jnp.asarray(c) if not is_tracer(c) else c for c in consts]
                      + list(leaves))
   return jax.tree_util.tree_unflatten(treedef, outs)
 

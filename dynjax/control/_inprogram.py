@@ -33,7 +33,9 @@ from typing import Any
 
 import jax
 
+from dynjax import _symbolic
 from dynjax._errors import PaddingUnsupportedError
+from dynjax.control import _staging
 from dynjax.control._frontend import any_tracer
 
 _RUNS = {"calls": 0, "seconds": 0.0, "compiled": 0, "op_by_op": 0, "last_reason": None}
@@ -85,9 +87,6 @@ class ProgramRunner:
   """
 
   def __init__(self, flat_fun, sym_avals, sig, policies, name: str, padding: str):
-    from dynjax import _symbolic
-    from dynjax.control import _staging
-
     self.staged = None
     self.reason = None
     self.out_tree = None

@@ -125,7 +125,7 @@ def collect_stats() -> Iterator[VMStats]:
 
 
 # -- repad / unpad executables (runtime-owned: plain lax pad/slice, no user code) -------------
-def _fit(x, shape):
+def fit(x, shape):
   """``x`` cut or zero-padded to ``shape`` (the valid prefix is kept)."""
   if tuple(x.shape) == tuple(shape):
     return x
@@ -148,7 +148,7 @@ def repad(values: Sequence, shapes: Sequence[tuple[int, ...]]) -> tuple:
   fn = _repad_cache.get(key)
   if fn is None:
     targets = tuple(tuple(s) for s in shapes)
-    fn = jax.jit(lambda *xs: tuple(_fit(x, s) for x, s in zip(xs, targets, strict=True)))
+    fn = jax.jit(lambda *xs: tuple(fit(x, s) for x, s in zip(xs, targets, strict=True)))
     _repad_cache[key] = fn
   return fn(*values)
 

@@ -137,15 +137,16 @@ def test_cap_and_unroll_equal_the_plain_loop(unroll, bucket_from):
 
 def test_cap_is_read_from_the_cond():
   from dynjax.control import _loop as L
+  from dynjax.control import _loopspec as LS
 
   cond, body = D.make_step(PARAMS, 9, 2)
   init = D.init_carry(_prompt(4))
   leaves, treedef = jax.tree_util.tree_flatten(init)
   avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
-  loop = L._get_loop(cond, body, treedef, avals, None, None, "auto", 1, "cap")
-  assert loop.spec.cap == L._Cap(leaf=1, step=1, bound=9, inclusive=False)
+  loop = L.get_loop(cond, body, treedef, avals, None, None, "auto", 1, "cap")
+  assert loop.spec.cap == LS.Cap(leaf=1, step=1, bound=9, inclusive=False)
   assert loop.spec.cap.iterations(0) == 9 and loop.spec.cap.iterations(9) == 0
-  no_cap = L._get_loop(lambda c: c[-1] < 5, lambda c: jnp.concatenate([c, c[-1:] + 1]),
+  no_cap = L.get_loop(lambda c: c[-1] < 5, lambda c: jnp.concatenate([c, c[-1:] + 1]),
                        jax.tree_util.tree_structure(0), [jax.ShapeDtypeStruct((1,), jnp.float32)],
                        None, None, "auto", 1, "cap")
   assert no_cap.spec.cap is None
@@ -162,12 +163,13 @@ def test_one_loop_serves_every_prompt_length(compiles):
 
 def test_hoisted_body_grows_the_carry_in_place():
   from dynjax.control import _loop as L
+  from dynjax.control import _loopspec as LS
 
   cond, body = D.make_step(PARAMS, 3, 2)
   leaves, treedef = jax.tree_util.tree_flatten(D.init_carry(_prompt(5)))
   avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
-  spec = L._get_loop(cond, body, treedef, avals, None, None, "auto", 1, "init").spec
-  assert L._size_max(spec, (16,)) == {"n0": 15}
+  spec = L.get_loop(cond, body, treedef, avals, None, None, "auto", 1, "init").spec
+  assert LS.size_max(spec, (16,)) == {"n0": 15}
   args = [*spec.body_consts, *spec.cond_consts, np.asarray([5], np.int32),
           jnp.zeros((1, 16), jnp.int32), leaves[1], leaves[2]]
   text = spec.hoisted.get((16,)).lower(*args).compile().as_text()

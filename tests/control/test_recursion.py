@@ -171,7 +171,7 @@ def test_error_closes_over_tracer():
     def uses_y(x):
       return x + y
 
-    return uses_y._signature(jax.tree_util.tree_structure((1,)),
+    return uses_y.signature(jax.tree_util.tree_structure((1,)),
                              (("host", (2,), np.dtype("float32")),))
 
   with pytest.raises(ControlFlowError, match=r"cell 'uses_y' closes over JAX tracer\(s\) "

@@ -1,0 +1,275 @@
+"""What every loop front end needs to know about a carry: paths, structure, which axes change.
+
+A ``while_loop`` carry is a pytree of arrays whose sizes may change along some axes.  The
+hoisted loop (``_loopspec.py``), the host-mode loop (``_hostloop.py``), the staged loop and the
+staged cond (``_loop.py``/``_cond.py`` rules) all ask the same questions here: the keypath of
+each leaf (for messages), whether the body keeps dtypes and ranks, which axes change between a
+carry and the body's result -- axes that change *alike* (same size in, same size out) share one
+name -- and the axes a ``dims=`` spec names.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from dynjax import _symbolic
+from dynjax._errors import ControlFlowError, OutOfBucketsError, format_list
+from dynjax.bucketing._policies import BucketPolicy, as_policy, pow2
+from dynjax.control._frontend import building
+
+DEFAULT_POLICY = pow2(min=16)
+
+# The last loop run of this process: what ``dynjax.control.loop_stats()`` reports.  Hoisted
+# loops keep their in-progress counters under "info", every loop its summary under "loop".
+LAST_RUN: dict = {}
+
+_IDENT = re.compile(r"[A-Za-z_]\w*")
+
+
+def keypaths(treedef) -> list[str]:
+  dummy = jax.tree_util.tree_unflatten(treedef, list(range(treedef.num_leaves)))
+  return [("init" + jax.tree_util.keystr(p)) for p, _ in
+          jax.tree_util.tree_flatten_with_path(dummy)[0]]
+
+
+def flat_fns(cond_fun, body_fun, treedef):
+  """``cond_fun``/``body_fun`` as functions of the carry's flat leaves."""
+  def body_flat(*leaves):
+    out = body_fun(jax.tree_util.tree_unflatten(treedef, leaves))
+    out_leaves, out_tree = jax.tree_util.tree_flatten(out)
+    if out_tree != treedef:
+      raise ControlFlowError(f"body_fun must return a carry with the structure of init: "
+                             f"expected {treedef}, got {out_tree}")
+    return out_leaves
+
+  def cond_flat(*leaves):
+    return cond_fun(jax.tree_util.tree_unflatten(treedef, leaves))
+
+  return cond_flat, body_flat
+
+
+def trace_error(what: str, e: Exception) -> ControlFlowError | None:
+  """The explanation of a trace failure of a loop's body or cond, or None.
+
+  Shapes that depend on data and Python comparisons of symbolic dims are dynjax's to explain
+  (a :class:`ControlFlowError`).  Anything else -- the user's own ``KeyError``, an
+  ``assert``, a shape error of their code -- is not: the caller re-raises it unchanged (only
+  a note says where dynjax was), so ``except KeyError`` around a ``while_loop`` works.
+  """
+  first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+  if isinstance(e, jax.errors.ConcretizationTypeError | jax.errors.TracerBoolConversionError
+                | jax.errors.TracerIntegerConversionError | jax.errors.NonConcreteBooleanIndexError):
+    return ControlFlowError(
+        f"{what} makes a shape depend on data values ({type(e).__name__}: {first}). "
+        "dynjax.while_loop needs every carry dim to be a function of the carry's dims (e.g. "
+        "t + 1), not of array contents; give such ops a static size (jnp.nonzero(x, size=n)), "
+        "or move the data-dependent part into cond_fun.")
+  if type(e).__name__ == "InconclusiveDimensionOperation":
+    return ControlFlowError(
+        f"{what} compares a dynamic carry dim in Python ({first}). With shapes that change, "
+        "dims are symbolic while dynjax traces the loop: write the comparison as an array "
+        "op, e.g. jnp.asarray(x.shape[0]) < 8 instead of x.shape[0] < 8.")
+  note = f"(raised while dynjax.while_loop traced {what} with symbolic carry dims)"
+  if note not in getattr(e, "__notes__", ()):
+    e.add_note(note)
+  return None
+
+
+def eval_shape_body(body_flat, avals):
+  """One abstract step of the body on ``avals`` (errors explained, user errors unchanged)."""
+  try:
+    with building("while_loop body"):
+      return jax.eval_shape(body_flat, *avals)
+  except ControlFlowError:
+    raise
+  except Exception as e:
+    err = trace_error("body_fun", e)
+    if err is None:
+      raise
+    raise err from None
+
+
+def trace_symbolic(part: str, fn, sym_avals):
+  """``make_jaxpr`` of the loop's body or cond over symbolic carries, errors named for the user."""
+  try:
+    with building(f"while_loop {part}"):
+      return jax.make_jaxpr(fn)(*sym_avals)
+  except ControlFlowError:
+    raise
+  except Exception as e:
+    err = trace_error(f"{part}_fun", e)
+    if err is None:
+      raise
+    raise err from None
+
+
+def check_structure(what, avals_in, outs, treedef, out_tree, paths) -> None:
+  """Every leaf keeps its dtype and rank (all problems listed)."""
+  if out_tree != treedef:
+    raise ControlFlowError(f"{what} must return a carry with the structure of init: expected "
+                           f"{treedef}, got {out_tree}")
+  bad = []
+  for p, a, o in zip(paths, avals_in, outs, strict=True):
+    if jnp.dtype(a.dtype) != jnp.dtype(o.dtype):
+      bad.append(f"{p}: dtype {jnp.dtype(a.dtype).name} -> {jnp.dtype(o.dtype).name}")
+    if len(a.shape) != len(o.shape):
+      bad.append(f"{p}: rank {len(a.shape)} -> {len(o.shape)} (shape {tuple(a.shape)} -> "
+                 f"{tuple(o.shape)})")
+  if bad:
+    raise ControlFlowError(
+        f"{what} changes the carry in ways dims cannot express:\n" + format_list(bad)
+        + "\nA carry leaf may change its sizes along axes, but not its dtype or rank.")
+
+
+def same_dim(a, b) -> bool:
+  if _symbolic.is_symbolic(a) or _symbolic.is_symbolic(b):
+    return a == b
+  return int(a) == int(b)
+
+
+def changing_axes(shapes_in, shapes_out, named=None) -> tuple[list[tuple], list[str]]:
+  """Per leaf per axis the variable name of an axis that changes, else None.
+
+  Axes that change alike (same size in, same size out) share one name, ``n0, n1, ...`` in
+  order of appearance.  With ``named`` (per leaf per axis a ``dims=`` name or None), exactly
+  the named axes are variables, under their user names.  Returns ``(per leaf, names)``.
+  """
+  groups: dict[Any, str] = {}
+  per_leaf = []
+  for li, (si, so) in enumerate(zip(shapes_in, shapes_out, strict=True)):
+    per = []
+    for ax, (d_in, d_out) in enumerate(zip(si, so, strict=True)):
+      if named is not None:
+        name = named[li][ax]
+        if name is not None:
+          groups.setdefault(name, name)
+      elif same_dim(d_in, d_out):
+        name = None
+      else:
+        name = groups.setdefault((str(d_in), str(d_out)), f"n{len(groups)}")
+      per.append(name)
+    per_leaf.append(tuple(per))
+  return per_leaf, list(dict.fromkeys(groups.values()))
+
+
+def named_axes(dims, treedef, shapes, paths) -> list[tuple]:
+  """Per leaf per axis the name a ``dims=`` spec gives it, else None (every problem listed)."""
+  try:
+    specs = treedef.flatten_up_to(dims) if treedef.num_leaves != 1 or not isinstance(
+        dims, str | type(None)) else [dims]
+  except (ValueError, TypeError) as e:
+    raise ControlFlowError(f"dims must match the structure of init ({treedef}): {e}") from None
+  out, bad = [], []
+  for p, s, shape in zip(paths, specs, shapes, strict=True):
+    if s is None:
+      out.append((None,) * len(shape))
+      continue
+    parts = [x.strip() for x in s.split(",") if x.strip()]
+    if len(parts) != len(shape):
+      bad.append(f"{p}: spec {s!r} has {len(parts)} axes, the array has shape {tuple(shape)}")
+      out.append((None,) * len(shape))
+      continue
+    per = []
+    for ax, (t, n) in enumerate(zip(parts, shape, strict=True)):
+      if t.isdigit():
+        if not _symbolic.is_symbolic(n) and int(t) != n:
+          bad.append(f"{p}.shape[{ax}]: spec says {t}, got {n}")
+        per.append(None)
+      elif _IDENT.fullmatch(t):
+        per.append(t)
+      else:
+        bad.append(f"{p}.shape[{ax}]: {t!r}: a carry axis must be a name or an integer")
+        per.append(None)
+    out.append(tuple(per))
+  if bad:
+    raise ControlFlowError("dims do not fit init:\n" + format_list(bad))
+  return out
+
+
+def leaf_dims_of(names_per_leaf, shapes) -> list[tuple]:
+  """Per leaf per axis its variable name, or its (concrete) size."""
+  return [tuple(n if n is not None else int(d) for n, d in zip(per, shape, strict=True))
+          for per, shape in zip(names_per_leaf, shapes, strict=True)]
+
+
+def concrete_dims(body_flat, avals, dims, treedef, paths) -> tuple[list[tuple], list[str]]:
+  """``(leaf_dims, var names)`` of a carry of concrete avals: named by ``dims`` or found by
+  one abstract step of the body (the axes that change)."""
+  shapes = [tuple(a.shape) for a in avals]
+  if dims is not None:
+    named = named_axes(dims, treedef, shapes, paths)
+    return leaf_dims_of(named, shapes), sorted({n for per in named for n in per if n})
+  outs = eval_shape_body(body_flat, avals)
+  check_structure("body_fun", avals, outs, None, None, paths)
+  per, names = changing_axes(shapes, [tuple(o.shape) for o in outs])
+  return leaf_dims_of(per, shapes), names
+
+
+def policies(buckets, var_order) -> list[BucketPolicy]:
+  """Per variable its bucket policy from ``buckets=`` (one policy, a dict, or None)."""
+  if buckets is None:
+    return [DEFAULT_POLICY] * len(var_order)
+  if isinstance(buckets, Mapping):
+    unknown = sorted(set(buckets) - set(var_order))
+    if unknown:
+      raise ControlFlowError(f"buckets names {unknown}, which are not carry dims "
+                             f"{tuple(var_order)}")
+    return [as_policy(buckets[v], f"[{v!r}]") if v in buckets else DEFAULT_POLICY
+            for v in var_order]
+  pol = as_policy(buckets, "")
+  return [pol] * len(var_order)
+
+
+def hoist_consts(closed):
+  """A closed jaxpr whose constvars became leading invars, and the constants' values."""
+  j = closed.jaxpr
+  j2 = j.replace(constvars=[], invars=list(j.constvars) + list(j.invars))
+  return jax.extend.core.ClosedJaxpr(j2, []), list(closed.consts)
+
+
+def bucket_of(policy: BucketPolicy, n: int) -> int:
+  """The bucket of size ``n`` (grown past the policy's max; see loops' ``overflow=``)."""
+  b = policy.bucket(n)
+  return policy.grow(n) if b is None else b
+
+
+def initial_dims(leaf_dims, avals, carry_vars) -> dict[str, str]:
+  """Per carry variable the text of its initial size: the dim of the init axis where it
+  first appears (a program dim expression when staged, an int otherwise)."""
+  out: dict[str, str] = {}
+  for ld, a in zip(leaf_dims, avals, strict=True):
+    for d, d0 in zip(ld, a.shape, strict=True):
+      if isinstance(d, str) and d in carry_vars and d not in out:
+        out[d] = str(d0)
+  return out
+
+
+def user_policy(buckets, name: str) -> BucketPolicy | None:
+  """The policy ``buckets=`` gives the carry dim ``name`` (None: it names none)."""
+  if buckets is None:
+    return None
+  if isinstance(buckets, Mapping):
+    return as_policy(buckets[name], f"[{name!r}]") if name in buckets else None
+  return as_policy(buckets, "")
+
+
+def overflow_error(items) -> OutOfBucketsError:
+  """``items``: ``(var, size, where in the carry, policy)`` of every dim past its max."""
+  lines = [f"{v} = {n} ({where}) is above the largest bucket {p.max} of {p!r}"
+           for v, n, where, p in items]
+  return OutOfBucketsError(
+      "while_loop: a carry dimension grows over the largest bucket:\n" + format_list(lines)
+      + "\nRaise the policy's max (buckets=), or pass overflow=\"grow\" (compile larger "
+      "buckets) or overflow=\"exact\" (run the sizes past the max unpadded, one compile per "
+      "shape).")
+
+
+def max_iterations_error(n: int) -> ControlFlowError:
+  return ControlFlowError(
+      f"while_loop: cond_fun is still true after max_iterations={n} iterations. Raise "
+      "max_iterations, or make sure cond_fun becomes false (e.g. bound a step counter).")

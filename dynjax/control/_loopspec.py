@@ -1,0 +1,395 @@
+"""A ``while_loop``'s spec: its body and cond traced over symbolic carries, and the hoisted
+executable of one bucket.
+
+1. Find the dynamic axes (``_carry.concrete_dims``: named by ``dims=``, or the axes that change
+   in one abstract step of the body).
+2. Trace ``body_fun`` and ``cond_fun`` with ``jax.export`` symbolic shapes.  The output carry's
+   dims are expressions of the variables (``t + 1``, ``2*t``); they give the *next sizes* as a
+   function of the current ones (compiled once for host ints and for traced int32, by
+   ``_symbolic.dim_fn``).  A carry whose new shape cannot be written that way is a
+   :class:`~dynjax.ControlFlowError` listing every offending leaf.
+3. Per bucket (:func:`build_hoisted`), the padding pass makes the body and cond exact on the
+   padded carry, and ONE executable runs ``lax.while_loop(cond & next_sizes_fit_bucket, body)``
+   on it, the true sizes riding along as int32 scalars; it returns the carry and a status
+   vector ``[pred, sizes..., iterations]``.
+4. The *cap* (:func:`find_cap`): a conjunct ``i < K`` of the cond on a carry counter the body
+   increments by a constant bounds the remaining trips, hence the final sizes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import export, lax
+
+from dynjax import _symbolic
+from dynjax._errors import ControlFlowError, format_list
+from dynjax.bucketing._policies import BucketPolicy
+from dynjax.control._carry import (
+  check_structure,
+  concrete_dims,
+  flat_fns,
+  hoist_consts,
+  keypaths,
+  policies,
+  trace_symbolic,
+)
+from dynjax.control._carry import overflow_error as _overflow_error
+from dynjax.control._frontend import any_tracer, needs_vm
+from dynjax.runtime import Kernel
+from dynjax.runtime._vm import fit
+
+try:  # the padding pass (issue 3); without it loops run in exact mode
+  from dynjax.bucketing._padding import pad_jaxpr
+except ImportError:  # pragma: no cover - depends on the padding pass being present
+  pad_jaxpr = None
+
+_CAP_MAX_ITERS = 1 << 16  # a cap further away than this many iterations is not used
+
+
+@dataclasses.dataclass(frozen=True)
+class Cap:
+  """``cond_fun`` holds ``carry[leaf] < bound`` (``<=`` if inclusive); the body adds ``step``."""
+
+  leaf: int
+  step: int
+  bound: int
+  inclusive: bool
+
+  def iterations(self, x0: int) -> int:
+    last = self.bound if self.inclusive else self.bound - 1  # largest value that continues
+    return 0 if x0 > last else (last - x0) // self.step + 1
+
+
+@dataclasses.dataclass
+class LoopSpec:
+  """Everything traced once per (cond, body, carry signature)."""
+
+  treedef: Any
+  paths: list[str]
+  dtypes: list
+  var_order: tuple[str, ...]
+  leaf_dims: list[tuple]  # per leaf: per axis an int, a var name or an expression text
+  solve: list[tuple[int, int, int]]  # (leaf, axis, var index) to read sizes from shapes
+  next_exprs: list[str]  # per var: the expression of its next size
+  body_cj: Any  # closed jaxpr, constvars turned into leading invars
+  body_consts: list  # concrete values (standalone); staged loops get them at run time
+  cond_cj: Any
+  cond_consts: list
+  policies: list[BucketPolicy]
+  padding: str
+  cond_fun: Callable
+  body_fun: Callable
+  unroll: int = 1
+  bucket_from: str = "init"
+  overflow: str = "error"  # sizes past a policy's max: "error", "exact" or "grow"
+  max_iterations: int | None = None
+  labels: dict = dataclasses.field(default_factory=dict)  # var -> the user's name (staged)
+  cap: Cap | None = None
+  shapes_fn: Callable = None
+  next_host: Callable = None
+  next_dev: Callable = None
+  hoisted: Kernel = None
+  exact_body: Kernel = None
+  exact_cond: Kernel = None
+  fallback_reason: str | None = None
+  rewrites: list = dataclasses.field(default_factory=list)
+
+
+def build_spec(cond_fun, body_fun, treedef, avals, dims, buckets, padding, unroll,
+               bucket_from, overflow="error", max_iterations=None) -> LoopSpec:
+  """The spec of a loop run on concrete values (its own symbolic scope)."""
+  paths = keypaths(treedef)
+  cond_flat, body_flat = flat_fns(cond_fun, body_fun, treedef)
+  leaf_dims, var_order = concrete_dims(body_flat, avals, dims, treedef, paths)
+  var_order = tuple(var_order)
+  sym = export.symbolic_shape(", ".join(var_order)) if var_order else ()
+  sym_of = dict(zip(var_order, sym, strict=True))
+  sym_avals = [jax.ShapeDtypeStruct(tuple(sym_of[d] if isinstance(d, str) else d for d in ld),
+                                    a.dtype) for ld, a in zip(leaf_dims, avals, strict=True)]
+  policy_of = dict(zip(var_order, policies(buckets, var_order), strict=True))
+  spec = spec_from_symbolic(cond_fun, body_fun, treedef, paths, sym_avals, leaf_dims,
+                            var_order, policy_of.__getitem__, padding, unroll, bucket_from,
+                            overflow=overflow, max_iterations=max_iterations)
+  spec.exact_body = Kernel("while.body_exact", lambda key: jax.jit(body_flat),
+                           lambda key: "exact")
+  spec.exact_cond = Kernel("while.cond_exact", lambda key: jax.jit(
+      lambda *xs: (jnp.asarray(cond_flat(*xs)),)), lambda key: "exact")
+  return spec
+
+
+def spec_from_symbolic(cond_fun, body_fun, treedef, paths, sym_avals, leaf_dims, var_order,
+                       policy_of, padding, unroll, bucket_from, allow_tracer_consts=False,
+                       overflow="error", max_iterations=None) -> LoopSpec:
+  """Traces body and cond over symbolic carries and derives next sizes, cap and kernels.
+
+  ``leaf_dims``: per leaf per axis an int, a var name of ``var_order`` (a loop variable) or, for
+  staged loops, the text of a fixed program dim expression.  ``policy_of(var)``: its bucket
+  policy.  Dims of the closure (staged loops: program values the body reads) that are not in
+  ``var_order`` become loop variables that never change.
+  """
+  cond_flat, body_flat = flat_fns(cond_fun, body_fun, treedef)
+  body_closed = trace_symbolic("body", body_flat, sym_avals)
+  cond_closed = trace_symbolic("cond", cond_flat, sym_avals)
+  outs = body_closed.out_avals
+  check_structure("body_fun", sym_avals, outs, treedef, treedef, paths)
+  (pa,) = cond_closed.out_avals if len(cond_closed.out_avals) == 1 else (None,)
+  if pa is None or tuple(pa.shape) != () or not (jnp.issubdtype(pa.dtype, jnp.bool_)
+                                                 or jnp.issubdtype(pa.dtype, jnp.integer)):
+    raise ControlFlowError(
+        f"cond_fun must return one scalar boolean, got {cond_closed.out_avals}")
+  var_order = tuple(var_order)
+  # Next sizes: each variable's new value, consistently across every axis that uses it.
+  next_of: dict[str, str] = {}
+  where_of: dict[str, str] = {}
+  bad = []
+  for p, ld, a, o in zip(paths, leaf_dims, sym_avals, outs, strict=True):
+    for ax, (d_dim, d_in, d_out) in enumerate(zip(ld, a.shape, o.shape, strict=True)):
+      if isinstance(d_dim, str) and d_dim in var_order:
+        text = str(d_out)
+        prev = next_of.setdefault(d_dim, text)
+        where_of.setdefault(d_dim, f"{p}.shape[{ax}]")
+        if prev != text:
+          bad.append(f"{p}.shape[{ax}]: {d_dim} -> {text}, but {where_of[d_dim]}: {d_dim} -> "
+                     f"{prev}; axes sharing a dimension must change alike")
+      elif _symbolic.is_symbolic(d_in):
+        if not (_symbolic.is_symbolic(d_out) and d_in == d_out):
+          bad.append(f"{p}.shape[{ax}]: {d_in} -> {d_out} (a fixed axis of the enclosing "
+                     "program that the body changes)")
+      elif _symbolic.is_symbolic(d_out):
+        bad.append(f"{p}.shape[{ax}]: {d_in} -> {d_out} (a fixed axis whose new size depends "
+                   "on other dims); declare it dynamic with dims=")
+      elif int(d_out) != int(d_in):
+        bad.append(f"{p}.shape[{ax}]: {d_in} -> {d_out}")
+  if bad:
+    raise ControlFlowError(
+        "body_fun changes the carry's shape in a way its dims cannot express:\n"
+        + format_list(bad)
+        + "\nEach dynamic axis must become an expression of the carry's dims (e.g. t + 1).")
+  bcj, bconsts = hoist_consts(body_closed)
+  ccj, cconsts = hoist_consts(cond_closed)
+  extra = set()
+  for a in (*bcj.in_avals, *ccj.in_avals):
+    for d in a.shape:
+      if _symbolic.is_symbolic(d):
+        extra |= _symbolic.dim_vars_of(d)
+  var_order = var_order + tuple(sorted(extra - set(var_order)))
+  known = set(var_order)
+  for v in var_order:
+    txt = next_of.get(v, v)
+    if not _symbolic.dim_vars_of(txt) <= known:
+      raise ControlFlowError(f"next size of {v} is {txt}, which uses unknown names")
+  next_exprs = [next_of.get(v, v) for v in var_order]
+  solve = []
+  for li, ld in enumerate(leaf_dims):
+    for ax, d in enumerate(ld):
+      if isinstance(d, str) and d in var_order:
+        solve.append((li, ax, var_order.index(d)))
+  if not allow_tracer_consts and (any_tracer(bconsts) or any_tracer(cconsts)):
+    raise needs_vm("while_loop", "body_fun/cond_fun close over JAX tracers")
+  spec = LoopSpec(treedef, paths, [a.dtype for a in sym_avals], var_order, list(leaf_dims),
+                   solve, next_exprs, bcj, bconsts, ccj, cconsts,
+                   [policy_of(v) for v in var_order], padding,
+                   cond_fun, body_fun, unroll=unroll, bucket_from=bucket_from,
+                   overflow=overflow, max_iterations=max_iterations)
+  spec.cap = find_cap(bcj, ccj, len(bconsts), len(cconsts), len(leaf_dims))
+  spec.shapes_fn = _symbolic.shape_fn(leaf_dims, var_order)
+  spec.next_host = _symbolic.dim_fn(next_exprs, var_order)
+  spec.next_dev = _symbolic.dim_fn(next_exprs, var_order, device=True)
+  spec.hoisted = Kernel("while.hoisted", lambda key: build_hoisted(spec, key),
+                        lambda key: f"bucket={dict(zip(var_order, key, strict=True))}")
+  return spec
+
+
+# -- the cap: a bound on the final sizes read from cond_fun ---------------------------------
+_CMP = {"lt": ("lt", False), "le": ("lt", True), "gt": ("gt", False), "ge": ("gt", True)}
+
+
+def _literal_int(v) -> int | None:
+  if isinstance(v, jax.extend.core.Literal):
+    val = np.asarray(v.val)
+    if val.ndim == 0 and np.issubdtype(val.dtype, np.integer):
+      return int(val)
+  return None
+
+
+def find_cap(body_cj, cond_cj, nb: int, nc: int, n: int) -> Cap | None:
+  """``i < K`` (or ``<=``, ``>``, ``>=``) among the conjuncts of the cond, ``i`` a carry scalar
+  the body increments by a positive literal: the loop's remaining trip count is bounded."""
+  cj, bj = cond_cj.jaxpr, body_cj.jaxpr
+  carry_in = {v: i for i, v in enumerate(cj.invars[nc:])}
+  prod = {o: e for e in cj.eqns for o in e.outvars}
+  stack, conj = [cj.outvars[0]], []
+  while stack:
+    v = stack.pop()
+    e = prod.get(v)
+    if e is not None and e.primitive.name == "and" and jnp.dtype(v.aval.dtype) == jnp.bool_:
+      stack.extend(e.invars)
+    else:
+      conj.append(e)
+  bprod = {o: e for e in bj.eqns for o in e.outvars}
+  for e in conj:
+    if e is None or e.primitive.name not in _CMP:
+      continue
+    kind, inclusive = _CMP[e.primitive.name]
+    a, b = e.invars
+    if kind == "gt":  # K > i  is  i < K
+      a, b = b, a
+    leaf = carry_in.get(a) if not isinstance(a, jax.extend.core.Literal) else None
+    bound = _literal_int(b)
+    if leaf is None or bound is None or a.aval.shape != () or not jnp.issubdtype(
+        a.aval.dtype, jnp.integer):
+      continue
+    out = bj.outvars[leaf]
+    be = bprod.get(out)
+    if be is None or be.primitive.name != "add":
+      continue
+    x, y = be.invars
+    me = bj.invars[nb + leaf]
+    step = _literal_int(y) if x is me else _literal_int(x) if y is me else None
+    if step is not None and step > 0:
+      return Cap(leaf, step, bound, inclusive)
+  return None
+
+
+def bucket_for(spec: LoopSpec, sizes) -> tuple[int, ...]:
+  out = []
+  for p, n in zip(spec.policies, sizes, strict=True):
+    b = p.bucket(n)
+    out.append(p.grow(n) if b is None else b)
+  return tuple(out)
+
+
+def over_max(spec: LoopSpec, sizes, given=None) -> list[int]:
+  """The variables (indices) whose size is past their policy's max (``given``: fixed ones)."""
+  return [i for i, (p, n) in enumerate(zip(spec.policies, sizes, strict=True))
+          if (given is None or given[i] is None) and p.bucket(n) is None]
+
+
+def overflow_error(spec: LoopSpec, sizes, over: list[int]):
+  """Every carry dim past its policy's max, where it sits in the carry, and how to fix it."""
+  items = []
+  for i in over:
+    uses = [f"{spec.paths[li]}.shape[{ax}]" for li, ax, vi in spec.solve if vi == i]
+    items.append((spec.labels.get(spec.var_order[i], spec.var_order[i]), sizes[i], ", ".join(uses) or "the body's closure",
+                  spec.policies[i]))
+  return _overflow_error(items)
+
+
+def capped_bucket(spec: LoopSpec, sizes, counter) -> tuple[int, ...] | None:
+  """The bucket of the sizes after the most iterations the cap allows (None: no usable cap)."""
+  n = spec.cap.iterations(int(np.asarray(counter)))
+  if n > _CAP_MAX_ITERS:
+    return None
+  s = tuple(sizes)
+  for _ in range(n):
+    s = tuple(max(a, int(c)) for a, c in zip(s, spec.next_host(*s), strict=True))
+  out = []
+  for p, x in zip(spec.policies, s, strict=True):
+    b = p.bucket(x)
+    if b is None:
+      return None
+    out.append(b)
+  return tuple(out)
+
+
+def padded_shapes(spec: LoopSpec, sizes) -> tuple[tuple[int, ...], ...]:
+  return spec.shapes_fn(*sizes)
+
+
+def size_max(spec: LoopSpec, bucket: tuple[int, ...]) -> dict[str, int]:
+  """Per variable whose next size depends on itself alone: the largest true size whose next
+  size still fits the bucket (the hoisted body only ever runs on such sizes)."""
+  out = {}
+  for i, (v, txt) in enumerate(zip(spec.var_order, spec.next_exprs, strict=True)):
+    if txt == v or not _symbolic.dim_vars_of(txt) <= {v}:
+      continue
+    fn = _symbolic.dim_fn([txt], (v,))
+    b = bucket[i]
+    s = b
+    while s >= 1 and fn(s)[0] > b:
+      s -= 1
+    if 1 <= s < b:
+      out[v] = s
+  return out
+
+
+def build_hoisted(spec: LoopSpec, bucket: tuple[int, ...]):
+  env = dict(zip(spec.var_order, bucket, strict=True))
+  shapes = padded_shapes(spec, bucket)
+  nb, nc, nv = len(spec.body_consts), len(spec.cond_consts), len(spec.var_order)
+  body_plan = pad_jaxpr(spec.body_cj, spec.var_order, env, size_max(spec, bucket))
+  if tuple(map(tuple, body_plan.in_shapes[nb:])) != tuple(shapes):
+    body_plan = pad_jaxpr(spec.body_cj, spec.var_order, env)
+  cond_plan = pad_jaxpr(spec.cond_cj, spec.var_order, env)
+  spec.rewrites = list(body_plan.rewrites) + list(cond_plan.rewrites)
+  limit = jnp.asarray(bucket, jnp.int32) if nv else None
+  next_dev = spec.next_dev
+  unroll = spec.unroll
+  limited = spec.max_iterations is not None  # the sizes vector then ends with the budget
+
+  def go_of(s, cconsts, carry, it, budget):
+    (p, ) = cond_plan.fun(tuple(s), *cconsts, *carry)
+    p = jnp.asarray(p).astype(jnp.bool_)
+    go = p if budget is None else p & (it < budget)
+    if not nv:
+      return p, go
+    ns = jnp.stack([jnp.asarray(x, jnp.int32) for x in next_dev(*s)])
+    return p, go & jnp.all(ns <= limit)
+
+  def step(bconsts, s, carry):
+    out = body_plan.fun(tuple(s), *bconsts, *carry)
+    out = tuple(fit(o, shp).astype(o.dtype) for o, shp in zip(out, shapes, strict=True))
+    return tuple(jnp.asarray(x, jnp.int32) for x in next_dev(*s)), out
+
+  def run(*args):
+    bconsts, cconsts = args[:nb], args[nb:nb + nc]
+    sizes0, carry0 = args[nb + nc], tuple(args[nb + nc + 1:])
+    s0 = tuple(sizes0[i] for i in range(nv))
+    budget = sizes0[nv] if limited else None
+    if unroll == 1:
+      # The predicate is computed in the loop's condition (one fusion, as a hand-written
+      # lax.while_loop has), the body is the padded body alone.
+      def c(state):
+        s, carry, it = state
+        return go_of(s, cconsts, carry, it, budget)[1]
+
+      def b(state):
+        s, carry, it = state
+        ns, out = step(bconsts, s, carry)
+        return ns, out, it + 1
+
+      s, carry, it = lax.while_loop(c, b, (s0, carry0, jnp.int32(0)))
+    else:
+      # k guarded steps per trip: a step whose guard is false keeps the old state (its results,
+      # computed on a state that may not fit, are dropped by the select).
+      def c(state):
+        return state[3]
+
+      def b(state):
+        s, carry, it, g = state
+        for _ in range(unroll):
+          ns, out = step(bconsts, s, carry)
+          s = tuple(jnp.where(g, x, y) for x, y in zip(ns, s, strict=True))
+          carry = tuple(jnp.where(g, x, y) for x, y in zip(out, carry, strict=True))
+          it = it + g.astype(jnp.int32)
+          g = go_of(s, cconsts, carry, it, budget)[1]
+        return s, carry, it, g
+
+      g0 = go_of(s0, cconsts, carry0, jnp.int32(0), budget)[1]
+      s, carry, it, _ = lax.while_loop(c, b, (s0, carry0, jnp.int32(0), g0))
+    p = go_of(s, cconsts, carry, it, budget)[0]
+    status = jnp.stack([p.astype(jnp.int32), *[jnp.asarray(x, jnp.int32) for x in s], it])
+    return (*carry, status)
+
+  # No donation: a carry may alias a value the caller still holds (an input whose shape is
+  # already its bucket's, a program value that later segments read).  XLA copies the carry
+  # into the loop's buffers once per invoke (once per bucket visited).
+  return jax.jit(run)
+
+

@@ -1,0 +1,181 @@
+"""Edge cases of the control VM: all-shared cell groups, a loop's bucket max, user errors."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dynjax
+import dynjax.control as dc
+from dynjax._errors import ControlFlowError, OutOfBucketsError
+
+
+# -- a cell group whose every argument is shared -------------------------------------------
+@dc.cell
+def _leaf(x):
+  return jnp.tanh(x)
+
+
+@dc.cell
+def _combine(a, b):
+  return jnp.tanh(a + b)
+
+
+@dc.recursive
+def _tree_sum(node):  # the README's tree_sum
+  if isinstance(node, float):
+    return _leaf(jnp.float32(node))
+  left, right = node
+  return _combine(_tree_sum(left), _tree_sum(right))
+
+
+def test_one_leaf_tree_runs_the_cell_once():
+  assert float(np.asarray(_tree_sum(1.0))) == pytest.approx(float(np.tanh(1.0)), abs=1e-6)
+  assert [float(np.asarray(r)) for r in _tree_sum.batch([(0.5,), (0.5,)])] == pytest.approx(
+      [float(np.tanh(0.5))] * 2, abs=1e-6)
+
+
+def test_sync_right_after_a_single_cell_call():
+  @dc.recursive
+  def walk(x):
+    v = _leaf(x)
+    return float(v), bool(v > 0.5)
+
+  x = jnp.float32(0.9)
+  assert walk(x) == (pytest.approx(float(np.tanh(0.9)), abs=1e-6), True)
+
+
+def test_every_leaf_reads_the_same_weights():
+  W = jnp.asarray(np.random.RandomState(0).randn(3).astype(np.float32))
+
+  @dc.recursive
+  def enc(node):
+    if node is None:
+      return _leaf(W)
+    return _combine(enc(node[0]), enc(node[1]))
+
+  got = np.asarray(enc(((None, None), None)))
+  lw = np.tanh(np.asarray(W))
+  np.testing.assert_allclose(got, np.tanh(np.tanh(lw + lw) + lw), rtol=1e-6, atol=1e-6)
+
+
+# -- while_loop honours the bucket policy's max -----------------------------------------------
+def _grow_cond(c):
+  return jnp.asarray(c.shape[0]) < 300
+
+
+def _grow_body(c):
+  return jnp.concatenate([c, c[-1:] + 1])
+
+
+def test_while_loop_raises_past_the_bucket_max(compiles):
+  with pytest.raises(OutOfBucketsError) as e:
+    dc.while_loop(_grow_cond, _grow_body, jnp.zeros(3), buckets=dynjax.buckets.pow2(16, 256))
+  assert str(e.value) == (
+      "while_loop: a carry dimension grows over the largest bucket:\n"
+      "  n0 = 257 (init.shape[0]) is above the largest bucket 256 of "
+      "dynjax.buckets.pow2(min=16, max=256)\n"
+      "Raise the policy's max (buckets=), or pass overflow=\"grow\" (compile larger buckets) "
+      "or overflow=\"exact\" (run the sizes past the max unpadded, one compile per shape).")
+
+
+def test_while_loop_init_past_the_bucket_max():
+  with pytest.raises(OutOfBucketsError, match=r"n0 = 20 \(init\[0\]\.shape\[0\]\) is above "
+                     r"the largest bucket 16"):
+    dc.while_loop(lambda c: c[1] < 3, lambda c: (jnp.concatenate([c[0], c[0][:1]]), c[1] + 1),
+                  (jnp.zeros(20), 0), buckets=[8, 16])
+
+
+@pytest.mark.parametrize("overflow", ["grow", "exact"])
+def test_while_loop_overflow_grow_and_exact(overflow):
+  out = dc.while_loop(_grow_cond, _grow_body, jnp.zeros(3), buckets=dynjax.buckets.pow2(16, 256),
+                      overflow=overflow)
+  np.testing.assert_array_equal(np.asarray(out), np.r_[0, 0, 0, np.arange(1, 298)])
+  st = dc.loop_stats()
+  if overflow == "grow":
+    assert st["buckets"][-1] == (512,)
+  else:
+    assert max(b for (b,) in st["buckets"]) == 256 and st["exact_iterations"] == 300 - 256
+
+
+def test_while_loop_overflow_choices_are_checked():
+  with pytest.raises(ControlFlowError, match=r"overflow must be one of \['error', 'exact', "
+                     r"'grow'\], got 'spill'"):
+    dc.while_loop(_grow_cond, _grow_body, jnp.zeros(3), overflow="spill")
+
+
+@pytest.mark.parametrize("padding", ["auto", "exact"])
+def test_while_loop_max_iterations(padding):
+  body = lambda c: c + 1  # noqa: E731
+  out = dc.while_loop(lambda c: c < 5, body, jnp.int32(0), max_iterations=5, padding=padding)
+  assert int(out) == 5
+  with pytest.raises(ControlFlowError) as e:
+    dc.while_loop(lambda c: c < 50, body, jnp.int32(0), max_iterations=10, padding=padding)
+  assert str(e.value) == (
+      "while_loop: cond_fun is still true after max_iterations=10 iterations. Raise "
+      "max_iterations, or make sure cond_fun becomes false (e.g. bound a step counter).")
+
+
+@pytest.mark.parametrize("unroll", [1, 3])
+def test_while_loop_max_iterations_growing_carry(unroll):
+  with pytest.raises(ControlFlowError, match=r"still true after max_iterations=40 "):
+    dc.while_loop(_grow_cond, _grow_body, jnp.zeros(3), max_iterations=40, unroll=unroll)
+  out = dc.while_loop(_grow_cond, _grow_body, jnp.zeros(3), max_iterations=297, unroll=unroll)
+  assert out.shape == (300,) and dc.loop_stats()["iterations"] == 297
+
+
+def test_overflow_error_inside_jit():
+  f = dynjax.jit(lambda x: dc.while_loop(_grow_cond, _grow_body, x * 1.0,
+                                         buckets=dynjax.buckets.pow2(16, 256)), dims={"x": "t"})
+  with pytest.raises(OutOfBucketsError, match=r"n0 = 257 .* above the largest bucket 256"):
+    f(jnp.zeros(3))
+
+
+# -- user exceptions pass through unchanged ------------------------------------------------
+def test_user_exception_in_a_loop_body_passes_through():
+  table = {"a": 1}
+
+  def body(c):
+    return jnp.concatenate([c, c[:1] * table["missing"]])
+
+  with pytest.raises(KeyError, match="missing") as e:
+    dc.while_loop(lambda c: jnp.asarray(c.shape[0]) < 8, body, jnp.ones(1))
+  assert type(e.value) is KeyError
+  with pytest.raises(KeyError, match="missing"):
+    dynjax.jit(lambda x: dc.while_loop(lambda c: jnp.asarray(c.shape[0]) < 8, body, x),
+               dims={"x": "t"})(jnp.ones(2))
+
+
+def test_user_exception_in_a_loop_cond_passes_through():
+  def cond(c):
+    raise ValueError("my own check failed")
+
+  with pytest.raises(ValueError) as e:
+    dc.while_loop(cond, _grow_body, jnp.ones(1))
+  assert type(e.value) is ValueError and str(e.value) == "my own check failed"
+
+
+def test_dynjax_own_trace_errors_stay_control_flow_errors():
+  with pytest.raises(ControlFlowError, match="compares a dynamic carry dim in Python"):
+    dc.while_loop(lambda c: c.shape[0] < 8, _grow_body, jnp.ones(1))
+
+
+def _inner(x):
+  return dc.while_loop(lambda c: c.sum() < 20.0, lambda c: jnp.concatenate([c, c[-1:] + 1.0]), x)
+
+
+def _outer_body(c):
+  seq, k = c
+  return jnp.concatenate([seq, _inner(seq[-1:] * 0.1)]), k + 1
+
+
+def test_host_mode_loop_honours_max_iterations_and_the_bucket_max():
+  init = (jnp.arange(1.0, 4.0), jnp.int32(0))
+  with pytest.raises(ControlFlowError, match=r"still true after max_iterations=2 "):
+    dc.while_loop(lambda c: c[1] < 3, _outer_body, init, max_iterations=2)
+  assert int(dc.while_loop(lambda c: c[1] < 3, _outer_body, init, max_iterations=3)[1]) == 3
+  assert dc.loop_stats()["mode"] == "host"
+  with pytest.raises(OutOfBucketsError, match=r"n0 = \d+ \(init\[0\]\.shape\[0\]\) is above "
+                     r"the largest bucket 8 "):
+    dc.while_loop(lambda c: c[1] < 3, _outer_body, init, buckets=dynjax.buckets.pow2(4, 8))
