@@ -77,13 +77,6 @@ def lowering_config() -> tuple:
 # --- symbolic dimensions (used by the padding pass, dynjax/bucketing/_padding*.py) ---
 
 
-def is_symbolic_dim(d) -> bool:
-  """Whether a dimension is a symbolic ``_DimExpr`` (not a plain integer)."""
-  from jax._src import core
-
-  return not core.is_constant_dim(d)
-
-
 def eval_dim_expr(expr, env: dict):
   """Evaluates a dimension expression with ``env`` mapping variable name -> value.
 
