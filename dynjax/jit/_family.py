@@ -23,6 +23,7 @@ import logging
 import math
 import os
 import re
+import sys
 import warnings
 from collections import Counter
 from typing import Any
@@ -246,7 +247,7 @@ class Family:
     self.ctx.note_fallback(reason)
     warnings.warn(
         f"dynjax.jit({self.name}): running unpadded, one compile per shape: {reason}",
-        stacklevel=7)
+        stacklevel=_user_stacklevel())
 
   def bucket_env(self, bkey) -> dict[str, int]:
     return dict(zip(self.sig.var_order, bkey, strict=True))
@@ -493,6 +494,15 @@ class Family:
         "config": _jax_private.lowering_config(),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
     }
+
+
+def _user_stacklevel() -> int:
+  """The ``warnings.warn`` stacklevel of the first frame outside dynjax (the user's call)."""
+  level, frame = 1, sys._getframe(1)
+  while frame is not None and frame.f_globals.get("__name__", "").startswith("dynjax"):
+    frame = frame.f_back
+    level += 1
+  return level
 
 
 def needs_program(e: BaseException) -> bool:
