@@ -44,7 +44,7 @@ from dynjax.control._frontend import any_tracer, needs_vm
 from dynjax.runtime import Kernel
 from dynjax.runtime._vm import fit
 
-try:  # the padding pass (issue 3); without it loops run in exact mode
+try:  # the padding pass; without it loops run in exact mode
   from dynjax.bucketing._padding import pad_jaxpr
 except ImportError:  # pragma: no cover - depends on the padding pass being present
   pad_jaxpr = None

@@ -1,4 +1,4 @@
-"""A zoo of small real models, written as public Flax/JAX code writes them (issue 11).
+"""A zoo of small real models, written as public Flax/JAX code writes them.
 
 Each entry builds a model, its parameters, a forward function and a training step (loss and
 parameter gradients), the ``dims``/``buckets`` a user would give, and the calls to make: sizes
@@ -11,7 +11,7 @@ The idioms are the public ones, not the ones the padding rules were written arou
 
 * BiLSTM: ``nn.RNN(nn.OptimizedLSTMCell)`` with ``seq_lengths``; the backward direction reverses
   each padded row by its own length with ``jnp.flip(jnp.roll(x, max_len - length, axis=0),
-  axis=0)`` under ``jax.vmap`` (the report of issue 11), plus flax's own ``flip_sequences``
+  axis=0)`` under ``jax.vmap`` (as a user reported it), plus flax's own ``flip_sequences``
   through ``nn.RNN(reverse=True, keep_order=True)``.
 * Transformer tagger / encoder-decoder: ``nn.MultiHeadDotProductAttention`` with
   ``nn.make_attention_mask``, ``nn.make_causal_mask``, ``nn.combine_masks``, a learned position

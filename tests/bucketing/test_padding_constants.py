@@ -1,6 +1,6 @@
 """Every padding rule with constant and literal operands (closed-over arrays, Python scalars,
 0-d and size-1 axes, weak types): a rule must build its rewrite or refuse with
-``PaddingUnsupportedError``, never crash with a Python error (issue 11: a ``TypedNdArray``
+``PaddingUnsupportedError``, never crash with a Python error (a ``TypedNdArray``
 literal fill made ``concatenate`` raise ``TypeError``)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""padding="auto" on real models (issue 11): exact against jax.jit at the exact shapes, zero
+"""padding="auto" on real models: exact against jax.jit at the exact shapes, zero
 fallbacks, one compile per bucket; forward and training step (loss and parameter gradients)."""
 
 from __future__ import annotations

@@ -124,7 +124,7 @@ def test_on_fallback_is_validated_and_passes_through_flax():
 
 
 def test_per_row_flip_roll_under_vmap_pads_without_fallback(compiles):
-  # issue 11: the backward direction of a BiLSTM reverses each padded row by its own length;
+  # The backward direction of a BiLSTM reverses each padded row by its own length;
   # a literal fill (TypedNdArray) made the concatenate rule crash and the function fall back.
   def flip_rows(x, lengths):
     max_len = x.shape[1]

@@ -68,8 +68,8 @@ def test_first_call_compiles_only_the_covering_bucket_then_every_call_is_served(
 
 def test_a_dim_without_a_declared_max_does_not_hide_the_top_of_the_others(compiles):
   # "b" has no declared range (pow2 without max), "t" does: the first call compiles the
-  # bucket covering every t at its own b, so the first long request never waits (issue 10's
-  # H100 run: a batch dim without max made a 274-token request wait 5 s behind a compile).
+  # bucket covering every t at its own b, so the first long request never waits (on an
+  # H100 a batch dim without max made a 274-token request wait 5 s behind a compile).
   p = _params()
   f = dynjax.jit(_model, dims={"x": "b, t, 4"}, padding="auto", serving=True,
                  buckets={"t": dynjax.buckets.pow2(4, 64)}, compile_workers=1)

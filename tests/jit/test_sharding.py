@@ -1,4 +1,4 @@
-"""dynjax.jit on a device mesh (issue 7): GSPMD shardings, aligned buckets, exactness, errors.
+"""dynjax.jit on a device mesh: GSPMD shardings, aligned buckets, exactness, errors.
 
 Runs on the 8 fake CPU devices of conftest.py (``--xla_force_host_platform_device_count=8``);
 the multi-process test starts two fresh interpreters with ``jax.distributed``.
