@@ -17,7 +17,7 @@ test: $(BIN)/.installed
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 demo: $(BIN)/.installed
-	$(BIN)/python -m dynjax.bench bert --size tiny --quick
+	$(BIN)/python -m benchmarks bert --size tiny --quick
 
 lint: $(BIN)/.installed
 	$(BIN)/ruff check dynjax tests benchmarks examples

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import dynjax
-from dynjax.bench._suite import time_calls
+from benchmarks._suite import time_calls
 
 
 def _tiny(x):

@@ -30,8 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import dynjax
+from benchmarks import models
 from dynjax import flax as dynjax_flax
-from dynjax.bench import models
 
 
 def _blocks(fns, iters: int, block: int = 20) -> list[float]:

@@ -38,9 +38,9 @@ def run_variant(variant: str, size: str, n: int) -> dict:
   import numpy as np
 
   import dynjax
+  from benchmarks import data, models
   from dynjax import _api
   from dynjax import flax as djf
-  from dynjax.bench import data, models
 
   if variant == "switch":
     sys.setswitchinterval(2e-4)

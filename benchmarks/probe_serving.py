@@ -59,8 +59,8 @@ def _setup(size: str):
   import numpy as np
 
   import dynjax
+  from benchmarks import models
   from dynjax import flax as djf
-  from dynjax.bench import models
 
   cfg = models.ENCODER_SIZES[size]
   module = models.BertEncoder(cfg)
