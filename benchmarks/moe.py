@@ -1,9 +1,9 @@
 """Dropless MoE benchmark: dynjax.route vs lax.ragged_dot vs capacity dispatch vs roofline.
 
-    python -m benchmarks moe --out DIR                 # H100 sizes (8/64 experts, d=1024, ...)
-    python -m benchmarks moe --quick                   # = --small: CPU sizes
-    python -m benchmarks moe -- --settings e2e --k 2   # this module's own flags after "--"
-    python benchmarks/bench_moe.py [flags]               # the same main()
+    python -m benchmarks moe --out DIR                   # H100 sizes (8/64 experts, d=1024, ...)
+    python -m benchmarks moe --quick                     # = --small: CPU sizes
+    python -m benchmarks moe -- --settings e2e --k 2     # this module's own flags after "--"
+    python -m benchmarks.moe [flags]                     # the same main() (was bench_moe.py)
 
 One process, one table per setting (Zipf(1.2) and uniform routing, 8 and 64 experts, and the
 end-to-end MoE transformer ``e2e``), written to DIR/bench_moe.json.  Every method is timed end to end from the token activations and the
