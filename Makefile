@@ -18,7 +18,7 @@ test: $(BIN)/.installed
 	$(BIN)/python -m pytest -q -p no:cacheprovider -n auto
 
 demo: $(BIN)/.installed
-	$(BIN)/python -m dynjax.bench bert --size tiny --quick
+	$(BIN)/python -m benchmarks bert --size tiny --quick
 
 lint: $(BIN)/.installed
 	$(BIN)/python -m pip install -q -e ".[lint]"

@@ -14,13 +14,16 @@ import argparse
 import json
 import os
 import platform
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-import dynjax
-from dynjax.bench._suite import time_calls
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
+
+import dynjax  # noqa: E402
+from benchmarks._suite import time_calls  # noqa: E402
 
 
 def _tiny(x):

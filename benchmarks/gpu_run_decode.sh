@@ -7,7 +7,7 @@ set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-timeout 165 python3 -m dynjax.bench decode --out "$OUT" -- exact_budget_s=10 program_requests=3 \
+timeout 165 python3 -m benchmarks decode --out "$OUT" -- exact_budget_s=10 program_requests=3 \
   > "$OUT/decode.log" 2>&1
 echo "rc=$?"
 grep -v "cuda_timer\|Resetting cache" "$OUT/decode.log" | tail -n 60

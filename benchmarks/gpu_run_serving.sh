@@ -10,7 +10,7 @@ MODES=${MODES:-jit,oracle,aot_bucket,dynjax_serve,dynjax_serve_auto,dynjax_resta
 LIMIT=${LIMIT:-570}
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
 python3 -c "import jax, torch, flax; print('jax', jax.__version__, 'torch', torch.__version__, 'flax', flax.__version__, jax.devices())"
-timeout "$LIMIT" python3 -m dynjax.bench bert --size base --requests 1000 --jit_budget_s 30 \
+timeout "$LIMIT" python3 -m benchmarks bert --size base --requests 1000 --jit_budget_s 30 \
   --oracle_max_shapes 48 --modes "$MODES" --out "$OUT" --plot=false --progress=false \
   --dispatch_iters 300 "$@" > "$OUT/bert.log" 2>&1
 echo "rc=$?"

@@ -6,5 +6,5 @@ set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-timeout 290 python3 -m dynjax.bench._treelstm --full models=arity --out "$OUT" 2>&1 \
+timeout 290 python3 -m benchmarks.treelstm --full models=arity --out "$OUT" 2>&1 \
   | tee "$OUT/treelstm.log" | grep -v "cuda_timer\|Resetting cache\|libtpu"

@@ -6,16 +6,22 @@ One fresh process per variant (``--variant`` runs one): a cold ``serving=True`` 
 serves ``--requests`` docstring requests one after another while its buckets compile in the
 background.  Recorded per variant:
 
-* every request's latency and start time, and the compile scheduler's log (start, seconds);
+* every request's latency and start time, and every XLA compile's span (``jax.monitoring``
+  time spans of backend compiles: compiled function and thread, start, seconds);
 * a GIL probe: a thread that sleeps 1 ms in a loop and records how late it wakes up (a
   thread holding the GIL delays every wake-up by up to the switch interval, 5 ms);
 * a sampler: every 20 ms, the innermost dynjax/jax/flax frame of each compile thread.
 
 Variants: ``base`` (as the bench: cache_dir set), ``nocache`` (no cache_dir: no executable
 store, no JAX persistent cache), ``switch`` (``sys.setswitchinterval(2e-4)``), ``workers1``
-(one compile thread), ``workers2``, ``at1`` / ``at0`` (the quick tier-0 compiles with XLA's GPU
+(one compile thread), ``workers2``, ``at1`` / ``at0`` (the quick compiles with XLA's GPU
 autotune level 1 / 0: level 0 runs nothing on the GPU while compiling), ``par1`` / ``at0par1``
 (``xla_gpu_force_compilation_parallelism=1``: each compile keeps to its own thread).
+
+The ``at*``/``par1`` variants pass :data:`QUICK_OPTIONS` plus their change as ``compiler_options``
+(public API).  That sets them for every compile of the function: serving's quick tier 0 (which
+uses :data:`QUICK_OPTIONS` by default on GPU) and no tier-1 recompile, which serving only starts
+1,000 calls after the last tier-0 compile, i.e. not within a 600-request run anyway.
 """
 
 from __future__ import annotations
@@ -30,6 +36,9 @@ import tempfile
 import threading
 import time
 
+# serving=True's quick tier-0 options on GPU (README "Serving"; dynjax/_api.py's comment has
+# the measurements): cuBLAS gemms by heuristics, no autotuning.
+QUICK_OPTIONS = {"xla_gpu_enable_triton_gemm": False, "xla_gpu_autotune_level": 0}
 VARIANTS = ("base", "nocache", "switch", "workers1", "workers2", "at1", "at0", "par1", "at0par1")
 
 
@@ -38,18 +47,16 @@ def run_variant(variant: str, size: str, n: int) -> dict:
   import numpy as np
 
   import dynjax
-  from dynjax import _api
+  from benchmarks import data, models
   from dynjax import flax as djf
-  from dynjax.bench import data, models
 
   if variant == "switch":
     sys.setswitchinterval(2e-4)
+  options = None
   if variant.startswith("at"):
-    _api._QUICK_GPU_OPTIONS = {**_api._QUICK_GPU_OPTIONS,
-                               "xla_gpu_autotune_level": int(variant[2])}
+    options = {**QUICK_OPTIONS, "xla_gpu_autotune_level": int(variant[2])}
   if variant.endswith("par1"):
-    _api._QUICK_GPU_OPTIONS = {**_api._QUICK_GPU_OPTIONS,
-                               "xla_gpu_force_compilation_parallelism": 1}
+    options = {**(options or QUICK_OPTIONS), "xla_gpu_force_compilation_parallelism": 1}
   cfg = models.ENCODER_SIZES[size]
   module = models.BertEncoder(cfg)
   variables = models.to_device({"params": models.init_encoder_params(cfg, seed=0)})
@@ -59,10 +66,20 @@ def run_variant(variant: str, size: str, n: int) -> dict:
     kw["cache_dir"] = tempfile.mkdtemp(prefix="dynjax_contention_")
   if variant in ("workers1", "workers2"):
     kw["compile_workers"] = int(variant[-1])
+  if options is not None:
+    kw["compiler_options"] = options
   f = djf.jit(module, dims={"tokens": "b, t", "lengths": "b"}, padding="trust", serving=True,
               buckets={"t": dynjax.buckets.pow2(16, 512)}, **kw)
   stop = threading.Event()
-  t_start = time.perf_counter()
+  spans = []  # (compiled function @ thread, start wall time, seconds) of every XLA compile
+
+  def on_span(event, start, end, **kw):
+    if event == "/jax/core/compile/backend_compile_duration":
+      spans.append((f"{kw.get('fun_name', '?')}@{threading.current_thread().name}", start,
+                    end - start))
+
+  jax.monitoring.register_event_time_span_listener(on_span)
+  t_start, t_start_wall = time.perf_counter(), time.time()
   gil = []
 
   def gil_probe():
@@ -101,8 +118,7 @@ def run_variant(variant: str, size: str, n: int) -> dict:
     lat.append((t0 - t_start, (time.perf_counter() - t0) * 1e3, int(r.length)))
   total = time.perf_counter() - t_start
   stop.set()
-  sched = f._scheduler
-  log = [(str(k), s + (sched._t0 - t_start), d) for k, s, d in sched.log] if sched else []
+  log = [(k, s - t_start_wall, d) for k, s, d in spans]
   st = f.stats()
   lat_ms = np.array([x[1] for x in lat])
   g = np.array([x[1] for x in gil]) if gil else np.zeros(1)
@@ -135,6 +151,7 @@ def main(argv=None) -> None:
   ap.add_argument("--requests", type=int, default=600)
   ap.add_argument("--out", default="probe_out")
   args = ap.parse_args(argv)
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   os.makedirs(args.out, exist_ok=True)
   if args.variant is None:
     for v in args.variants.split(","):

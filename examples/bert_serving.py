@@ -11,6 +11,8 @@ the length, pads on the host, and returns exact-shape results.
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
 
 import jax
@@ -18,7 +20,11 @@ import numpy as np
 
 import dynjax
 from dynjax import flax as dynjax_flax
-from dynjax.bench import data, models
+
+# The models and data are the benchmarks' (benchmarks/ at the repository root, not in the wheel).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import data, models  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> dict:

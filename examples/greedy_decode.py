@@ -5,13 +5,19 @@ Run: ``python examples/greedy_decode.py`` (CPU, < 1 min).
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 
 import jax
 import numpy as np
 
 import dynjax.control as dc
-from dynjax.bench import _decode as D
+
+# The models and data are the benchmarks' (benchmarks/ at the repository root, not in the wheel).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import decode as D  # noqa: E402
 
 params = D.init_lm(D.LMConfig(d=32, heads=2, ffn=64))
 new_tokens = 24

@@ -10,13 +10,19 @@ max and re-plans its boundaries from the lengths it sees, never compiling more t
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
 
 import jax
 import numpy as np
 
 import dynjax
-from dynjax.bench import data, models
+
+# The models and data are the benchmarks' (benchmarks/ at the repository root, not in the wheel).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import data, models  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import dynjax
-from dynjax.bench import data
+from benchmarks import data
 from dynjax.bucketing._joint import JointPlan
 from dynjax.bucketing._policies import Auto
 

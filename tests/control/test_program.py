@@ -10,8 +10,8 @@ import pytest
 
 import dynjax
 import dynjax.control as dc
+from benchmarks import decode as D
 from dynjax._errors import ControlFlowError
-from dynjax.bench import _decode as D
 from dynjax.runtime import collect_stats
 
 CFG = D.LMConfig(d=16, heads=2, ffn=32)

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import dynjax.control as dc
+from benchmarks import treelstm as T
 from dynjax._errors import ControlFlowError
-from dynjax.bench import _treelstm as T
 from dynjax.runtime import collect_stats
 
 sys.path.insert(0, os.path.dirname(__file__))

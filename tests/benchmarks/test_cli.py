@@ -1,4 +1,4 @@
-"""Smoke tests of ``python -m dynjax.bench`` with a tiny stream (well under 30 s)."""
+"""Smoke tests of ``python -m benchmarks`` with a tiny stream (well under 30 s)."""
 
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ import sys
 
 import pytest
 
-from dynjax.bench import _suite
+from benchmarks import _suite
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_cli_tiny_stream(tmp_path):
   out = tmp_path / "out"
-  cmd = [sys.executable, "-m", "dynjax.bench", "lstm", "--size", "tiny", "--requests", "6",
+  cmd = [sys.executable, "-m", "benchmarks", "lstm", "--size", "tiny", "--requests", "6",
          "--max_len", "64", "--modes", "jit,oracle,pad_max,dynjax_pow2,dynjax_auto,torch_eager",
          "--dispatch_iters", "30", "--out", str(out), "--noprogress"]
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
@@ -46,7 +46,7 @@ def test_missing_workload_says_not_available():
   cfg = _suite.Config(workload="treelstm", out=None)
   saved = _suite.WORKLOADS["treelstm"]
   _suite.register_workload("treelstm", _suite.WorkloadEntry(
-      "x", ("dynjax.bench._no_such_module",), owner="the VM issue (4)"))
+      "x", ("benchmarks._no_such_module",), owner="the VM issue (4)"))
   try:
     with pytest.raises(_suite.WorkloadNotAvailable, match="not available yet"):
       _suite.load_workload(cfg)

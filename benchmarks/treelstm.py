@@ -18,8 +18,8 @@ Two ways to write it, two benchmarks (``run(flags)`` runs both; ``models=`` pick
   both front ends (``dynjax.recursive`` and the vectorised ``dynjax.control.fold``), against
   the same cells jitted and called node by node, and PyTorch per node.  See :func:`run_arity`.
 
-  python -m dynjax.bench treelstm --quick                   # CPU, both models (~1.5 min)
-  python -m dynjax.bench._treelstm --full models=arity --out $OUT   # the GPU run
+  python -m benchmarks treelstm --quick                   # CPU, both models (~1.5 min)
+  python -m benchmarks.treelstm --full models=arity --out $OUT   # the GPU run
 """
 
 from __future__ import annotations
@@ -475,7 +475,7 @@ def run_arity(flags: dict | None = None) -> dict:
   """
   import sys
 
-  from dynjax.bench import data
+  from benchmarks import data
 
   flags = dict(flags or {})
   quick = bool(flags.get("quick", jax.default_backend() == "cpu"))
@@ -696,14 +696,14 @@ def run(flags: dict | None = None, out_dir: str | None = None) -> dict:
 
 
 def _versions() -> dict:
-  from dynjax.bench._suite import versions
+  from benchmarks._suite import versions
 
   return versions()
 
 
 def _run_childsum(flags: dict) -> dict:
   """The four-cell child-sum model over child lists (forget/add/node; the first benchmark)."""
-  from dynjax.bench import data
+  from benchmarks import data
 
   quick = bool(flags.get("quick", jax.default_backend() == "cpu"))
   batch = int(flags.get("batch", 16 if quick else 64))
@@ -827,7 +827,7 @@ def format_table(res: dict) -> str:
 
 
 def _main(argv: Sequence[str] | None = None) -> None:
-  """``python -m dynjax.bench._treelstm [--full] [--out DIR] [key=value ...]``."""
+  """``python -m benchmarks.treelstm [--full] [--out DIR] [key=value ...]``."""
   import sys
 
   argv = list(sys.argv[1:] if argv is None else argv)

@@ -1,13 +1,13 @@
-"""``python -m dynjax.bench WORKLOAD [flags]``: the benchmark suite on real data.
+"""``python -m benchmarks WORKLOAD [flags]``: the benchmark suite on real data.
 
 Workloads: bert (Flax Linen, --size tiny|small|base), encoder (jax.numpy), lstm, and, once their
 issues land, decode, treelstm (control-flow VM) and moe (routing).  Examples:
 
-  python -m dynjax.bench bert --size tiny --quick          # ~1 min on 2 CPU cores (make demo)
-  python -m dynjax.bench bert --size base --requests 1000 --jit_budget_s 240 \
+  python -m benchmarks bert --size tiny --quick          # ~1 min on 2 CPU cores (make demo)
+  python -m benchmarks bert --size base --requests 1000 --jit_budget_s 240 \
       --oracle_max_shapes 48 --out bench_out               # the GPU run
-  python -m dynjax.bench lstm --modes jit,oracle,dynjax_pow2
-  python -m dynjax.bench moe -- --its-own-flags            # a stand-alone script
+  python -m benchmarks lstm --modes jit,oracle,dynjax_pow2
+  python -m benchmarks moe -- --its-own-flags            # a stand-alone script
 
 Writes a table to stdout, ``<out>/<workload>.json`` and ``<out>/<workload>.png``.
 """
@@ -18,7 +18,7 @@ import sys
 
 from absl import app, flags
 
-from dynjax.bench import _suite
+from benchmarks import _suite
 
 _SIZE = flags.DEFINE_string("size", "tiny", "model size: tiny, small or base")
 _REQUESTS = flags.DEFINE_integer(

@@ -1,9 +1,9 @@
 """The child process of isolated benchmark modes (``--isolate``) and of the restart modes.
 
-``python -m dynjax.bench._child '<json>'`` rebuilds the run's workload (same seed: the same
+``python -m benchmarks._child '<json>'`` rebuilds the run's workload (same seed: the same
 requests and weights; the request stream comes from ``DYNJAX_BENCH_STREAM_CACHE`` when the
 parent set it), builds one mode and times its cold pass over the whole stream exactly as
-:func:`dynjax.bench._suite.cold_mode` does, then (``steady``) one steady pass.  The last line
+:func:`benchmarks._suite.cold_mode` does, then (``steady``) one steady pass.  The last line
 of stdout is the mode's JSON record.  Not timed: imports, the data set and the parameters (no
 mode of the suite counts those).
 """
@@ -17,7 +17,7 @@ import sys
 
 def main(argv: list[str]) -> None:
   payload = json.loads(argv[1])
-  from dynjax.bench import _suite
+  from benchmarks import _suite
 
   raw = payload["config"]
   cfg = _suite.Config(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in raw.items()})

@@ -354,7 +354,7 @@ def decode_nested_python(params, prompts, per_sentence, sentences, heads, max_le
 
 # -- the benchmark ----------------------------------------------------------------------------
 def _prompts(batch: int, n: int, max_prompt: int, seed: int) -> list[np.ndarray]:
-  from dynjax.bench import data
+  from benchmarks import data
 
   docs = [d for d in data.docstring_bytes(max_len=max_prompt) if len(d) >= 4]
   rng = np.random.default_rng(seed)
@@ -469,7 +469,8 @@ def run(flags: dict | None = None, out_dir: str | None = None) -> dict:
     save()
   if "hlo" in sections:
     try:
-      res["hlo_body_ops"] = _hlo_body_ops(params, max_prompt, new_tokens, heads, max_len, seed)
+      res["hlo_body_ops"] = _hlo_body_ops(params, cfg, max_prompt, new_tokens, heads,
+                                           max_len, seed)
     except Exception as e:  # noqa: BLE001 - a diagnostic; never fail the run for it
       res["hlo_body_ops"] = {"error": f"{type(e).__name__}: {e}"}
     if progress:
@@ -490,13 +491,21 @@ def run(flags: dict | None = None, out_dir: str | None = None) -> dict:
 
 
 def _loop_defaults() -> dict:
-  from dynjax.control._loop import _use_cap, default_unroll
+  """What ``while_loop``'s ``unroll=None`` and ``bucket_from="auto"`` resolve to on this
+  backend, asked of the loop itself: a tiny capped loop (``i < 2``) runs once with the defaults
+  and :func:`dynjax.control.loop_stats` reports its unroll and whether it started from the cap."""
+  from dynjax.control import loop_stats, while_loop
 
-  class _S:
-    cap = True
-    bucket_from = "auto"
+  def cond(c):
+    return c[1] < 2
 
-  return {"unroll": default_unroll(), "bucket_from_auto": "cap" if _use_cap(_S) else "init"}
+  def body(c):
+    return jnp.concatenate([c[0], c[0][:1]]), c[1] + 1
+
+  while_loop(cond, body, (np.zeros(1, np.float32), np.int32(0)))
+  st = loop_stats()
+  return {"unroll": st.get("unroll"),
+          "bucket_from_auto": "cap" if st.get("cap") is not None else "init"}
 
 
 def _decode_rows(params, modes, batches, requests, max_prompt, new_tokens, heads, max_len,
@@ -727,38 +736,81 @@ def _while_body_ops(hlo_text: str) -> dict:
   return out
 
 
-def _hlo_body_ops(params, max_prompt, new_tokens, heads, max_len, seed) -> dict:
-  """Per-iteration kernels of dynjax's hoisted loop vs while_max (batch 1, the largest
-  bucket the run uses), from the optimized HLO of the device that runs the benchmark."""
-  from dynjax.control import _loop as L
+def _hlo_body_ops(params, cfg, max_prompt, new_tokens, heads, max_len, seed) -> dict:
+  """Per-iteration kernels of dynjax's hoisted loop vs while_max (batch 1, the bucket of
+  ``max_len``), from the optimized HLO of the device that runs the benchmark.
+
+  dynjax does not hand out a loop's executable, so a child process (:func:`_hlo_child`) runs
+  each variant's loop once at that bucket with XLA's dump flags, and the dumped optimized module
+  that holds the while loop is read here.
+  """
+  import subprocess
+  import sys
+  import tempfile
+
+  from dynjax.buckets import pow2
 
   pr = _prompts(1, 1, max_prompt, seed)[0]
-  out = {}
-  for name, opts in (("dynjax", {}), ("dynjax_init_u1", VARIANTS["dynjax_init_u1"])):
-    cond, body = make_step(params, new_tokens, heads)
-    init = init_carry(pr)
-    leaves, treedef = jax.tree_util.tree_flatten(init)
-    avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
-    unroll = opts.get("unroll", L.default_unroll())
-    loop = L._get_loop(cond, body, treedef, avals, None, None, "auto", unroll,
-                       opts.get("bucket_from", "auto"))
-    spec = loop.spec
-    bucket = L._bucket_for(spec, (max_len,))
-    shapes = L._padded_shapes(spec, bucket)
-    args = [*spec.body_consts, *spec.cond_consts, np.asarray([pr.shape[1]], np.int32),
-            *[jnp.zeros(s, x.dtype) for s, x in zip(shapes, leaves, strict=True)]]
-    text = spec.hoisted.get(bucket).lower(*args).compile().as_text()
-    ops = _while_body_ops(text)
-    ops["unroll"] = unroll
-    ops["per_step_total"] = round(ops.get("total", 0) / unroll, 2)
-    out[name] = ops
+  bucket = pow2(min=16).bucket(max_len)  # while_loop's default policy (see its docstring)
+  variants = {"dynjax": {}, "dynjax_init_u1": VARIANTS["dynjax_init_u1"]}
+  with tempfile.TemporaryDirectory(prefix="dynjax_decode_hlo_") as dump:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump}"
+                                       " --xla_dump_hlo_as_text").strip(),
+           "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    payload = {"d": cfg.d, "heads": cfg.heads, "ffn": cfg.ffn, "seed": seed, "heads_arg": heads,
+               "new_tokens": new_tokens, "bucket": bucket, "prompt": pr.tolist(),
+               "dump": dump, "variants": variants}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.decode", "--hlo-child",
+                           json.dumps(payload)], capture_output=True, text=True, env=env,
+                          timeout=600)
+    if proc.returncode != 0:
+      raise RuntimeError(f"the HLO child process failed: {proc.stderr[-2000:]}")
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = {}
+    for name in variants:
+      with open(found[name]["file"]) as f:
+        ops = _while_body_ops(f.read())
+      unroll = found[name]["unroll"]
+      ops["unroll"] = unroll
+      ops["per_step_total"] = round(ops.get("total", 0) / unroll, 2)
+      out[name] = ops
   wc, wb = _padded_fns(params, max_len, new_tokens, heads)
   text = jax.jit(lambda c: lax.while_loop(wc, wb, c)).lower(
       _pad_init(pr, max_len)).compile().as_text()
   out["while_max"] = _while_body_ops(text)
   out["while_max"]["per_step_total"] = out["while_max"].get("total", 0)
-  out["bucket"] = int(bucket[0])
+  out["bucket"] = int(bucket)
   return out
+
+
+def _hlo_child(payload: dict) -> None:
+  """``python -m benchmarks.decode --hlo-child '<json>'`` (XLA_FLAGS dump set by the parent):
+  runs each variant's loop once, its buckets fixed to the one bucket, and prints which dumped
+  optimized module holds each variant's while loop, with the unroll the loop used."""
+  import glob
+
+  from dynjax.buckets import explicit
+  from dynjax.control import loop_stats, while_loop
+
+  params = init_lm(LMConfig(d=payload["d"], heads=payload["heads"], ffn=payload["ffn"]),
+                   seed=payload["seed"])
+  pr = np.asarray(payload["prompt"], np.int32)
+  pattern = os.path.join(payload["dump"], "*after_optimizations.txt")
+  seen: set = set(glob.glob(pattern))
+  found = {}
+  for name, opts in payload["variants"].items():
+    cond, body = make_step(params, payload["new_tokens"], payload["heads_arg"])
+    jax.block_until_ready(while_loop(cond, body, init_carry(pr),
+                                     buckets=explicit([payload["bucket"]]), **opts))
+    new = sorted(set(glob.glob(pattern)) - seen)
+    seen.update(new)
+    loops = [p for p in new if "while(" in open(p).read()]
+    if not loops:
+      raise RuntimeError(f"{name}: no dumped module with a while loop (mode "
+                         f"{loop_stats().get('mode')!r})")
+    found[name] = {"file": loops[-1], "unroll": loop_stats()["unroll"]}
+  print(json.dumps(found), flush=True)
 
 
 _COLS = ["mode", "batch", "new_tokens", "warm_ms_per_token", "ratio_vs_dynjax",
@@ -816,6 +868,9 @@ def _main(argv: Sequence[str] | None = None) -> None:
   import sys
 
   argv = list(sys.argv[1:] if argv is None else argv)
+  if argv[:1] == ["--hlo-child"]:
+    _hlo_child(json.loads(argv[1]))
+    return
   flags: dict = {"quick": "--full" not in argv,
                  "progress": lambda line: print(line, flush=True)}
   out_dir = None

@@ -21,7 +21,7 @@ corpus is cached in memory per process (parsing the standard library takes ~4 s)
 version is part of every result's metadata, because the figures change with it.
 
 Example:
-  >>> from dynjax.bench import data
+  >>> from benchmarks import data
   >>> lengths = data.docstring_lengths()
   >>> stream = data.request_stream(100, batch=8, max_len=512, seed=0)
   >>> stream[0].tokens.shape, stream[0].lengths
@@ -410,7 +410,7 @@ def stream_summary(stream: Sequence[Request]) -> dict:
 
 
 def main() -> None:
-  """Prints the corpus figures next to DESIGN.md's (``python -m dynjax.bench.data``)."""
+  """Prints the corpus figures next to DESIGN.md's (``python -m benchmarks.data``)."""
   s = summary()
   print(f"standard library of Python {s['python_version']} at {s['stdlib_root']}")
   print(f"{'figure':<26}{'ours':>10}{'DESIGN.md (3.11)':>18}")

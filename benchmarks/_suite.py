@@ -1,4 +1,4 @@
-"""The benchmark suite behind ``python -m dynjax.bench WORKLOAD``.
+"""The benchmark suite behind ``python -m benchmarks WORKLOAD``.
 
 One run compares every mode on the same seeded request stream, in one process:
 
@@ -212,7 +212,7 @@ class ModeUnavailable(Exception):
 
 def child_mode(name: str, ctx: ModeContext, run_as: str | None = None,
                steady: bool = True) -> Mode:
-  """Runs mode ``run_as`` (default ``name``) in a NEW process (``dynjax.bench._child``): its
+  """Runs mode ``run_as`` (default ``name``) in a NEW process (``benchmarks._child``): its
   cold pass (timed as in :func:`cold_mode`) and, with ``steady``, one steady pass right after.
 
   Why: XLA keeps in-process caches (GPU autotuning results per gemm shape, among others), so
@@ -235,8 +235,8 @@ def child_mode(name: str, ctx: ModeContext, run_as: str | None = None,
   result: dict = {}
 
   def setup():
-    proc = subprocess.run([sys.executable, "-m", "dynjax.bench._child", payload],
-                          capture_output=True, text=True, timeout=1800)
+    proc = subprocess.run([sys.executable, "-m", "benchmarks._child", payload],
+                          capture_output=True, text=True, timeout=1800, env=_child_env())
     if proc.returncode != 0:
       raise RuntimeError(f"the {run_as} process failed: {proc.stderr[-2000:]}")
     result.update(json.loads(proc.stdout.strip().splitlines()[-1]))
@@ -648,7 +648,7 @@ def format_table(report: dict) -> str:
   v = report["versions"]
   cfg = report["config"]
   lines = []
-  lines.append(f"dynjax.bench {report['workload']} ({report['description']})")
+  lines.append(f"python -m benchmarks {report['workload']} ({report['description']})")
   lines.append(
       f"python {v['python']} | jax {v['jax']} | jaxlib {v['jaxlib']} | flax {v.get('flax')} | "
       f"torch {v.get('torch')} | {v['backend']}: {v['device_kind']} x{v['device_count']}")
@@ -762,7 +762,7 @@ def plot(report: dict, path: str) -> str | None:
   ax2.set_yscale("log")
   ax2.legend(fontsize=8)
   v = report["versions"]
-  fig.suptitle(f"dynjax.bench {report['workload']} — {v['device_kind']}, jax {v['jax']}",
+  fig.suptitle(f"python -m benchmarks {report['workload']} — {v['device_kind']}, jax {v['jax']}",
                fontsize=10)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
@@ -792,19 +792,19 @@ class WorkloadEntry:
 
 WORKLOADS: dict[str, WorkloadEntry] = {
     "bert": WorkloadEntry("Flax Linen BERT-style encoder (--size tiny|small|base), pooled output",
-                          ("dynjax.bench._workloads",), "bert"),
+                          ("benchmarks._workloads",), "bert"),
     "encoder": WorkloadEntry("Flax-free jax.numpy transformer encoder with a length mask",
-                             ("dynjax.bench._workloads",), "encoder"),
+                             ("benchmarks._workloads",), "encoder"),
     "lstm": WorkloadEntry("LSTM text classifier with lengths (lax.scan over time)",
-                          ("dynjax.bench._workloads",), "lstm"),
+                          ("benchmarks._workloads",), "lstm"),
     "decode": WorkloadEntry("greedy decoding of docstring prompts (control-flow VM)",
-                            ("dynjax.bench._decode", "dynjax.bench.decode"),
+                            ("benchmarks.decode",),
                             owner="the VM issue (4)"),
     "treelstm": WorkloadEntry("Tree-LSTM over standard-library ASTs (control-flow VM)",
-                              ("dynjax.bench._treelstm", "dynjax.bench.treelstm"),
+                              ("benchmarks.treelstm",),
                               owner="the VM issue (4)"),
     "moe": WorkloadEntry("mixture-of-experts FFN with skewed routing + MoE encoder e2e",
-                         ("dynjax.bench._moe",), "run_cli", owner="the routing issue (6)"),
+                         ("benchmarks.moe",), "run_cli", owner="the routing issue (6)"),
 }
 
 
@@ -814,7 +814,15 @@ def register_workload(name: str, entry: WorkloadEntry) -> None:
 
 
 def _repo_root() -> str:
-  return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  """The directory that holds ``benchmarks/`` (what ``python -m benchmarks`` needs on the path)."""
+  return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _child_env() -> dict:
+  """The environment of a child ``python -m benchmarks...``: the repository root on
+  ``PYTHONPATH``, so the child finds this package whatever its working directory."""
+  path = os.environ.get("PYTHONPATH")
+  return {**os.environ, "PYTHONPATH": _repo_root() + (os.pathsep + path if path else "")}
 
 
 class WorkloadNotAvailable(Exception):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dynjax.bench import models
+from benchmarks import models
 
 CFG = models.EncoderConfig(vocab=97, d_model=32, heads=4, layers=2, ffn=64, max_len=48)
 LCFG = models.LstmConfig(vocab=97, embed=8, hidden=16, classes=3)

@@ -1,9 +1,9 @@
 """Dropless MoE benchmark: dynjax.route vs lax.ragged_dot vs capacity dispatch vs roofline.
 
-    python -m dynjax.bench moe --out DIR                 # H100 sizes (8/64 experts, d=1024, ...)
-    python -m dynjax.bench moe --quick                   # = --small: CPU sizes
-    python -m dynjax.bench moe -- --settings e2e --k 2   # this module's own flags after "--"
-    python benchmarks/bench_moe.py [flags]               # the same main()
+    python -m benchmarks moe --out DIR                   # H100 sizes (8/64 experts, d=1024, ...)
+    python -m benchmarks moe --quick                     # = --small: CPU sizes
+    python -m benchmarks moe -- --settings e2e --k 2     # this module's own flags after "--"
+    python -m benchmarks.moe [flags]                     # the same main() (was bench_moe.py)
 
 One process, one table per setting (Zipf(1.2) and uniform routing, 8 and 64 experts, and the
 end-to-end MoE transformer ``e2e``), written to DIR/bench_moe.json.  Every method is timed end to end from the token activations and the
@@ -24,7 +24,7 @@ Methods:
 
 Setting ``e2e`` (``--e2e`` runs only it): a one-layer MoE transformer encoder (embedding,
 masked multi-head attention, MoE FFN, masked-mean pooling) on batches of 8 standard-library
-docstrings (``dynjax.bench.data.request_stream``), numpy in, numpy out per request.  Every
+docstrings (``benchmarks.data.request_stream``), numpy in, numpy out per request.  Every
 variant runs under ``dynjax.jit(dims={"tokens": "b, t"}, padding="trust")`` with the same
 length buckets, so only the MoE layer differs:
   dynjax profiled       Routed(mode="profiled"): static capacities per bucket, no host sync
@@ -470,7 +470,7 @@ def make_e2e_variants(params, cfg: dict, k: int, policy, quantile: float = 1.0,
 
 def run_e2e(args) -> dict:
   """The end-to-end setting: per-request latency of each variant on docstring batches."""
-  from dynjax.bench import data
+  from benchmarks import data
 
   size = "small" if args.small else "full"
   cfg = dict(E2E_SIZES[size])
@@ -605,7 +605,7 @@ def main(argv=None) -> dict:
 
 
 def run_cli(cfg) -> int:
-  """``python -m dynjax.bench moe [suite flags] [-- own flags]``: runs :func:`main` in process.
+  """``python -m benchmarks moe [suite flags] [-- own flags]``: runs :func:`main` in process.
 
   The suite's ``--out`` and ``--seed`` are passed on unless given after ``--``; ``--quick``
   means ``--small``.  Returns the exit code (the suite prints no table of its own).

@@ -7,7 +7,7 @@ import platform
 import numpy as np
 import pytest
 
-from dynjax.bench import data
+from benchmarks import data
 
 
 @pytest.fixture(scope="module")

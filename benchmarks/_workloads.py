@@ -1,6 +1,6 @@
 """The array workloads of the suite: ``bert`` (Linen), ``encoder`` (jax.numpy), ``lstm``.
 
-Each request is a :class:`dynjax.bench.data.Request`: a batch of real docstrings as token ids,
+Each request is a :class:`benchmarks.data.Request`: a batch of real docstrings as token ids,
 padded to its own longest sequence (``tokens [batch, t]``, ``lengths [batch]``), exactly what a
 client would send.  Every mode gets fresh function objects, so no two modes share JAX's
 tracing or compilation caches.
@@ -14,8 +14,8 @@ import tempfile
 
 import numpy as np
 
-from dynjax.bench import data, models
-from dynjax.bench._suite import (
+from benchmarks import data, models
+from benchmarks._suite import (
     Config,
     Mode,
     ModeContext,
@@ -149,7 +149,7 @@ def _array_workload(name: str, description: str, cfg: Config, *, make_fun, param
       cache_dir = None
       if serving:
         # A fresh cache per serving mode: no mode profits from another's compiles.  The
-        # restart modes serve from it in a new process (dynjax.bench._child).
+        # restart modes serve from it in a new process (benchmarks._child).
         dirs = ctx.shared.setdefault("cache_dirs", {})
         cache_dir = dirs.get(name)
         if cache_dir is None:
@@ -229,7 +229,7 @@ def _torch_mode(name: str, torch_factory, compiled: bool):
   return factory
 
 
-# -- builders (registered in dynjax.bench._suite.WORKLOADS) ---------------------------------
+# -- builders (registered in benchmarks._suite.WORKLOADS) ---------------------------------
 def bert(cfg: Config) -> Workload:
   """The Linen BERT-style encoder of ``--size`` served through ``dynjax.flax.jit``."""
   if cfg.size not in models.ENCODER_SIZES:
