@@ -10,11 +10,6 @@ from dynjax import control as control
 from dynjax import flax as flax
 from dynjax import route as route
 from dynjax import runtime as runtime
-from dynjax.jit import Compiled as Compiled
-from dynjax.jit import Lowered as Lowered
-from dynjax.jit import Traced as Traced
-from dynjax.jit import Wrapped as Wrapped
-from dynjax.jit import jit as jit
 from dynjax._errors import ControlFlowError as ControlFlowError
 from dynjax._errors import DtypeMismatchError as DtypeMismatchError
 from dynjax._errors import DynjaxError as DynjaxError
@@ -31,6 +26,11 @@ from dynjax.control import cell as cell
 from dynjax.control import cond as cond
 from dynjax.control import recursive as recursive
 from dynjax.control import while_loop as while_loop
+from dynjax.jit import Compiled as Compiled
+from dynjax.jit import Lowered as Lowered
+from dynjax.jit import Traced as Traced
+from dynjax.jit import Wrapped as Wrapped
+from dynjax.jit import jit as jit
 
 __version__ = "0.1.0"
 

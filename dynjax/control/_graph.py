@@ -155,7 +155,7 @@ class Graph:
     """Records one cell call; returns its placeholders.
 
     Hot path, measured on the 2-core CPU box (python 3.11, the arity Tree-LSTM of
-    ``dynjax.bench._treelstm``, up to 6 arguments): ~0.8-1 us per call, of ~1.7-1.9 us per
+    ``benchmarks/treelstm.py``, up to 6 arguments): ~0.8-1 us per call, of ~1.7-1.9 us per
     node recorded in all (the user's own recursion is ~0.4-0.5 us of it).  Per argument: one
     type test for a pending result or a Python/numpy scalar, else one ``dict`` lookup by
     ``id`` (params, objects seen before in this batch), else a kind by (type, shape, dtype)

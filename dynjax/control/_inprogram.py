@@ -18,7 +18,7 @@ runs it as a *host program*:
   control op under ``vmap``/an inner ``jit``, or Python code that needs a concrete dim.  The
   reason is in ``Wrapped.stats()["programs"]`` and ``program_runs()``.
 
-Cost (CPU, 2 shared cores, ``python -m dynjax.bench decode``, ``program_*`` rows: a 4-layer
+Cost (CPU, 2 shared cores, ``python -m benchmarks decode``, ``program_*`` rows: a 4-layer
 encoder on the prompt, then the decode loop): compiled 0.88 vs 6.35 ms per request op by op
 (7.2x; d 32, 16 new tokens) and 4.2 vs 10.9 ms (2.6x; d 64, 32 new tokens, the loop weighs
 more); 6 compiles vs 41-84 (one per (op, shape)); a new prompt length inside a bucket compiles

@@ -47,13 +47,10 @@ from dynjax.control._carry import (
 )
 from dynjax.control._frontend import NotLowerable, any_tracer, building, is_tracer, needs_vm
 from dynjax.control._hostloop import HostLoop, stage_host_loop
-from dynjax.control._loopprog import Loop, use_cap
+from dynjax.control._loopprog import Loop
 from dynjax.control._loopspec import (
-  Cap,
-  bucket_for,
   build_spec,
   pad_jaxpr,
-  padded_shapes,
   size_max,
   spec_from_symbolic,
 )
@@ -70,10 +67,6 @@ from dynjax.control._stager import (
 
 _BUCKET_FROM = ("auto", "cap", "init")
 _OVERFLOW = ("error", "exact", "grow")  # as dynjax.jit's overflow=
-
-# Older private names, still read by the benchmarks (dynjax.bench._decode).
-_use_cap, _bucket_for, _padded_shapes, _size_max, _Cap, _Loop = (
-    use_cap, bucket_for, padded_shapes, size_max, Cap, Loop)
 
 
 # -- cache of built loops --------------------------------------------------------------------
@@ -363,4 +356,3 @@ class _WhileCall(Call):
     return (env, *outs)
 
 
-_get_loop = get_loop

@@ -15,7 +15,6 @@ objects (``_stages.py``); ``stats()``/``explain()`` read the counters (``_stats.
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, overload
 

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from collections.abc import Mapping
 from typing import Any
-
-import re
 
 import jax
 from jax import export

@@ -61,7 +61,7 @@ class Traced:
     if bucket is None:
       bkey = self.bucket()
       if bkey is None:
-        raise SpecError(f"{self.name}: sizes {dict(zip(self.dim_vars, self.sizes))} run "
+        raise SpecError(f"{self.name}: sizes {dict(zip(self.dim_vars, self.sizes, strict=True))} run "
                         "exact (unpadded) under overflow='exact'; pass bucket= to lower one")
     else:
       missing = [v for v in fam.sig.var_order if v not in bucket]

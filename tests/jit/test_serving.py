@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 
 import dynjax
-from dynjax.jit import _family, _serving as serving_mod
 from dynjax._errors import PaddingUnsupportedError
+from dynjax.jit import _family
+from dynjax.jit import _serving as serving_mod
 from dynjax.jit._scheduler import CompileScheduler
 
 
