@@ -51,7 +51,7 @@ class Executor:
 
   __slots__ = ("fam", "gen", "sizes", "bkey", "exe", "pads", "shard", "full_shapes",
                "in_shapes", "tree", "dev_sizes", "out_slices", "out_shapes", "out_tree",
-               "single", "sync", "device", "return_padded", "timed", "check", "ctx", "n",
+               "single", "sync", "device", "return_padded", "timed", "check", "ctx", "n", "lock",
                "padded_elems", "true_elems", "larger", "bucket_id", "out_dynamic", "top")
 
   def __init__(self, ctx, fam: Family, sizes, own, bkey, entry, shapes, device: bool,
@@ -90,6 +90,7 @@ class Executor:
     self.timed = bool(fam.observers) or (opts.serving and self.sync)
     self.check = opts.check
     self.n = 0  # calls served, summed into the counters by stats()
+    self.lock = ctx.counters.lock
     self.padded_elems = entry.padded_elems
     self.true_elems = true_elems
     self.larger = bkey != own  # served on a larger bucket than its own (still compiling)
@@ -129,7 +130,7 @@ class Executor:
              for o, sl, s in zip(outs, self.out_slices, self.out_shapes, strict=True)]
     if self.timed:
       fam.record_time(self.bkey, time.perf_counter() - t0)
-    with self.ctx.counters.lock:
+    with self.lock:
       self.n += 1
     fam.tuple_hist[self.sizes] += 1
     out = res[0] if self.single else tree_unflatten(self.out_tree, res)
