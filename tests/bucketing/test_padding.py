@@ -113,6 +113,17 @@ CASES = [
   ),
   ("dim_as_value", lambda x: x * x.shape[1] + x.shape[0] * x.shape[1], BT, {}),
   ("iota", lambda x: x + jnp.arange(x.shape[1]) + jnp.arange(x.shape[0])[:, None], BT, {}),
+  # jnp.tile: copies along a static axis bind as is (beam search); along a dynamic axis, or a
+  # symbolic rep count, the true extent is copied back to back
+  (
+    "tile_static_beam",
+    lambda x: jnp.tile(x[:, None], (1, 3, 1, 1)).reshape(-1, *x.shape[1:]),
+    BTC,
+    {},
+  ),
+  ("tile_static_axis_sum", lambda x: jnp.tile(x, (1, 1, 2)).sum(1), BTC, {}),
+  ("tile_dynamic_axes", lambda x: jnp.tile(x, (2, 3)) * jnp.tile(x, (2, 3)).sum(0), BT, {}),
+  ("tile_symbolic_reps", lambda x: jnp.tile(x, (1, x.shape[0])).max(1), BT, {}),
   ("reshape_merge_split", lambda x: (x.reshape(-1, 3) * 2).reshape(x.shape), BTC, {}),
   ("reshape_merge_sum", lambda x: x.reshape(-1).cumsum(), BT, {}),
   ("reshape_plain", lambda x: x.reshape(x.shape[0], x.shape[1] * 3).sum(1), BTC, {}),
