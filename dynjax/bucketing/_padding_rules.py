@@ -1252,7 +1252,7 @@ def _scan_rule(ctx, eqn, invals):
 WHY_NO_RULE.update(
   {
     "fft": "a DFT of length n has n-dependent twiddle factors, so no padding of the input gives "
-    "the unpadded transform; it runs at the exact length",
+    "the unpadded transform",
     "cholesky": "a factorisation over a dynamic matrix axis has no masking rule yet (padding "
     "with an identity block would keep it exact: not implemented)",
     "triangular_solve": "a solve over a dynamic matrix axis has no masking rule yet",

@@ -213,7 +213,7 @@ class Family:
         plan = pad_jaxpr(closed, self.sig.var_order,
                          self.bucket_env(self._probe_bucket()))
       except PaddingUnsupportedError as e:
-        self.fall_back(f"the padding pass has no exact rule: {e}")
+        self.fall_back(str(e))  # names every equation the pass cannot pad
       except Exception as e:  # noqa: BLE001 - a pass bug must never give a wrong result
         self.fall_back(f"the padding pass failed ({type(e).__name__}: {e}); please report it")
       else:
@@ -228,11 +228,13 @@ class Family:
     ``PaddingFallbackError`` under ``on_fallback="error"``."""
     opts = self.ctx.opts
     if opts.on_fallback == "error":
+      reason = reason.rstrip(".")
+      sep = "\n" if "\n" in reason else ". "  # after a list of equations: a line of its own
       raise PaddingFallbackError(
           f"dynjax.jit({self.name}): padding={opts.padding!r} cannot pad this function and "
           f"on_fallback='error' refuses to run it unpadded (one compile per shape): "
-          f"{reason.rstrip('.')}. "
-          "Fix: rewrite the named line with primitives the pass supports "
+          f"{reason}{sep}"
+          "Fix: rewrite the named lines with primitives the pass supports "
           "(dynjax.bucketing.rule_coverage() lists them), use padding='trust' if the function "
           "is pad-safe, or on_fallback='warn' to accept one compile per shape") from None
     self.fallback = reason
