@@ -9,9 +9,9 @@ true size inside the bucket.
 
 The pass is an interpreter over the jaxpr (``_padding_core``) with a per-primitive rule table
 (``_padding_rules``): pass-through, masking with the identity of the combining operation, or
-relayout.  An equation touching a dynamic axis without a rule raises
-``PaddingUnsupportedError`` naming the primitive and the user's source line; the core then runs
-the function unpadded.  ``pad_jaxpr`` traces ``fun`` abstractly once, so every such error (and
+relayout.  Equations touching a dynamic axis without a rule raise one
+``PaddingUnsupportedError`` naming every one of them (primitive and the user's source line); the
+core then runs the function unpadded.  ``pad_jaxpr`` traces ``fun`` abstractly once, so every such error (and
 every rewrite listed in ``plan.rewrites``) surfaces at plan time, not inside the core's jit.
 """
 
@@ -28,7 +28,13 @@ import jax.numpy as jnp
 from dynjax import _jax_private as jp
 from dynjax._errors import PaddingUnsupportedError, ShapeMismatchError, SpecError
 from dynjax.bucketing import _padding_rules
-from dynjax.bucketing._padding_core import RULES, Context, PaddedValue, interpret_closed
+from dynjax.bucketing._padding_core import (
+  RULES,
+  Context,
+  PaddedValue,
+  interpret_closed,
+  unsupported_all,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,8 +89,9 @@ def pad_jaxpr(closed_jaxpr, dim_vars: Sequence[str], bucket: Mapping[str, int],
     A :class:`PaddingPlan`.
 
   Raises:
-    PaddingUnsupportedError: an equation touching a dynamic axis has no exact rule; the message
-      names the primitive and the user's source line.
+    PaddingUnsupportedError: equations touching a dynamic axis have no exact rule; the message
+      names every one of them (primitive, the user's source line, why), and ``e.problems``
+      holds one line per equation.
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -124,6 +131,7 @@ def pad_jaxpr(closed_jaxpr, dim_vars: Sequence[str], bucket: Mapping[str, int],
   in_shapes = [probe.padded_shape(a.shape) for a in closed_jaxpr.in_avals]
   out_shapes = [probe.padded_shape(a.shape) for a in closed_jaxpr.out_avals]
   recording: list[list[str] | None] = [None]
+  problems: list[list[str] | None] = [None]
 
   def fun(sizes, *args):
     if len(sizes) != len(dim_vars):
@@ -141,7 +149,7 @@ def pad_jaxpr(closed_jaxpr, dim_vars: Sequence[str], bucket: Mapping[str, int],
         f"{len(args)}; " + "; ".join(bad)
       )
     sizes_env = {v: jnp.asarray(s, jnp.int32) for v, s in zip(dim_vars, sizes, strict=False)}
-    ctx = Context(sizes_env, bucket_env, recording[0], size_max)
+    ctx = Context(sizes_env, bucket_env, recording[0], size_max, problems[0])
     outs = interpret_closed(ctx, closed_jaxpr, [PaddedValue(a) for a in args])
     return [
       jnp.asarray(o.val, a.dtype) if not hasattr(o.val, "shape") else o.val
@@ -149,7 +157,8 @@ def pad_jaxpr(closed_jaxpr, dim_vars: Sequence[str], bucket: Mapping[str, int],
     ]
 
   rewrites: list[str] = []
-  recording[0] = rewrites
+  found: list[str] = []
+  recording[0], problems[0] = rewrites, found
   try:
     size_specs = tuple(jax.ShapeDtypeStruct((), jnp.int32) for _ in dim_vars)
     arg_specs = [
@@ -158,7 +167,9 @@ def pad_jaxpr(closed_jaxpr, dim_vars: Sequence[str], bucket: Mapping[str, int],
     ]
     out_specs = jax.eval_shape(fun, size_specs, *arg_specs)
   finally:
-    recording[0] = None
+    recording[0] = problems[0] = None
+  if found:  # every equation it cannot pad, in one message
+    raise unsupported_all(found)
   got = [tuple(o.shape) for o in out_specs]
   if got != out_shapes:
     raise PaddingUnsupportedError(

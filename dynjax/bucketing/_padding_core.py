@@ -29,7 +29,7 @@ from jax import lax
 from jax.extend import core as jex_core
 
 from dynjax import _jax_private as jp
-from dynjax._errors import PaddingUnsupportedError
+from dynjax._errors import PaddingUnsupportedError, format_list
 
 Rule = Callable[["Context", Any, list["PaddedValue"]], list["PaddedValue"]]
 
@@ -186,10 +186,30 @@ def enclosing(eqn):
 
 
 def unsupported(eqn, why: str) -> PaddingUnsupportedError:
-  return PaddingUnsupportedError(
-    f"the padding pass has no exact rule for '{eqn.primitive.name}' at "
-    f"{source_of(eqn)}: {why}. The function runs unpadded (one compile per shape)."
-  )
+  # What happens next (run unpadded, or refuse under on_fallback="error") is the caller's to
+  # say: the message only names the equation.
+  problem = f"'{eqn.primitive.name}' at {source_of(eqn)}: {why}"
+  err = PaddingUnsupportedError(f"the padding pass has no exact rule for {problem}")
+  err.problems = (problem,)
+  return err
+
+
+def unsupported_all(problems: Sequence[str]) -> PaddingUnsupportedError:
+  """One error listing every equation the pass cannot pad (``problems``: from ``unsupported``)."""
+  problems = list(dict.fromkeys(problems))
+  if len(problems) == 1:
+    err = PaddingUnsupportedError(f"the padding pass has no exact rule for {problems[0]}")
+  else:
+    err = PaddingUnsupportedError(
+      f"the padding pass has no exact rule for {len(problems)} equations:\n" + format_list(problems)
+    )
+  err.problems = tuple(problems)
+  return err
+
+
+def problems_of(err: PaddingUnsupportedError) -> tuple[str, ...]:
+  """The equations an error names (its message when it did not come from ``unsupported``)."""
+  return getattr(err, "problems", None) or (str(err),)
 
 
 _BOUND_CACHE: dict[Any, int] = {}
@@ -199,10 +219,14 @@ class Context:
   """Per-trace state: true sizes (traced), bucket sizes (ints), the rewrite log."""
 
   def __init__(self, sizes_env: dict[str, Any], bucket_env: dict[str, int], log: list[str] | None,
-               size_max: dict[str, int] | None = None):
+               size_max: dict[str, int] | None = None, problems: list[str] | None = None):
     self.sizes_env = sizes_env
     self.bucket_env = bucket_env
     self.log = log
+    # Plan time (``pad_jaxpr``'s abstract trace): the interpreter records each equation it
+    # cannot pad here and goes on with a placeholder, so one error can name all of them.
+    # ``None``: raise at the first.
+    self.problems = problems
     self._true_cache: dict[Any, Any] = {}
     size_max = size_max or {}
     self.box = {v: (1, min(n, size_max.get(v, n))) for v, n in bucket_env.items()}
@@ -386,30 +410,53 @@ def interpret(ctx: Context, jaxpr, consts: Sequence[PaddedValue], args: Sequence
     if not touches:
       outs = [PaddedValue(o) for o in bind_plain(eqn, [pv.val for pv in invals])]
     else:
-      rule = RULES.get(eqn.primitive)
-      if rule is None:
-        why = WHY_NO_RULE.get(eqn.primitive.name, "no rule is implemented for it")
-        raise unsupported(eqn, f"it touches a dynamic axis: {why}")
       try:
-        with enclosing(eqn):
-          outs = rule(ctx, eqn, invals)
-          shapes = [
-            (ctx.padded_shape(v.aval.shape), tuple(np.shape(pv.val)))
-            for v, pv in zip(eqn.outvars, outs, strict=True)
-          ]
-      except PaddingUnsupportedError:
-        raise
-      except Exception as e:  # a rule that cannot build its rewrite: fall back, never guess
-        raise unsupported(
-          eqn, f"its rule crashed ({type(e).__name__}: {e}), a dynjax bug: please report it"
-        ) from e
-      for want, got in shapes:
-        if want != got:
-          raise unsupported(eqn, f"padded result has shape {got}, expected {want}")
+        outs = _apply_rule(ctx, eqn, invals)
+      except PaddingUnsupportedError as e:
+        if ctx.problems is None:
+          raise
+        ctx.problems.extend(problems_of(e))
+        outs = _placeholders(ctx, eqn, e)
     assert len(outs) == len(eqn.outvars), eqn
     for v, pv in zip(eqn.outvars, outs, strict=False):
       write(v, pv)
   return [read(v) for v in jaxpr.outvars]
+
+
+def _apply_rule(ctx: Context, eqn, invals: list[PaddedValue]) -> list[PaddedValue]:
+  rule = RULES.get(eqn.primitive)
+  if rule is None:
+    why = WHY_NO_RULE.get(eqn.primitive.name, "no rule is implemented for it")
+    raise unsupported(eqn, f"it touches a dynamic axis: {why}")
+  try:
+    with enclosing(eqn):
+      outs = rule(ctx, eqn, invals)
+      shapes = [
+        (ctx.padded_shape(v.aval.shape), tuple(np.shape(pv.val)))
+        for v, pv in zip(eqn.outvars, outs, strict=True)
+      ]
+  except PaddingUnsupportedError:
+    raise
+  except Exception as e:  # a rule that cannot build its rewrite: fall back, never guess
+    raise unsupported(
+      eqn, f"its rule crashed ({type(e).__name__}: {e}), a dynjax bug: please report it"
+    ) from e
+  for want, got in shapes:
+    if want != got:
+      raise unsupported(eqn, f"padded result has shape {got}, expected {want}")
+  return outs
+
+
+def _placeholders(ctx: Context, eqn, err: PaddingUnsupportedError) -> list[PaddedValue]:
+  """Garbage-padded zeros of the outputs' padded shapes, so that planning goes on past an
+  equation it cannot pad (the plan is refused anyway); when they cannot be built (key
+  arrays, tokens), the problems found so far are raised."""
+  try:
+    return [
+      PaddedValue(jnp.zeros(ctx.padded_shape(v.aval.shape), v.aval.dtype)) for v in eqn.outvars
+    ]
+  except Exception:
+    raise unsupported_all(ctx.problems) from err
 
 
 def interpret_closed(ctx: Context, closed, args: Sequence[PaddedValue]) -> list[PaddedValue]:
@@ -450,5 +497,7 @@ __all__ = [
   "interpret_closed",
   "is_dynamic_dim",
   "register",
+  "problems_of",
   "unsupported",
+  "unsupported_all",
 ]

@@ -671,6 +671,51 @@ def _concatenate_rule(ctx, eqn, invals):
   return [PaddedValue(out)]
 
 
+def _traced_primitive(fn, *args):
+  """The first primitive ``fn`` emits: for primitives ``jax.extend`` does not export, without
+  importing jax's private modules."""
+  eqns = jax.make_jaxpr(fn)(*args).eqns
+  return eqns[0].primitive if eqns else None
+
+
+# jnp.tile emits one ``tile`` primitive (jax 0.10); jax.extend has no ``tile_p``.
+_TILE = _traced_primitive(lambda x: jnp.tile(x, (2,)), np.zeros(1, np.float32))
+if _TILE is not None and _TILE.name != "tile":  # pragma: no cover - jnp.tile lowered otherwise
+  _TILE = None
+
+
+@register(_TILE)
+def _tile_rule(ctx, eqn, invals):
+  # out[..., i, ...] = x[..., i mod d, ...] along every axis.  Copies along static axes
+  # (``jnp.tile(x[:, None], (1, beam, 1))`` of beam search) leave each dynamic axis's prefix
+  # where it was: the primitive binds as is and a known fill survives.  Copies along a dynamic
+  # axis (or a symbolic rep count) are gathered from the true index ``i mod d``, so the k
+  # copies of the true extent sit back to back in the prefix of the padded output.
+  aval, out_aval = eqn.invars[0].aval, eqn.outvars[0].aval
+  reps = eqn.params["reps"]
+  x = invals[0]
+  moved = [
+    a
+    for a, r in enumerate(reps)
+    if (is_dynamic_dim(r) or int(r) != 1) and (is_dynamic_dim(aval.shape[a]) or is_dynamic_dim(r))
+  ]
+  static_reps = tuple(1 if a in moved else int(r) for a, r in enumerate(reps))
+  val = x.val
+  if any(r != 1 for r in static_reps):
+    val = eqn.primitive.bind(val, reps=static_reps)
+  fill = x.fill
+  for a in moved:
+    d = aval.shape[a]
+    n_out = ctx.padded_dim(out_aval.shape[a])
+    src = _iota(n_out) % jnp.maximum(ctx.true_dim(d), 1)
+    val = _remap_axis(val, a, src)
+    fill = None  # the padded tail along ``a`` now holds copies of valid elements
+    ctx.note(
+      eqn, f"relayout: {reps[a]} copies of the true extent of axis {a} ({d}) placed back to back"
+    )
+  return [PaddedValue(val, fill)]
+
+
 @register(P.rev_p)
 def _rev_rule(ctx, eqn, invals):
   aval = eqn.invars[0].aval
@@ -1207,7 +1252,7 @@ def _scan_rule(ctx, eqn, invals):
 WHY_NO_RULE.update(
   {
     "fft": "a DFT of length n has n-dependent twiddle factors, so no padding of the input gives "
-    "the unpadded transform; it runs at the exact length",
+    "the unpadded transform",
     "cholesky": "a factorisation over a dynamic matrix axis has no masking rule yet (padding "
     "with an identity block would keep it exact: not implemented)",
     "triangular_solve": "a solve over a dynamic matrix axis has no masking rule yet",

@@ -150,6 +150,10 @@ class Executor:
 class Dispatcher:
   """Everything behind one ``Wrapped``: its families, cache, compiler and counters."""
 
+  # Families may trace under guards they infer (``t >= 3``): ``resolve`` runs the sizes
+  # outside them exact (``Family.guard_ok``).
+  checks_guards = True
+
   def __init__(self, opts, binder, name: str):
     self.opts = opts
     self.binder = binder
@@ -231,13 +235,15 @@ class Dispatcher:
     shapes = dict(zip(fam.spec_idx, shapes_t, strict=True))
     sizes = _symbolic.solve_sizes(fam.sig, shapes)
     own, out_shapes, true_elems = fam.size_info(sizes)
-    if own is None:  # overflow="exact", or a size of 0
+    if own is None:  # overflow="exact", a size of 0, or outside the inferred guards
+      if not fam.guard_ok(sizes):
+        fam.outside_guards(sizes)  # raises under on_fallback="error"
       fam.tuple_hist[sizes] += 1
       return None
     try:
       entry, bkey, ready = self.compiler.entry_for(fam, own)
     except PaddingUnsupportedError as e:  # this bucket's plan refused (the probe's did not)
-      fam.fall_back(f"the padding pass has no exact rule at bucket {own}: {e}")
+      fam.fall_back(f"at bucket {own}: {e}")
       return None
     if not ready:
       self.counters.miss()

@@ -185,18 +185,26 @@ class Family:
 
   # -- tracing -----------------------------------------------------------------------------
   def _trace(self) -> None:
-    sym = _symbolic.symbolic_avals(self.sig, self.avals)
-    try:
-      closed, out_shape = jax.make_jaxpr(self.flat_fun, return_shape=True)(*sym)
-    except Exception as e:  # noqa: BLE001 - any trace failure means: run exact
-      if needs_program(e):
-        self.mode = "program"  # dynjax.while_loop/cond/recursive inside: run on the VM
+    self.guards: tuple[str, ...] = ()
+    self._guard_bounds: tuple[tuple[int, int, float], ...] = ()  # (var index, lo, hi)
+    self._warned_guards = False
+    for attempt in range(MAX_GUARDS + 1):
+      sym = _symbolic.symbolic_avals(self.sig, self.avals)
+      try:
+        closed, out_shape = jax.make_jaxpr(self.flat_fun, return_shape=True)(*sym)
+        break
+      except Exception as e:  # noqa: BLE001 - any trace failure means: run exact
+        if needs_program(e):
+          self.mode = "program"  # dynjax.while_loop/cond/recursive inside: run on the VM
+          return
+        if self.mode == "exact":
+          return
+        if attempt < MAX_GUARDS and self._add_guard(e):
+          continue  # re-trace under one more inferred guard
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        self.fall_back(self._under_guards(
+            f"symbolic tracing failed ({type(e).__name__}: {first})"))
         return
-      if self.mode == "exact":
-        return
-      first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-      self.fall_back(f"symbolic tracing failed ({type(e).__name__}: {first})")
-      return
     self.jaxpr = closed
     out_leaves = list(out_shape)
     self.out_tree = self.flat_fun.out_tree
@@ -217,13 +225,110 @@ class Family:
     elif self.mode == "auto":
       try:
         plan = pad_jaxpr(closed, self.sig.var_order,
-                         self.bucket_env(self._probe_bucket()))
+                         self.bucket_env(self._guarded_probe_bucket()))
       except PaddingUnsupportedError as e:
-        self.fall_back(f"the padding pass has no exact rule: {e}")
+        self.fall_back(self._under_guards(str(e)))  # names every equation it cannot pad
       except Exception as e:  # noqa: BLE001 - a pass bug must never give a wrong result
-        self.fall_back(f"the padding pass failed ({type(e).__name__}: {e}); please report it")
+        self.fall_back(self._under_guards(
+            f"the padding pass failed ({type(e).__name__}: {e}); please report it"))
       else:
         self.rewrites = tuple(plan.rewrites)
+
+  # -- guards: size conditions inferred while tracing ------------------------------------
+  # Where symbolic tracing needs a comparison it cannot decide (``lax.top_k(x, 3)`` asks
+  # whether ``t < 3``), the family decides it the way torch.compile guards do: it assumes the
+  # side that holds for more of the sizes the policy allows (``t >= 3``), re-traces under that
+  # constraint and records it.  Sizes outside a guard run exact (``guard_ok`` says which).
+
+  def _add_guard(self, e: BaseException) -> bool:
+    """Adds the guard that decides the comparison ``e`` found inconclusive; False when there
+    is none to add (not such an error, not ``var OP const``, too many, or no progress)."""
+    # Only a dispatcher that checks ``guard_ok`` on every call may run guarded executables.
+    if not getattr(self.ctx, "checks_guards", False):
+      return False
+    cmp = inconclusive_comparison(e)
+    if cmp is None or cmp[0] not in self.sig.var_order:
+      return False
+    var, split = cmp  # the sizes of ``var`` split into [1, split - 1] and [split, ...)
+    pol = self.ctx.policies.for_var(var)
+    top = pol.max if self.ctx.opts.overflow != "grow" else None
+    i = self.sig.var_order.index(var)
+    bounds = {j: (lo, hi) for j, lo, hi in self._guard_bounds}
+    lo, hi = bounds.get(i, (1, math.inf))
+    top = hi if top is None else min(top, hi)
+    above, below = top - max(lo, split) + 1, min(top, split - 1) - lo + 1  # sizes per side
+    if above >= below:  # ties (and no max): the side of the larger sizes
+      new = (max(lo, split), hi)
+    else:
+      new = (lo, min(hi, split - 1))
+    if new == (lo, hi) or new[0] > new[1]:
+      return False  # no progress, or no size left
+    bounds[i] = new
+    guards = guard_texts(self.sig.var_order, bounds)
+    try:
+      sig = self._signature(guards)
+    except Exception:  # noqa: BLE001 - jax refuses the constraint: no guard, run exact
+      return False
+    self.sig = sig
+    self.guards = guards
+    self._guard_bounds = tuple((j, lo, hi) for j, (lo, hi) in sorted(bounds.items()))
+    logger.info("dynjax: %s traces under the inferred guards %s", self.name, guards)
+    return True
+
+  def _signature(self, guards: tuple[str, ...]):
+    """The family's signature with ``guards`` added to its constraints (same specs)."""
+    specs = [(path, None if spec is None else spec.text, len(aval.shape))
+             for path, spec, aval in zip(self.leaf_paths, self.sig.leaves, self.avals,
+                                         strict=True)]
+    texts = [text for _, text, _ in specs]
+    return _symbolic.build_signature(specs, self._constraints(texts) + guards)
+
+  def _under_guards(self, reason: str) -> str:
+    if not self.guards:
+      return reason
+    return f"{reason} (traced under the inferred guards {', '.join(self.guards)})"
+
+  def guard_ok(self, sizes) -> bool:
+    """Whether true ``sizes`` (ints in ``sig.var_order`` order) satisfy every inferred guard.
+
+    The padded executables were traced under ``self.guards``: sizes outside them must run
+    exact (``outside_guards`` first).  True when the family has no guards.
+    """
+    for i, lo, hi in self._guard_bounds:
+      n = sizes[i]
+      if n < lo or n > hi:
+        return False
+    return True
+
+  def outside_guards(self, sizes) -> None:
+    """Call before running ``sizes`` (with ``guard_ok(sizes)`` False) exact: raises
+    ``PaddingFallbackError`` under ``on_fallback="error"``, else warns once per family."""
+    names = self.sig.var_order
+    bad = list(guard_texts(names, {i: (lo, hi) for i, lo, hi in self._guard_bounds
+                                   if not lo <= sizes[i] <= hi}))
+    at = ", ".join(f"{v} = {n}" for v, n in zip(self.sig.var_order, sizes, strict=True))
+    what = (f"dynjax.jit({self.name}): sizes {at} violate the guard(s) {', '.join(bad)} "
+            "inferred while tracing")
+    if self.ctx.opts.on_fallback == "error":
+      raise PaddingFallbackError(
+          f"{what}, and on_fallback='error' refuses to run them unpadded (one compile per "
+          f"shape). Fix: keep {', '.join(bad)}, or pass constraints=[...] that decide the "
+          "comparison the other way, or on_fallback='warn'") from None
+    if not self._warned_guards:
+      self._warned_guards = True
+      warnings.warn(f"{what}: such calls run unpadded, one compile per shape",
+                    stacklevel=_user_stacklevel())
+
+  def _guarded_probe_bucket(self) -> tuple[int, ...]:
+    """The probe bucket, each variable's at least its guards' lower bound (a smaller bucket
+    only holds sizes that run exact)."""
+    probe = list(self._probe_bucket())
+    for i, lo, _ in self._guard_bounds:
+      if probe[i] < lo:
+        p = self.ctx.policies.for_var(self.sig.var_order[i])
+        b = p.bucket(lo)
+        probe[i] = b if b is not None else p.grow(lo)
+    return tuple(probe)
 
   def _probe_bucket(self) -> tuple[int, ...]:
     pols = [self.ctx.policies.for_var(v) for v in self.sig.var_order]
@@ -234,11 +339,13 @@ class Family:
     ``PaddingFallbackError`` under ``on_fallback="error"``."""
     opts = self.ctx.opts
     if opts.on_fallback == "error":
+      reason = reason.rstrip(".")
+      sep = "\n" if "\n" in reason else ". "  # after a list of equations: a line of its own
       raise PaddingFallbackError(
           f"dynjax.jit({self.name}): padding={opts.padding!r} cannot pad this function and "
           f"on_fallback='error' refuses to run it unpadded (one compile per shape): "
-          f"{reason.rstrip('.')}. "
-          "Fix: rewrite the named line with primitives the pass supports "
+          f"{reason}{sep}"
+          "Fix: rewrite the named lines with primitives the pass supports "
           "(dynjax.bucketing.rule_coverage() lists them), use padding='trust' if the function "
           "is pad-safe, or on_fallback='warn' to accept one compile per shape") from None
     self.fallback = reason
@@ -270,8 +377,11 @@ class Family:
 
   def bucket_of(self, sizes, observe: bool = True) -> tuple | None:
     """The bucket of ``sizes`` under the policies (and the joint plan), or None: run exact
-    (``overflow="exact"``, or a size of 0).  ``observe``: the policies see the sizes."""
+    (``overflow="exact"``, a size of 0, or sizes outside the inferred guards).  ``observe``:
+    the policies see the sizes."""
     overflow = self.ctx.opts.overflow
+    if self._guard_bounds and not self.guard_ok(sizes):
+      return None  # outside a guard inferred while tracing: the padded executables don't hold
     if observe:
       for i, p in self.observers:
         p.observe(sizes[i])
@@ -503,6 +613,49 @@ def _user_stacklevel() -> int:
     frame = frame.f_back
     level += 1
   return level
+
+
+MAX_GUARDS = 8  # re-traces under inferred guards per family; one more falls back
+
+_INCONCLUSIVE = re.compile(
+    r"Symbolic dimension comparison '([^']+)' (<=|>=|<|>) '([^']+)' is inconclusive")
+_VAR_PLUS = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)(?: ([+-]) (\d+))?$")
+_INT = re.compile(r"^-?\d+$")
+_FLIP = {"<": ">", "<=": ">=", ">": "<", ">=": "<="}
+
+
+def guard_texts(var_order, bounds: dict) -> tuple[str, ...]:
+  """``jax.export`` constraints of ``{var index: (lo, hi)}`` bounds (``hi`` may be inf)."""
+  out = []
+  for i, (lo, hi) in sorted(bounds.items()):
+    if lo > 1:
+      out.append(f"{var_order[i]} >= {lo}")
+    if hi != math.inf:
+      out.append(f"{var_order[i]} <= {hi}")
+  return tuple(out)
+
+
+def inconclusive_comparison(e: BaseException | None) -> tuple[str, int] | None:
+  """``(var, split)`` from the first "Symbolic dimension comparison 'A' OP 'B' is
+  inconclusive" in an exception chain, when it compares ``var`` (or ``var + c``) with an
+  integer: the comparison holds for sizes on one side of ``split`` (``var < split`` or
+  ``var >= split``).  None for anything else (products, two variables, other errors)."""
+  seen = set()
+  while e is not None and id(e) not in seen:
+    seen.add(id(e))
+    m = _INCONCLUSIVE.search(str(e))
+    if m is not None:
+      lhs, op, rhs = (g.strip() for g in m.groups())
+      if _INT.match(lhs):
+        lhs, op, rhs = rhs, _FLIP[op], lhs
+      v = _VAR_PLUS.match(lhs)
+      if v is None or not _INT.match(rhs):
+        return None
+      # var + c OP k  <=>  var OP k - c
+      k = int(rhs) - (int(v.group(3)) if v.group(2) == "+" else -int(v.group(3) or 0))
+      return v.group(1), (k if op in ("<", ">=") else k + 1)
+    e = e.__cause__ or e.__context__
+  return None
 
 
 def needs_program(e: BaseException) -> bool:

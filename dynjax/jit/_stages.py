@@ -134,7 +134,7 @@ class Compiled:
           f"{d.name}: these arguments have another static signature (dtypes, ranks, static "
           "arguments or pytree structure) than the traced ones; call the dynjax function "
           "itself to dispatch them")
-    need = traced.bucket()
+    need = traced.bucket()  # None: these sizes run exact (overflow, or outside a guard)
     if need is None or any(n > b for n, b in zip(traced.sizes, self.bucket, strict=True)):
       raise ShapeMismatchError(
           f"these arguments need bucket {need} but this executable is bucket "

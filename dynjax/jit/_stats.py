@@ -212,6 +212,9 @@ def explain(d) -> str:
           lines.append(f"       observed {len(hist)} distinct sizes in {len(sizes)} calls "
                        f"(min {min(hist)}, max {max(hist)}); expected padded fraction of "
                        f"this plan: {p.expected_waste(sizes):.1%}")
+    if fam.guards:
+      lines.append(f"  guards inferred while tracing: {', '.join(fam.guards)} (sizes outside "
+                   "them run exact, one compile per shape)")
     if fam.joint is not None:
       lines.append(f"    jointly planned {[sig.var_order[i] for i in fam.joint.idx]}: "
                    f"{list(fam.joint.sizes())} ({fam.joint.replans} re-plans)")

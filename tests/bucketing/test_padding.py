@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -113,6 +114,17 @@ CASES = [
   ),
   ("dim_as_value", lambda x: x * x.shape[1] + x.shape[0] * x.shape[1], BT, {}),
   ("iota", lambda x: x + jnp.arange(x.shape[1]) + jnp.arange(x.shape[0])[:, None], BT, {}),
+  # jnp.tile: copies along a static axis bind as is (beam search); along a dynamic axis, or a
+  # symbolic rep count, the true extent is copied back to back
+  (
+    "tile_static_beam",
+    lambda x: jnp.tile(x[:, None], (1, 3, 1, 1)).reshape(-1, *x.shape[1:]),
+    BTC,
+    {},
+  ),
+  ("tile_static_axis_sum", lambda x: jnp.tile(x, (1, 1, 2)).sum(1), BTC, {}),
+  ("tile_dynamic_axes", lambda x: jnp.tile(x, (2, 3)) * jnp.tile(x, (2, 3)).sum(0), BT, {}),
+  ("tile_symbolic_reps", lambda x: jnp.tile(x, (1, x.shape[0])).max(1), BT, {}),
   ("reshape_merge_split", lambda x: (x.reshape(-1, 3) * 2).reshape(x.shape), BTC, {}),
   ("reshape_merge_sum", lambda x: x.reshape(-1).cumsum(), BT, {}),
   ("reshape_plain", lambda x: x.reshape(x.shape[0], x.shape[1] * 3).sum(1), BTC, {}),
@@ -480,6 +492,80 @@ def test_rng_bit_generator_over_a_dynamic_shape_says_why():
     pad_jaxpr(cj, ("t",), {"t": 8})
   with pytest.raises(PaddingUnsupportedError, match="leaves the mapping from key and shape"):
     pad_jaxpr(cj, ("t",), {"t": 8})
+
+
+def _line_of(marker: str) -> int:
+  return next(i for i, s in enumerate(open(__file__).read().splitlines(), 1) if marker in s)
+
+
+def _every_unsupported(x):
+  a = jnp.fft.fft(x).real  # LINE_MANY_FFT
+  b = jnp.linalg.cholesky(jnp.outer(x, x) + jnp.eye(x.shape[0])).sum(0)  # LINE_MANY_CHOL
+  return jnp.sin(a) + b + jnp.fft.ifft(x * 2).real  # LINE_MANY_IFFT
+
+
+def test_every_unsupported_equation_is_listed_in_one_error():
+  (t,) = export.symbolic_shape("t")
+  cj = jax.make_jaxpr(_every_unsupported)(jax.ShapeDtypeStruct((t,), jnp.float32))
+  fft = "it touches a dynamic axis: " + re.escape(
+    "a DFT of length n has n-dependent twiddle factors, so no padding of the input gives the "
+    "unpadded transform"
+  )
+  chol = "it touches a dynamic axis: " + re.escape(
+    "a factorisation over a dynamic matrix axis has no masking rule yet (padding with an "
+    "identity block would keep it exact: not implemented)"
+  )
+  at = lambda marker: rf"\S*test_padding\.py:{_line_of(marker)}:\d+ \(_every_unsupported\)"
+  want = (
+    r"^the padding pass has no exact rule for 3 equations:\n"
+    rf"  'fft' at {at('LINE_MANY_FFT')}: {fft}\n"
+    rf"  'cholesky' at {at('LINE_MANY_CHOL')}: {chol}\n"
+    rf"  'fft' at {at('LINE_MANY_IFFT')}: {fft}$"
+  )
+  with pytest.raises(PaddingUnsupportedError, match=want) as e:
+    pad_jaxpr(cj, ("t",), {"t": 8})
+  assert len(e.value.problems) == 3
+
+
+def test_fallback_message_says_no_exact_rule_once():
+  import dynjax
+
+  x = np.ones(5, np.float32)
+  first = rf"'fft' at \S*test_padding\.py:{_line_of('LINE_MANY_FFT')}:\d+ \(_every_unsupported\)"
+  f = dynjax.jit(_every_unsupported, dims={"x": "t"})
+  with pytest.warns(UserWarning) as w:
+    f(x)
+  (msg,) = [str(m.message) for m in w]
+  assert re.match(
+    r"^dynjax\.jit\(_every_unsupported\): running unpadded, one compile per shape: the padding "
+    rf"pass has no exact rule for 3 equations:\n  {first}: ",
+    msg,
+  ), msg
+  assert msg.count("no exact rule") == 1 and msg.count("running unpadded") == 1
+  g = dynjax.jit(_every_unsupported, dims={"x": "t"}, on_fallback="error")
+  with pytest.raises(dynjax.PaddingFallbackError) as e:
+    g(x)
+  msg = str(e.value)
+  assert re.match(
+    r"^dynjax\.jit\(_every_unsupported\): padding='auto' cannot pad this function and "
+    r"on_fallback='error' refuses to run it unpadded \(one compile per shape\): the padding pass "
+    rf"has no exact rule for 3 equations:\n  {first}: ",
+    msg,
+  ), msg
+  assert msg.endswith(
+    "\nFix: rewrite the named lines with primitives the pass supports "
+    "(dynjax.bucketing.rule_coverage() lists them), use padding='trust' if the function is "
+    "pad-safe, or on_fallback='warn' to accept one compile per shape"
+  )
+  assert msg.count("no exact rule") == 1 and msg.count("runs unpadded") == 0
+  h = dynjax.jit(lambda x: jnp.fft.fft(x).real, dims={"x": "t"}, on_fallback="error")
+  with pytest.raises(
+    dynjax.PaddingFallbackError,
+    match=r"\(one compile per shape\): the padding pass has no exact rule for 'fft' at \S+ \(.*\): "
+    r"it "
+    r"touches a dynamic axis: a DFT .* transform\. Fix: rewrite the named lines",
+  ):
+    h(x)
 
 
 def test_unsupported_inside_library_jit_names_user_line():

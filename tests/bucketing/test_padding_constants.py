@@ -60,6 +60,12 @@ CASES = {
   "cummax": (lambda x: lax.cummax(jnp.zeros_like(x), 0, reverse=True), _t3),
   "cummin": (lambda x: lax.cummin(x + C3, 0, reverse=True), _t3),
   "cumlogsumexp": (lambda x: lax.cumlogsumexp(jnp.zeros_like(x), 0, reverse=True), _t3),
+  "tile": (
+    lambda x: (
+      jnp.tile(C3, (x.shape[0], 1)) + jnp.tile(jnp.ones((x.shape[0], 1)), (2, 3))[: x.shape[0]]
+    ),
+    _t3,
+  ),
   "sort": (lambda x: jnp.sort(jnp.zeros_like(x) + C3, 0), _t3),
   "top_k": (lambda x: lax.top_k(jnp.zeros((3, x.shape[0])), 1)[0] + x[:1, 0], _t3),
   "conv": (

@@ -239,3 +239,41 @@ def test_random_programs(ops, true):
 
   case = Case(program, lambda b, t: [(b, t)], rtol=1e-4, atol=1e-4)
   case.check(true, (3, 6))
+
+
+BEAM = 3
+
+
+def _tile_beams(x):
+  # WMT beam search's helper: (b, ...) -> (b * beam, ...), each row repeated beam times
+  return jnp.tile(x[:, None], (1, BEAM) + (1,) * (x.ndim - 1)).reshape((-1,) + x.shape[1:])
+
+
+def beam_attend(enc, queries):
+  """One beam-search step over an encoder output: tiled memory, attention, top-k per batch."""
+  mem = _tile_beams(enc)  # (b*beam, t, D): tiles along a static axis only
+  q = jnp.tile(queries, (enc.shape[0], 1))  # (b*beam, D): a symbolic rep count
+  s = jnp.einsum("nd,ntd->nt", q, mem) / jnp.sqrt(D)
+  ctx = jnp.einsum("nt,ntd->nd", jax.nn.softmax(s, -1), mem)
+  return ctx, lax.top_k(ctx.sum(-1).reshape(-1, BEAM), 2)
+
+
+def test_beam_search_tile_pads_with_one_compile_per_bucket(compiles):
+  import dynjax
+
+  f = dynjax.jit(
+    beam_attend, dims={"enc": "b, t, 4"}, buckets={"b": [2], "t": [8, 16]}, on_fallback="error"
+  )
+  ref = jax.jit(beam_attend)
+  queries = jnp.asarray(_rng.normal(size=(BEAM, D)), jnp.float32)
+  cases = []
+  for b, t in [(1, 1), (2, 5), (2, 8), (1, 9), (2, 16)]:  # buckets t=8 and t=16
+    enc = np.random.default_rng(t).normal(size=(b, t, D)).astype(np.float32)
+    cases.append((enc, jax.tree.map(np.asarray, ref(enc, queries))))
+  before = compiles()
+  for enc, want in cases:
+    got = f(enc, queries)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+      np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+  assert compiles() - before == 2 == f.stats()["compiles"]
+  assert f.stats()["fallbacks"] == []

@@ -70,7 +70,7 @@ def test_float_outputs_match_op_by_op_tightly():
 def test_program_text_and_stats():
   f = dynjax.jit(GEN, dims={"prompt": "b, t"})
   f(_prompt(5))
-  fam = list(f._all_families.values())[-1]
+  fam = list(f._dispatcher.all_families.values())[-1]
   text = fam.program.staged.program_text()
   lines = text.splitlines()
   assert lines[0] == "program encode_generate(%in0):"

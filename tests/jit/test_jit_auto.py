@@ -95,8 +95,8 @@ def test_on_fallback_error_refuses_the_compile_storm():
   msg = str(e.value)
   assert msg.startswith(
     "dynjax.jit(<lambda>): padding='auto' cannot pad this function and on_fallback='error' "
-    "refuses to run it unpadded (one compile per shape): the padding pass has no exact rule: "
-    "the padding pass has no exact rule for 'fft' at "
+    "refuses to run it unpadded (one compile per shape): the padding pass has no exact rule "
+    "for 'fft' at "
   )
   assert "test_jit_auto.py" in msg and msg.endswith(
     "or on_fallback='warn' to accept one compile per shape"

@@ -1,0 +1,206 @@
+"""Guards: size conditions a family infers where symbolic tracing cannot decide a comparison.
+
+``lax.top_k(x, 3)`` asks whether ``t < 3``; the family assumes ``t >= 3`` (the side with more
+of the sizes the policy allows), traces and pads under it, and runs sizes outside it exact.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export, lax
+
+import dynjax
+from dynjax import _symbolic
+from dynjax.jit import _dispatch
+from dynjax.jit._family import inconclusive_comparison
+
+
+@pytest.fixture
+def guarded(monkeypatch):
+  """A dispatcher that checks ``Family.guard_ok`` before it runs a bucket.
+
+  Until ``Dispatcher`` does it itself (and says so with ``checks_guards = True``), this fixture
+  adds that check to ``Dispatcher.resolve``: the first thing it does with the true sizes.
+  """
+  if getattr(_dispatch.Dispatcher, "checks_guards", False):
+    return
+  real = _dispatch.Dispatcher.resolve
+
+  def resolve(self, fam, vals, top, key):
+    sizes = _symbolic.solve_sizes(fam.sig, dict(zip(fam.spec_idx, key[0], strict=True)))
+    if not fam.guard_ok(sizes):
+      fam.outside_guards(sizes)  # raises under on_fallback="error"
+      fam.tuple_hist[sizes] += 1
+      return None  # run exact
+    return real(self, fam, vals, top, key)
+
+  monkeypatch.setattr(_dispatch.Dispatcher, "resolve", resolve)
+  monkeypatch.setattr(_dispatch.Dispatcher, "checks_guards", True, raising=False)
+
+
+def top3(x):
+  return lax.top_k(x, 3)
+
+
+def reflect(x):
+  return jnp.pad(x, ((0, 0), (2, 2)), mode="reflect")
+
+
+def diff_max(x):
+  return jnp.diff(x, axis=1).max(1)
+
+
+# (function, the guard it needs, sizes that satisfy it, a size that violates it)
+GUARDED = {
+  "top_k": (top3, "t >= 3", [3, 5, 8, 9, 16], 2),
+  "pad_reflect": (reflect, "t >= 3", [3, 5, 8, 9, 16], 2),
+  "diff_max": (diff_max, "t >= 2", [2, 5, 8, 9, 16], 1),
+}
+
+
+def _x(t, seed=0):
+  return np.random.default_rng(seed + t).normal(size=(2, t)).astype(np.float32)
+
+
+def _assert_same(got, want):
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+@pytest.mark.parametrize("name", sorted(GUARDED))
+def test_inferred_guard_pads_with_one_compile_per_bucket(name, guarded, compiles):
+  fun, guard, sizes, _ = GUARDED[name]
+  f = dynjax.jit(fun, dims={"x": "b, t"}, buckets={"b": [2], "t": [8, 16]}, on_fallback="error")
+  ref = jax.jit(fun)
+  wants = [jax.tree.map(np.asarray, ref(_x(t))) for t in sizes]
+  before = compiles()
+  for t, want in zip(sizes, wants, strict=True):
+    _assert_same(f(_x(t)), want)
+  assert compiles() - before == 2 == f.stats()["compiles"]  # buckets t=8 and t=16
+  assert f.stats()["fallbacks"] == []
+  assert f.trace(_x(sizes[0])).family.guards == (guard,)
+
+
+@pytest.mark.parametrize("name", sorted(GUARDED))
+def test_sizes_outside_the_guard_run_exact(name, guarded):
+  fun, guard, _, bad = GUARDED[name]
+  f = dynjax.jit(fun, dims={"x": "b, t"}, buckets={"b": [2], "t": [8, 16]})
+  _assert_same(f(_x(8)), jax.jit(fun)(_x(8)))  # padded
+  try:
+    want = jax.jit(fun)(_x(bad))
+  except Exception as e:  # the exact function refuses this size: so must dynjax
+    with pytest.warns(UserWarning, match=rf"violate the guard\(s\) {guard} inferred"):
+      with pytest.raises(type(e)):
+        f(_x(bad))
+  else:
+    with pytest.warns(UserWarning, match=rf"violate the guard\(s\) {guard} inferred"):
+      _assert_same(f(_x(bad)), want)
+    _assert_same(f(_x(bad)), want)  # warned once
+    assert f.stats()["exact_calls"] == 2
+  assert f.stats()["fallbacks"] == []
+
+
+def test_outside_the_guard_refuses_under_on_fallback_error(guarded):
+  f = dynjax.jit(top3, dims={"x": "b, t"}, buckets={"b": [2], "t": [8]}, on_fallback="error")
+  _assert_same(f(_x(5)), jax.jit(top3)(_x(5)))
+  with pytest.raises(
+    dynjax.PaddingFallbackError,
+    match=r"^dynjax\.jit\(top3\): sizes b = 2, t = 2 violate the guard\(s\) t >= 3 inferred while "
+    r"tracing, and on_fallback='error' refuses to run them unpadded \(one compile per shape\)\. "
+    r"Fix: keep t >= 3, or pass constraints=\[\.\.\.\] that decide the comparison the other "
+    r"way, or on_fallback='warn'$",
+  ):
+    f(_x(2))
+
+
+def small_or_diff(x):
+  return jnp.diff(x, n=3, axis=1) if x.shape[1] >= 4 else x * 2
+
+
+def test_a_small_policy_max_guards_the_side_with_more_sizes(guarded):
+  # sizes 1..4 allowed (max 4): "t >= 4" holds for one of them, "t <= 3" for three
+  f = dynjax.jit(small_or_diff, dims={"x": "b, t"}, buckets={"b": [2], "t": [2, 4]})
+  assert f.trace(_x(2)).family.guards == ("t <= 3",)
+  for t in (1, 2, 3):
+    _assert_same(f(_x(t)), jax.jit(small_or_diff)(_x(t)))
+  with pytest.warns(UserWarning, match=r"sizes b = 2, t = 4 violate the guard\(s\) t <= 3"):
+    _assert_same(f(_x(4)), jax.jit(small_or_diff)(_x(4)))
+  assert f.stats()["compiles"] == 3  # buckets t=2 and t=4 (t=4 never padded), t=4 exact
+
+
+def test_user_constraints_need_no_guard(guarded):
+  f = dynjax.jit(
+    top3,
+    dims={"x": "b, t"},
+    buckets={"b": [2], "t": [8]},
+    constraints=["t >= 3"],
+    on_fallback="error",
+  )
+  _assert_same(f(_x(4)), jax.jit(top3)(_x(4)))
+
+
+def test_undecidable_forms_fall_back_as_before(guarded):
+  f = dynjax.jit(lambda x, y: lax.top_k(x, y.shape[0]), dims={"x": "b, t", "y": "k"})
+  with pytest.warns(UserWarning, match="symbolic tracing failed"):
+    _assert_same(f(_x(5), np.ones(2)), jax.jit(lambda x, y: lax.top_k(x, 2))(_x(5), np.ones(2)))
+
+
+def _cmp_error(lhs, op, rhs):
+  return ValueError(f"Symbolic dimension comparison '{lhs}' {op} '{rhs}' is inconclusive.")
+
+
+@pytest.mark.parametrize(
+  "lhs, op, rhs, want",
+  [
+    ("t", "<", "3", ("t", 3)),
+    ("t", ">=", "3", ("t", 3)),
+    ("t", "<=", "3", ("t", 4)),
+    ("t", ">", "1", ("t", 2)),
+    ("3", ">", "t", ("t", 3)),
+    ("1", "<", "t", ("t", 2)),
+    ("t - 1", ">=", "1", ("t", 2)),
+    ("t + 2", "<", "5", ("t", 3)),
+    ("2*t", "<", "3", None),
+    ("t", "<", "s", None),
+    ("t*s", ">=", "1", None),
+    ("mod(t, 3)", "<", "1", None),
+  ],
+)
+def test_inconclusive_comparison_parses_only_var_op_const(lhs, op, rhs, want):
+  assert inconclusive_comparison(_cmp_error(lhs, op, rhs)) == want
+  chained = RuntimeError("outer")
+  chained.__cause__ = _cmp_error(lhs, op, rhs)
+  assert inconclusive_comparison(chained) == want
+  assert inconclusive_comparison(ValueError("something else")) is None
+
+
+def test_jax_still_words_inconclusive_comparisons_this_way():
+  (t,) = export.symbolic_shape("t")
+  with pytest.raises(Exception) as e:
+    jax.make_jaxpr(top3)(jax.ShapeDtypeStruct((2, t), jnp.float32))
+  assert inconclusive_comparison(e.value) == ("t", 3)
+
+
+def test_a_fallback_names_the_guards_it_traced_under(guarded):
+  def fun(x):
+    return jnp.fft.fft(x).real.sum(1) + lax.top_k(x, 3)[0].sum(1)
+
+  f = dynjax.jit(fun, dims={"x": "b, t"}, buckets={"b": [2], "t": [8]})
+  with pytest.warns(
+    UserWarning,
+    match=r"running unpadded, one compile per shape: the padding pass has no exact rule for "
+    r"'fft' at .*\(traced under the inferred guards t >= 3\)$",
+  ):
+    np.testing.assert_allclose(f(_x(5)), jax.jit(fun)(_x(5)), rtol=1e-5, atol=1e-5)
+
+
+def test_without_a_dispatcher_that_checks_guards_it_falls_back_as_before():
+  if getattr(_dispatch.Dispatcher, "checks_guards", False):
+    pytest.skip("the dispatcher checks guards")
+  f = dynjax.jit(top3, dims={"x": "b, t"}, buckets={"b": [2], "t": [8]})
+  with pytest.warns(UserWarning, match=r"symbolic tracing failed \(InconclusiveDimensionOperation"):
+    _assert_same(f(_x(5)), jax.jit(top3)(_x(5)))
+  assert f.trace(_x(5)).family.guards == ()
