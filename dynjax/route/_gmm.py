@@ -1,0 +1,246 @@
+"""Grouped GEMM over tile-aligned groups of rows: the kernel of the ``"grouped"`` routed mode.
+
+Layout.  ``lhs [M, K]`` holds the rows of ``G`` groups one after another, each group starting
+on a multiple of the row tile ``tm`` (so a group is padded by at most ``tm - 1`` rows, never to a
+capacity).  ``tile_group [M / tm]`` names the group of every row tile (``G``: the tile is past
+the last group, unused).  :func:`gmm` computes ``out[rows of g] = lhs[rows of g] @ rhs[g]``.
+
+Kernels, chosen by ``backend``:
+
+- ``"pallas"`` on GPU: one Pallas (Triton) launch over ``(row tiles, column tiles)``; a program
+  reads its group id from ``tile_group``, runs a ``fori_loop`` over ``K / tk`` blocks of
+  ``lhs[tile] @ rhs[g]`` with a float32 accumulator and writes the tile.  Unused tiles write
+  zeros.  On CPU the same kernel runs in Pallas interpret mode (slow: for tests).
+- ``"pallas"`` on TPU: ``jax.experimental.pallas.ops.tpu.megablox.gmm`` on the same layout
+  (group sizes = the tile-padded sizes).
+- ``"xla"``: ``lax.ragged_dot`` on the same layout (portable; rows past the last group are 0).
+
+Backward (``jax.custom_vjp``, Pallas kernels): ``dlhs = gmm(dy, rhs^T)`` (the same kernel,
+reading ``rhs[g]`` transposed, no copy of the weights) and ``drhs[g] = lhs[rows of g]^T @
+dy[rows of g]`` (``tgmm``: a launch over ``(G, K / tk, N / tn)`` that loops over the group's row
+tiles; an empty group gets zeros).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from dynjax._errors import RoutingError
+
+BACKENDS = ("pallas", "xla")
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+  """Block sizes of the grouped GEMM (powers of two; ``K`` and ``N`` must divide by them).
+
+  Attributes:
+    tm: row tile; also the alignment of every group (at most ``tm - 1`` padding rows a group).
+    tk: contraction block of the inner loop.
+    tn: column tile.
+    num_warps: Triton warps per program (GPU).
+    num_stages: Triton software-pipelining depth (GPU).
+
+  Example:
+    >>> dynjax.route.Tiling(tm=128, tk=64, tn=128, num_warps=8, num_stages=3)
+  """
+
+  tm: int = 128
+  tk: int = 64
+  tn: int = 128
+  num_warps: int = 8
+  num_stages: int = 3
+
+  def __post_init__(self):
+    bad = [f"{name}={getattr(self, name)!r}" for name in ("tm", "tk", "tn")
+           if not isinstance(getattr(self, name), int) or getattr(self, name) < 1
+           or getattr(self, name) & (getattr(self, name) - 1)]
+    if bad:
+      raise RoutingError(f"dynjax.route.Tiling: block sizes must be powers of two, got "
+                         f"{', '.join(bad)}")
+
+
+def num_tiles(rows: int, num_groups: int, tm: int) -> int:
+  """Static number of row tiles that holds ``rows`` rows in ``num_groups`` tile-aligned groups.
+
+  ``sum_g ceil(l_g / tm) <= (rows + G (tm - 1)) / tm``, and never more tiles than rows.
+  """
+  if rows <= 0:
+    return 0
+  return max(1, min(rows, (rows + num_groups * (tm - 1)) // tm))
+
+
+def _compiler_params(tiling: Tiling):
+  from jax.experimental.pallas import triton as plt
+
+  return plt.CompilerParams(num_warps=tiling.num_warps, num_stages=tiling.num_stages)
+
+
+def _platform() -> str:
+  return jax.devices()[0].platform
+
+
+def _gmm_kernel(tg_ref, lhs_ref, rhs_ref, out_ref, *, tiling, num_groups, k_blocks,
+                transpose_rhs):
+  tm, tk, tn = tiling.tm, tiling.tk, tiling.tn
+  t = pl.program_id(0)
+  n = pl.program_id(1)
+  g = tg_ref[t]
+  rows = pl.ds(pl.multiple_of(t * tm, tm), tm)
+  cols = pl.ds(pl.multiple_of(n * tn, tn), tn)
+
+  @pl.when(g < num_groups)
+  def _():
+    def body(i, acc):
+      ks = pl.ds(pl.multiple_of(i * tk, tk), tk)
+      a = lhs_ref[rows, ks]
+      if transpose_rhs:  # rhs[g] is [N_out, K]: contract both on their axis 1
+        b = rhs_ref[g, cols, ks]
+        dims = (((1,), (1,)), ((), ()))
+      else:
+        b = rhs_ref[g, ks, cols]
+        dims = (((1,), (0,)), ((), ()))
+      return acc + jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+
+    acc = jax.lax.fori_loop(0, k_blocks, body, jnp.zeros((tm, tn), jnp.float32))
+    out_ref[rows, cols] = acc.astype(out_ref.dtype)
+
+  @pl.when(g >= num_groups)
+  def _():
+    out_ref[rows, cols] = jnp.zeros((tm, tn), out_ref.dtype)
+
+
+def _tgmm_kernel(start_ref, count_ref, lhs_ref, dy_ref, out_ref, *, tiling):
+  tm, tk, tn = tiling.tm, tiling.tk, tiling.tn
+  g = pl.program_id(0)
+  ks = pl.ds(pl.multiple_of(pl.program_id(1) * tk, tk), tk)
+  ns = pl.ds(pl.multiple_of(pl.program_id(2) * tn, tn), tn)
+  start = start_ref[g]
+
+  def body(t, acc):
+    rows = pl.ds(pl.multiple_of(t * tm, tm), tm)
+    a = lhs_ref[rows, ks]
+    b = dy_ref[rows, ns]
+    return acc + jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())),
+                                     preferred_element_type=jnp.float32)
+
+  acc = jax.lax.fori_loop(start, start + count_ref[g], body, jnp.zeros((tk, tn), jnp.float32))
+  out_ref[g, ks, ns] = acc.astype(out_ref.dtype)
+
+
+def _check_dims(where: str, tiling: Tiling, **dims) -> None:
+  bad = [f"{name}={v} (block {b})" for name, (v, b) in dims.items() if v % b]
+  if bad:
+    raise RoutingError(f"dynjax.route.{where}: dimensions must be multiples of the tiling "
+                       f"{tiling}: {', '.join(bad)}; pick smaller blocks or use backend='xla'")
+
+
+def _pallas_gmm(lhs, rhs, tile_group, tiling: Tiling, transpose_rhs: bool):
+  m, k = lhs.shape
+  g = rhs.shape[0]
+  n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+  _check_dims("gmm", tiling, M=(m, tiling.tm), K=(k, tiling.tk), N=(n, tiling.tn))
+  interpret = _platform() == "cpu"
+  kernel = functools.partial(_gmm_kernel, tiling=tiling, num_groups=g, k_blocks=k // tiling.tk,
+                             transpose_rhs=transpose_rhs)
+  return pl.pallas_call(
+      kernel, out_shape=jax.ShapeDtypeStruct((m, n), lhs.dtype),
+      grid=(m // tiling.tm, n // tiling.tn), interpret=interpret,
+      compiler_params=None if interpret else _compiler_params(tiling),
+      name="dynjax_gmm_t" if transpose_rhs else "dynjax_gmm",
+  )(tile_group, lhs, rhs)
+
+
+def _pallas_tgmm(lhs, dy, group_start, group_count, num_groups: int, out_dtype, tiling: Tiling):
+  m, k = lhs.shape
+  n = dy.shape[1]
+  _check_dims("gmm", tiling, M=(m, tiling.tm), K=(k, tiling.tk), N=(n, tiling.tn))
+  interpret = _platform() == "cpu"
+  return pl.pallas_call(
+      functools.partial(_tgmm_kernel, tiling=tiling),
+      out_shape=jax.ShapeDtypeStruct((num_groups, k, n), out_dtype),
+      grid=(num_groups, k // tiling.tk, n // tiling.tn), interpret=interpret,
+      compiler_params=None if interpret else _compiler_params(tiling),
+      name="dynjax_tgmm",
+  )(group_start, group_count, lhs, dy)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _gmm_pallas_vjp(lhs, rhs, tile_group, group_start, group_count, tiling):
+  return _pallas_gmm(lhs, rhs, tile_group, tiling, transpose_rhs=False)
+
+
+def _fwd(lhs, rhs, tile_group, group_start, group_count, tiling):
+  out = _pallas_gmm(lhs, rhs, tile_group, tiling, transpose_rhs=False)
+  return out, (lhs, rhs, tile_group, group_start, group_count)
+
+
+def _bwd(tiling, res, dy):
+  lhs, rhs, tile_group, group_start, group_count = res
+  dy = dy.astype(lhs.dtype)
+  dlhs = _pallas_gmm(dy, rhs, tile_group, tiling, transpose_rhs=True)
+  drhs = _pallas_tgmm(lhs, dy, group_start, group_count, rhs.shape[0], rhs.dtype, tiling)
+  return dlhs, drhs, None, None, None
+
+
+_gmm_pallas_vjp.defvjp(_fwd, _bwd)
+
+
+def group_tiles(group_sizes: jax.Array, num_row_tiles: int, tm: int):
+  """``(tile_group [T], group_start [G], group_count [G])`` of tile-aligned groups.
+
+  ``group_start[g]``/``group_count[g]``: first row tile and number of row tiles of group ``g``.
+  """
+  sizes = group_sizes.astype(jnp.int32)
+  count = (sizes + tm - 1) // tm
+  end = jnp.cumsum(count)
+  start = end - count
+  tile_group = jnp.searchsorted(end, jnp.arange(num_row_tiles, dtype=jnp.int32), side="right")
+  return tile_group.astype(jnp.int32), start.astype(jnp.int32), count.astype(jnp.int32)
+
+
+def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, tiling: Tiling = Tiling(),
+        backend: str = "pallas") -> jax.Array:
+  """Grouped matmul over tile-aligned groups: ``out[rows of g] = lhs[rows of g] @ rhs[g]``.
+
+  Group ``g`` holds ``group_sizes[g]`` rows starting at row ``tm * sum_{h<g} ceil(
+  group_sizes[h] / tm)``; the rows between a group's end and the next tile boundary are padding
+  (computed, their values are whatever ``lhs`` holds there), rows after the last group's tiles
+  come out 0.  Differentiable in ``lhs`` and ``rhs``.
+
+  Args:
+    lhs: ``[M, K]``, ``M`` a multiple of ``tiling.tm``.
+    rhs: ``[G, K, N]``.
+    group_sizes: int32 ``[G]`` (traced is fine).
+    tiling: block sizes (:class:`Tiling`).
+    backend: ``"pallas"`` (Triton on GPU, megablox on TPU, interpret mode on CPU) or ``"xla"``
+      (``lax.ragged_dot`` on the tile-padded sizes).
+
+  Example:
+    >>> lhs = jnp.ones((256, 64), jnp.bfloat16); rhs = jnp.ones((4, 64, 128), jnp.bfloat16)
+    >>> y = gmm(lhs, rhs, jnp.array([100, 0, 28, 0]), tiling=Tiling(tm=64, tk=64, tn=128))
+  """
+  if backend not in BACKENDS:
+    raise RoutingError(f"dynjax.route.gmm: backend must be one of "
+                       f"{', '.join(map(repr, BACKENDS))}, got {backend!r}")
+  m = lhs.shape[0]
+  tm = tiling.tm
+  if m % tm:
+    raise RoutingError(f"dynjax.route.gmm: lhs has {m} rows, expected a multiple of the row "
+                       f"tile tm={tm}; pad the rows (see dynjax.route.grouped_layout)")
+  sizes = group_sizes.astype(jnp.int32)
+  padded = ((sizes + tm - 1) // tm) * tm
+  if backend == "xla":
+    return jax.lax.ragged_dot(lhs, rhs, padded).astype(lhs.dtype)
+  if _platform() == "tpu":
+    from jax.experimental.pallas.ops.tpu import megablox
+
+    return megablox.gmm(lhs, rhs, padded, preferred_element_type=lhs.dtype,
+                        tiling=(tiling.tm, tiling.tk, tiling.tn))
+  tile_group, start, count = group_tiles(sizes, m // tm, tm)
+  return _gmm_pallas_vjp(lhs, rhs, tile_group, start, count, tiling)
