@@ -45,6 +45,10 @@ class Tiling:
     tn: column tile.
     num_warps: Triton warps per program (GPU).
     num_stages: Triton software-pipelining depth (GPU).
+    fuse_activation: in the ``"grouped"`` layer, apply the FFN activation in the first GEMM's
+      epilogue (float32, before the bf16 store) when the layer is not differentiated: one
+      write and one read of the ``[rows, ffn]`` hidden less.  Under ``jax.grad`` the forward
+      stores the pre-activation instead (the backward needs it).
 
   Example:
     >>> dynjax.route.Tiling(tm=128, tk=64, tn=128, num_warps=8, num_stages=3)
@@ -55,6 +59,7 @@ class Tiling:
   tn: int = 128
   num_warps: int = 8
   num_stages: int = 3
+  fuse_activation: bool = True
 
   def __post_init__(self):
     bad = [f"{name}={getattr(self, name)!r}" for name in ("tm", "tk", "tn")
@@ -86,7 +91,7 @@ def _platform() -> str:
 
 
 def _gmm_kernel(tg_ref, lhs_ref, rhs_ref, out_ref, *, tiling, num_groups, k_blocks,
-                transpose_rhs):
+                transpose_rhs, activation):
   tm, tk, tn = tiling.tm, tiling.tk, tiling.tn
   t = pl.program_id(0)
   n = pl.program_id(1)
@@ -108,6 +113,8 @@ def _gmm_kernel(tg_ref, lhs_ref, rhs_ref, out_ref, *, tiling, num_groups, k_bloc
       return acc + jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
 
     acc = jax.lax.fori_loop(0, k_blocks, body, jnp.zeros((tm, tn), jnp.float32))
+    if activation is not None:
+      acc = activation(acc)
     out_ref[rows, cols] = acc.astype(out_ref.dtype)
 
   @pl.when(g >= num_groups)
@@ -140,14 +147,14 @@ def _check_dims(where: str, tiling: Tiling, **dims) -> None:
                        f"{tiling}: {', '.join(bad)}; pick smaller blocks or use backend='xla'")
 
 
-def _pallas_gmm(lhs, rhs, tile_group, tiling: Tiling, transpose_rhs: bool):
+def _pallas_gmm(lhs, rhs, tile_group, tiling: Tiling, transpose_rhs: bool, activation=None):
   m, k = lhs.shape
   g = rhs.shape[0]
   n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
   _check_dims("gmm", tiling, M=(m, tiling.tm), K=(k, tiling.tk), N=(n, tiling.tn))
   interpret = _platform() == "cpu"
   kernel = functools.partial(_gmm_kernel, tiling=tiling, num_groups=g, k_blocks=k // tiling.tk,
-                             transpose_rhs=transpose_rhs)
+                             transpose_rhs=transpose_rhs, activation=activation)
   return pl.pallas_call(
       kernel, out_shape=jax.ShapeDtypeStruct((m, n), lhs.dtype),
       grid=(m // tiling.tm, n // tiling.tn), interpret=interpret,
@@ -170,18 +177,23 @@ def _pallas_tgmm(lhs, dy, group_start, group_count, num_groups: int, out_dtype, 
   )(group_start, group_count, lhs, dy)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _gmm_pallas_vjp(lhs, rhs, tile_group, group_start, group_count, tiling):
-  return _pallas_gmm(lhs, rhs, tile_group, tiling, transpose_rhs=False)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _gmm_pallas_vjp(lhs, rhs, tile_group, group_start, group_count, tiling, activation):
+  # Not differentiated: the activation (if any) runs in the kernel's epilogue.
+  return _pallas_gmm(lhs, rhs, tile_group, tiling, transpose_rhs=False, activation=activation)
 
 
-def _fwd(lhs, rhs, tile_group, group_start, group_count, tiling):
-  out = _pallas_gmm(lhs, rhs, tile_group, tiling, transpose_rhs=False)
-  return out, (lhs, rhs, tile_group, group_start, group_count)
+def _fwd(lhs, rhs, tile_group, group_start, group_count, tiling, activation):
+  pre = _pallas_gmm(lhs, rhs, tile_group, tiling, transpose_rhs=False)
+  out = pre if activation is None else activation(pre).astype(pre.dtype)
+  return out, (lhs, rhs, tile_group, group_start, group_count, pre)
 
 
-def _bwd(tiling, res, dy):
-  lhs, rhs, tile_group, group_start, group_count = res
+def _bwd(tiling, activation, res, dy):
+  lhs, rhs, tile_group, group_start, group_count, pre = res
+  if activation is not None:
+    _, act_vjp = jax.vjp(lambda h: activation(h).astype(h.dtype), pre)
+    (dy,) = act_vjp(dy.astype(pre.dtype))
   dy = dy.astype(lhs.dtype)
   dlhs = _pallas_gmm(dy, rhs, tile_group, tiling, transpose_rhs=True)
   drhs = _pallas_tgmm(lhs, dy, group_start, group_count, rhs.shape[0], rhs.dtype, tiling)
@@ -205,7 +217,7 @@ def group_tiles(group_sizes: jax.Array, num_row_tiles: int, tm: int):
 
 
 def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, tiling: Tiling = Tiling(),
-        backend: str = "pallas") -> jax.Array:
+        backend: str = "pallas", activation=None) -> jax.Array:
   """Grouped matmul over tile-aligned groups: ``out[rows of g] = lhs[rows of g] @ rhs[g]``.
 
   Group ``g`` holds ``group_sizes[g]`` rows starting at row ``tm * sum_{h<g} ceil(
@@ -220,6 +232,9 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, tiling: Tilin
     tiling: block sizes (:class:`Tiling`).
     backend: ``"pallas"`` (Triton on GPU, megablox on TPU, interpret mode on CPU) or ``"xla"``
       (``lax.ragged_dot`` on the tile-padded sizes).
+    activation: optional elementwise function applied to the output, ``activation(lhs @ rhs)``
+      (fused into the Pallas GPU kernel's epilogue when not differentiated and
+      ``tiling.fuse_activation``; rows past the last group's tiles hold 0 or ``activation(0)``).
 
   Example:
     >>> lhs = jnp.ones((256, 64), jnp.bfloat16); rhs = jnp.ones((4, 64, 128), jnp.bfloat16)
@@ -235,12 +250,17 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, tiling: Tilin
                        f"tile tm={tm}; pad the rows (see dynjax.route.grouped_layout)")
   sizes = group_sizes.astype(jnp.int32)
   padded = ((sizes + tm - 1) // tm) * tm
+  unfused = activation is not None and (backend == "xla" or not tiling.fuse_activation or
+                                        _platform() == "tpu")
   if backend == "xla":
-    return jax.lax.ragged_dot(lhs, rhs, padded).astype(lhs.dtype)
-  if _platform() == "tpu":
+    out = jax.lax.ragged_dot(lhs, rhs, padded).astype(lhs.dtype)
+  elif _platform() == "tpu":
     from jax.experimental.pallas.ops.tpu import megablox
 
-    return megablox.gmm(lhs, rhs, padded, preferred_element_type=lhs.dtype,
-                        tiling=(tiling.tm, tiling.tk, tiling.tn))
-  tile_group, start, count = group_tiles(sizes, m // tm, tm)
-  return _gmm_pallas_vjp(lhs, rhs, tile_group, start, count, tiling)
+    out = megablox.gmm(lhs, rhs, padded, preferred_element_type=lhs.dtype,
+                       tiling=(tiling.tm, tiling.tk, tiling.tn))
+  else:
+    tile_group, start, count = group_tiles(sizes, m // tm, tm)
+    out = _gmm_pallas_vjp(lhs, rhs, tile_group, start, count, tiling,
+                          None if unfused else activation)
+  return activation(out).astype(out.dtype) if unfused else out

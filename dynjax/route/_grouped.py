@@ -86,8 +86,8 @@ def grouped_ffn(params, x: jax.Array, routing: Routing, *, activation, tiling: T
     return jnp.zeros((0, w2.shape[2]), x.dtype)
   lay = grouped_layout(routing, num_paths, tiling.tm)
   xs = jnp.take(x, lay.table, axis=0, mode="fill", fill_value=0)
-  h = gmm(xs, w1.astype(x.dtype), lay.group_sizes, tiling=tiling, backend=backend)
-  h = activation(h).astype(x.dtype)
+  h = gmm(xs, w1.astype(x.dtype), lay.group_sizes, tiling=tiling, backend=backend,
+          activation=activation)
   ys = gmm(h, w2.astype(x.dtype), lay.group_sizes, tiling=tiling, backend=backend)
   acc = jnp.promote_types(ys.dtype, jnp.float32)
   valid = routing.paths < num_paths

@@ -100,6 +100,25 @@ def test_gmm_bf16_within_tolerance():
   assert rel_err(np.asarray(db, np.float32), rb) < 1e-2
 
 
+@pytest.mark.parametrize("fuse", [True, False])
+def test_gmm_activation_fused_and_differentiated(fuse):
+  sizes = SIZES["empty_groups"]
+  lhs, rhs, ct, mask, _ = inputs(sizes, jnp.float32, seed=5)
+  gs = jnp.asarray(sizes, jnp.int32)
+  tiling = route.Tiling(tm=TM, tk=16, tn=32, fuse_activation=fuse)
+
+  def f(a, b):
+    return route.gmm(a, b, gs, tiling=tiling, activation=jax.nn.gelu)
+
+  want = jax.nn.gelu(reference(lhs, rhs, sizes)) * mask
+  np.testing.assert_allclose(np.asarray(jax.jit(f)(lhs, rhs)) * mask, want, rtol=1e-5, atol=1e-5)
+  da, db = jax.grad(lambda a, b: jnp.sum(f(a, b) * ct), (0, 1))(lhs, rhs)
+  ra, rb = jax.grad(lambda a, b: jnp.sum(route.gmm(a, b, gs, tiling=tiling, backend="xla",
+                                                   activation=jax.nn.gelu) * ct), (0, 1))(lhs, rhs)
+  np.testing.assert_allclose(np.asarray(da) * mask, np.asarray(ra) * mask, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(db), np.asarray(rb), rtol=1e-5, atol=1e-5)
+
+
 def test_gmm_errors():
   lhs = jnp.zeros((24, K_DIM))
   rhs = jnp.zeros((2, K_DIM, N_DIM))
