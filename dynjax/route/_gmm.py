@@ -81,9 +81,14 @@ def num_tiles(rows: int, num_groups: int, tm: int) -> int:
 
 
 def _compiler_params(tiling: Tiling):
-  from jax.experimental.pallas import triton as plt
+  # Triton's parameters also select the Triton backend (not Mosaic GPU) for pl.pallas_call.
+  try:
+    from jax.experimental.pallas import triton as plt
 
-  return plt.CompilerParams(num_warps=tiling.num_warps, num_stages=tiling.num_stages)
+    cls = plt.CompilerParams
+  except (ImportError, AttributeError):  # older jax
+    cls = pl.TritonCompilerParams
+  return cls(num_warps=tiling.num_warps, num_stages=tiling.num_stages)
 
 
 def _platform() -> str:
