@@ -31,6 +31,7 @@ Uses only public dynjax / dynjax.route / dynjax.flax names.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -178,10 +179,12 @@ def run_check(args) -> dict:
     def loss(p, x, lg, fn):
       return jnp.sum(fn(p, x, lg) * ct)
 
-    got = jax.jit(jax.value_and_grad(lambda p, x, lg: loss(p, x, lg, moe), (0, 1, 2)))(
+    def dense_k(p, x, lg, k=k):
+      return dense_ffn(x, lg, p["w1"], p["w2"], k)
+
+    got = jax.jit(jax.value_and_grad(functools.partial(loss, fn=moe), (0, 1, 2)))(
         params, x, logits)
-    want = jax.jit(jax.value_and_grad(lambda p, x, lg: loss(
-        p, x, lg, lambda p, x, lg: dense_ffn(x, lg, p["w1"], p["w2"], k)), (0, 1, 2)))(
+    want = jax.jit(jax.value_and_grad(functools.partial(loss, fn=dense_k), (0, 1, 2)))(
         params, x, logits)
     errs = [rel_err(a, b) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want),
                                           strict=True)]
@@ -240,11 +243,14 @@ def run_layer(name: str, k: int, args) -> dict:
     print(f"  {label:44s} {r['median_ms']:8.3f} ms  p90 {r['p90_ms']:8.3f}  err "
           f"{r['rel_err_vs_ragged_dot']:.1e}", flush=True)
 
-  tilings = args.tilings if name in args.sweep else args.tilings[:1]
-  for t in tilings:
+  # The default (tiling=None: 128- or 64-row tiles by the mean load), then the sweep.
+  tilings = {"grouped pallas default": None}
+  if name in args.sweep:
+    tilings.update({f"grouped pallas {tiling_name(t)}": t for t in args.tilings})
+  for label, t in tilings.items():
     moe = route.Routed(experts, router, mode="grouped", kernel="pallas", tiling=t)
-    record(f"grouped pallas {tiling_name(t)}", lambda p, x, b, moe=moe: moe(p, x, logits_of(x, b)))
-  gx = route.Routed(experts, router, mode="grouped", kernel="xla", tiling=args.tilings[0])
+    record(label, lambda p, x, b, moe=moe: moe(p, x, logits_of(x, b)))
+  gx = route.Routed(experts, router, mode="grouped", kernel="xla")
   record("grouped xla (ragged_dot, tile layout)", lambda p, x, b: gx(p, x, logits_of(x, b)))
   mb = args.min_bucket
   opts = dict(buckets=dynjax.buckets.linear(mb, min=mb), fusion="auto", group_overhead=256)
@@ -270,15 +276,15 @@ def run_layer(name: str, k: int, args) -> dict:
   roof = max(flops / NOMINAL_PEAK, nbytes / NOMINAL_BW) * 1e3
   print(f"  {'roofline (800 TF/s, 3.3 TB/s)':44s} {roof:8.3f} ms", flush=True)
   out = {"setting": name, "k": k, "loads": loads.tolist(), "roofline_ms": roof,
-         "methods": results}
+         "default_tiling": tiling_name(route.Tiling.auto(n * k, e)), "methods": results}
   timed = [m for m in results if m.startswith("grouped pallas") and "median_ms" in results[m]]
   if name in args.train and elapsed() < args.budget and timed:
     best = min(timed, key=lambda m: results[m]["median_ms"])
-    t = parse_tiling(best.split()[-1])
+    t = tilings[best]
     moe = route.Routed(experts, router, mode="grouped", kernel="pallas", tiling=t)
     ct = jnp.ones((n, d), jnp.float32) / n
     train = {}
-    fns = {f"train grouped pallas {tiling_name(t)}": lambda p, x, b: moe(p, x, logits_of(x, b)),
+    fns = {f"train {best}": lambda p, x, b: moe(p, x, logits_of(x, b)),
            "train profiled": lambda p, x, b: prof(p, x, logits_of(x, b)),
            "train lax.ragged_dot (sort)":
                lambda p, x, b: ragged_dot_ffn(x, logits_of(x, b), p["w1"], p["w2"], k)}
@@ -286,7 +292,7 @@ def run_layer(name: str, k: int, args) -> dict:
       g = jax.jit(jax.value_and_grad(
           lambda p, x, b, fn=fn: jnp.sum(fn(p, x, b).astype(jnp.float32) * ct), (0, 1)))
       try:
-        r = timeit([lambda x=x, b=b: g(params, x, b) for x, b in inputs], args.iters)
+        r = timeit([lambda x=x, b=b, g=g: g(params, x, b) for x, b in inputs], args.iters)
       except Exception as e:
         train[label] = {"error": f"{type(e).__name__}: {str(e)[:600]}"}
         print(f"  {label:44s} FAILED {train[label]['error'][:300]}", flush=True)
@@ -385,9 +391,8 @@ def run_e2e(args) -> dict:
   t_policy = dynjax.buckets.pow2(min=16, max=cfg["max_len"])
   experts = route.Experts(route.ffn())
   router = route.Router(cfg["experts"], k=cfg["k"], renormalize=True)
-  t = args.tilings[0]
   kernel = "pallas" if jax.default_backend() != "cpu" else "auto"
-  grouped = route.Routed(experts, router, mode="grouped", kernel=kernel, tiling=t)
+  grouped = route.Routed(experts, router, mode="grouped", kernel=kernel)
   profiled = route.Routed(experts, router, mode="profiled",
                           buckets=dynjax.buckets.geometric(1.25, min=64).aligned(64))
   variants = {"dynjax grouped (gmm kernel)": ("grouped", grouped),
@@ -449,7 +454,7 @@ def run_e2e(args) -> dict:
 
 
 def print_table(report: dict) -> None:
-  print("\n== summary (median ms; jax %s, %s)" % (report["jax"], report["device"]))
+  print(f"\n== summary (median ms; jax {report['jax']}, {report['device']})")
   for s in report["layer"]:
     m = s["methods"]
     grouped = {k: v for k, v in m.items() if k.startswith("grouped pallas") and "median_ms" in v}
@@ -460,7 +465,8 @@ def print_table(report: dict) -> None:
             ("dense", "dense (every expert)")]
     row = "  ".join(f"{c} {m[key]['median_ms']:7.3f}" if "median_ms" in m.get(key, {})
                     else f"{c}    -  " for c, key in cols)
-    print(f"{s['setting']:>9s} k={s['k']}  {row}  roof {s['roofline_ms']:.3f}  [{best}]")
+    print(f"{s['setting']:>9s} k={s['k']}  {row}  roof {s['roofline_ms']:.3f}  [{best}; "
+          f"default {s['default_tiling']}]")
     for label, r in s.get("train", {}).items():
       print(f"{'':>13s} {label}: {r.get('median_ms', float('nan')):.3f} ms")
   if report.get("e2e"):
@@ -478,10 +484,11 @@ def main(argv=None) -> dict:
   ap.add_argument("--parts", default="check,layer,e2e")
   ap.add_argument("--settings", default="uniform8,zipf8,uniform64,zipf64")
   ap.add_argument("--k", default="1,2")
-  ap.add_argument("--tilings", default="128x64x128x8x3,128x64x256x8x3,128x64x128x4x4,"
-                  "64x64x128x4x4,128x128x128x8x3",
-                  help="tm x tk x tn x num_warps x num_stages; the first is the default")
-  ap.add_argument("--sweep", default="uniform8,zipf64", help="settings that sweep --tilings")
+  ap.add_argument("--tilings", default="128x64x128x8x3,128x64x256x8x3,128x128x128x8x3,"
+                  "64x64x128x4x4,64x64x256x8x3",
+                  help="tm x tk x tn x num_warps x num_stages, swept on --sweep settings")
+  ap.add_argument("--sweep", default="uniform8,uniform64,zipf64",
+                  help="settings that sweep --tilings (others: the default tiling only)")
   ap.add_argument("--train", default="uniform8,zipf64", help="settings timing a training step")
   ap.add_argument("--iters", type=int, default=30)
   ap.add_argument("--rotate", type=int, default=3)
@@ -495,7 +502,7 @@ def main(argv=None) -> dict:
   args.sweep = set(args.sweep.split(","))
   args.train = set(args.train.split(","))
   if args.small:
-    args.d, args.ffn, args.tokens, args.min_bucket = 64, 128, 256, 16
+    args.d, args.ffn, args.tokens, args.min_bucket = 128, 256, 256, 16
     args.tilings = [route.Tiling(tm=16, tk=16, tn=32)]
     args.iters, args.profile_draws, args.rotate = 3, 2, 2
     args.e2e_requests = min(args.e2e_requests, 6)

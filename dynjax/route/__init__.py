@@ -4,6 +4,9 @@ Example:
   >>> moe = dynjax.route.Routed(dynjax.route.Experts(dynjax.route.ffn()),
   ...                           dynjax.route.Router(8, k=2), mode="profiled")
   >>> y = jax.jit(moe)(params, x, logits)
+  >>> gmm_moe = dynjax.route.Routed(dynjax.route.Experts(dynjax.route.ffn()),
+  ...                               dynjax.route.Router(8, k=2, renormalize=True), mode="grouped")
+  >>> y = jax.jit(gmm_moe)(params, x, logits)   # grouped-GEMM kernel on GPU/TPU
 """
 
 from __future__ import annotations

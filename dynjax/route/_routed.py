@@ -99,7 +99,8 @@ class Routed:
       TPU, interpret mode on CPU), ``"xla"`` (``lax.ragged_dot`` on the same layout),
       ``"batched"`` (the ``"profiled"`` path) or ``"auto"`` (``"pallas"`` on GPU/TPU when the
       widths divide by the tiling, else ``"batched"``).
-    tiling: ``"grouped"`` mode: the grouped GEMM's :class:`Tiling`.
+    tiling: ``"grouped"`` mode: the grouped GEMM's :class:`Tiling`; default: per call shape,
+      128-row tiles when few paths share many cells, else 64-row tiles.
 
   Example:
     >>> moe = dynjax.route.Routed(dynjax.route.Experts(dynjax.route.ffn()),
@@ -163,7 +164,7 @@ class Routed:
     self.overflow_chunk = int(overflow_chunk)
     self.record = bool(record)
     self.kernel = kernel
-    self.tiling = Tiling() if tiling is None else tiling
+    self.tiling = tiling  # None: Tiling.auto(cells * k, num_paths) per call shape
     self._route = jax.jit(self.route)
     self._execs: dict[Plan, object] = {}
     # Exact-sync plan cache, keyed by the bucketed loads (bytes of an int64 array): the DP
@@ -346,7 +347,7 @@ class Routed:
       return self.kernel
     if ffn_spec(self.paths) is None or jax.default_backend() == "cpu":
       return "batched"
-    t = self.tiling
+    t = self.tiling or Tiling(tm=64)  # both auto tilings use tk, tn <= 128
     d, f = np.shape(params["w1"])[1:]
     return "pallas" if d % t.tk == 0 and d % t.tn == 0 and f % t.tk == 0 and f % t.tn == 0 \
         else "batched"
@@ -361,7 +362,9 @@ class Routed:
     if kernel == "batched":
       return self.apply(params, x, routing)
     activation, _ = ffn_spec(self.paths)
-    return grouped_ffn(params, x, routing, activation=activation, tiling=self.tiling,
+    n, k = routing.paths.shape
+    tiling = self.tiling or Tiling.auto(int(n) * int(k), self.router.num_paths)
+    return grouped_ffn(params, x, routing, activation=activation, tiling=tiling,
                        backend=kernel)
 
   # -- the layer -----------------------------------------------------------------------------
@@ -429,7 +432,7 @@ class Routed:
     s["mode"] = self.mode
     if self.mode == "grouped":
       s["kernel"] = self.kernel
-      s["tiling"] = dataclasses.asdict(self.tiling)
+      s["tiling"] = "auto" if self.tiling is None else dataclasses.asdict(self.tiling)
     s["signatures"] = {", ".join(map(str, p.capacities)): n for p, n in self._uses.items()}
     s["padded_fraction"] = 0.0 if not s["slots"] else 1.0 - s["cells"] / s["slots"]
     s["profile"] = self.profile.summary()

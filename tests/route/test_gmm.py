@@ -254,3 +254,10 @@ def test_linen_moe_grouped_jit_and_grad():
   gd = jax.grad(lambda p: jnp.sum(jnp.sin(ref(p))))(p)
   for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(gd), strict=True):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+
+
+def test_tiling_auto_keeps_tile_padding_small():
+  assert route.Tiling.auto(8192, 8) == route.Tiling()  # ~6% padding rows with 128-row tiles
+  assert route.Tiling.auto(8192, 64).tm == 64
+  moe = route.Routed(route.Experts(route.ffn()), route.Router(E), mode="grouped", kernel="xla")
+  assert moe.stats()["tiling"] == "auto"
