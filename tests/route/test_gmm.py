@@ -89,7 +89,7 @@ def test_gmm_bf16_within_tolerance():
   sizes = SIZES["empty_groups"]
   lhs, rhs, ct, mask, _ = inputs(sizes, jnp.bfloat16, seed=3)
   gs = jnp.asarray(sizes, jnp.int32)
-  f = jax.jit(lambda a, b: route.gmm(a, b, gs, tiling=TILING))
+  f = jax.jit(lambda a, b: route.gmm(a, b, gs, tiling=TILING, backend="pallas"))
   y = f(lhs, rhs)
   assert y.dtype == jnp.bfloat16
   assert rel_err(np.asarray(y, np.float32) * mask, reference(lhs, rhs, sizes)) < 1e-2
@@ -108,7 +108,7 @@ def test_gmm_activation_fused_and_differentiated(fuse):
   tiling = route.Tiling(tm=TM, tk=16, tn=32, fuse_activation=fuse)
 
   def f(a, b):
-    return route.gmm(a, b, gs, tiling=tiling, activation=jax.nn.gelu)
+    return route.gmm(a, b, gs, tiling=tiling, backend="pallas", activation=jax.nn.gelu)
 
   want = jax.nn.gelu(reference(lhs, rhs, sizes)) * mask
   np.testing.assert_allclose(np.asarray(jax.jit(f)(lhs, rhs)) * mask, want, rtol=1e-5, atol=1e-5)
@@ -125,13 +125,15 @@ def test_gmm_errors():
   with pytest.raises(RoutingError, match=re.escape(
       "lhs has 24 rows, expected a multiple of the row tile tm=16")):
     route.gmm(lhs, rhs, jnp.array([3, 4]), tiling=TILING)
-  with pytest.raises(RoutingError, match=re.escape("backend must be one of 'pallas', 'xla'")):
+  with pytest.raises(RoutingError, match=re.escape(
+      "backend must be one of 'auto', 'pallas', 'xla', got 'cuda'")):
     route.gmm(lhs, rhs, jnp.array([3, 4]), backend="cuda")
   with pytest.raises(RoutingError, match=re.escape("block sizes must be powers of two, got "
                                                    "tm=48, tn=0")):
     route.Tiling(tm=48, tn=0)
   with pytest.raises(RoutingError, match=re.escape("dimensions must be multiples of the tiling")):
-    route.gmm(jnp.zeros((16, 24)), jnp.zeros((2, 24, N_DIM)), jnp.array([3, 4]), tiling=TILING)
+    route.gmm(jnp.zeros((16, 24)), jnp.zeros((2, 24, N_DIM)), jnp.array([3, 4]), tiling=TILING,
+              backend="pallas")
 
 
 def test_grouped_layout_pads_each_group_to_the_tile_only():
