@@ -169,6 +169,18 @@ def run_check(args) -> dict:
          "gmm_dlhs_rel_err_vs_xla": rel_err(np.asarray(out["pallas"][1][0], np.float32) * mask,
                                             np.asarray(out["xla"][1][0], np.float32) * mask),
          "gmm_drhs_rel_err_vs_xla": rel_err(out["pallas"][1][1], out["xla"][1][1])}
+  for name, v in res.items():
+    print(f"  {name:52s} {v:.2e}", flush=True)
+  try:
+    res.update(check_layer(args, t))
+  except Exception as e:
+    res["layer_error"] = f"{type(e).__name__}: {str(e)[:600]}"
+    print(f"  layer check FAILED {res['layer_error']}", flush=True)
+  return res
+
+
+def check_layer(args, t) -> dict:
+  res = {}
   # The layer, f32: forward and grads against the dense reference (every expert, every token).
   e, n, dm, fm = (8, 200, 64, 128) if args.small else (8, 1000, 256, 512)
   ks = jax.random.split(jax.random.PRNGKey(1), 4)
@@ -194,8 +206,8 @@ def run_check(args) -> dict:
     errs = [rel_err(a, b) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want),
                                           strict=True)]
     res[f"layer_k{k}_f32_max_rel_err(loss,dW1,dW2,dx,dlogits)"] = max(errs)
-  for name, v in res.items():
-    print(f"  {name:52s} {v:.2e}", flush=True)
+    print(f"  layer k={k} f32 max rel err (loss, dW1, dW2, dx, dlogits) {max(errs):.2e}",
+          flush=True)
   return res
 
 
@@ -476,6 +488,7 @@ def print_table(report: dict) -> None:
     for label, r in s.get("train", {}).items():
       print(f"{'':>13s} {label}: {r.get('median_ms', float('nan')):.3f} ms")
   if report.get("e2e"):
+    print(f"  e2e kernel: {report['e2e'].get('kernel')}")
     for label, r in report["e2e"]["methods"].items():
       print(f"  e2e {label:32s} mean {r['mean_ms']:.3f} ms  cold {r['cold_s']:.1f} s  err "
             f"{r.get('rel_err_vs_dense', float('nan')):.1e}")
@@ -528,7 +541,16 @@ def main(argv=None) -> dict:
       with open(os.path.join(args.out, "bench_moe_gmm.json"), "w") as fh:
         json.dump(report, fh, indent=1, default=str)
 
-  parts = args.parts.split(",")
+  for part in args.parts.split(","):  # in the order given
+    run_part(part, args, report, save)
+  print_table(report)
+  report["elapsed_s"] = elapsed()
+  save()
+  return report
+
+
+def run_part(part: str, args, report: dict, save) -> None:
+  parts = [part]
   if "check" in parts:
     print("\n== check (on the device)", flush=True)
     try:
@@ -555,10 +577,6 @@ def main(argv=None) -> dict:
       report["e2e_error"] = f"{type(e).__name__}: {str(e)[:2000]}"
       print(f"  e2e FAILED {report['e2e_error']}", flush=True)
     save()
-  print_table(report)
-  report["elapsed_s"] = elapsed()
-  save()
-  return report
 
 
 if __name__ == "__main__":

@@ -96,7 +96,7 @@ def num_tiles(rows: int, num_groups: int, tm: int) -> int:
   return max(1, min(rows, (rows + num_groups * (tm - 1)) // tm))
 
 
-def _compiler_params(tiling: Tiling):
+def _compiler_params(tiling: Tiling, dtype):
   # Triton's parameters also select the Triton backend (not Mosaic GPU) for pl.pallas_call.
   try:
     from jax.experimental.pallas import triton as plt
@@ -104,7 +104,12 @@ def _compiler_params(tiling: Tiling):
     cls = plt.CompilerParams
   except (ImportError, AttributeError):  # older jax
     cls = pl.TritonCompilerParams
-  return cls(num_warps=tiling.num_warps, num_stages=tiling.num_stages)
+  stages = tiling.num_stages
+  if jnp.dtype(dtype).itemsize >= 4:
+    # float32 blocks are twice the bytes: 3 stages of 128x64 + 64x128 plus the epilogue asked
+    # the H100 for 256 KiB of shared memory (232 KiB available).  2 stages fit.
+    stages = min(stages, 2)
+  return cls(num_warps=tiling.num_warps, num_stages=stages)
 
 
 def _platform() -> str:
@@ -186,7 +191,7 @@ def _pallas_gmm(lhs, rhs, tile_group, tiling: Tiling, transpose_rhs: bool, activ
   return pl.pallas_call(
       kernel, out_shape=jax.ShapeDtypeStruct((m, n), lhs.dtype),
       grid=(n // tiling.tn, m // tiling.tm), interpret=interpret,
-      compiler_params=None if interpret else _compiler_params(tiling),
+      compiler_params=None if interpret else _compiler_params(tiling, lhs.dtype),
       name="dynjax_gmm_t" if transpose_rhs else "dynjax_gmm",
   )(tile_group, lhs, rhs)
 
@@ -200,7 +205,7 @@ def _pallas_tgmm(lhs, dy, group_start, group_count, num_groups: int, out_dtype, 
       functools.partial(_tgmm_kernel, tiling=tiling),
       out_shape=jax.ShapeDtypeStruct((num_groups, k, n), out_dtype),
       grid=(n // tiling.tn, k // tiling.tk, num_groups), interpret=interpret,
-      compiler_params=None if interpret else _compiler_params(tiling),
+      compiler_params=None if interpret else _compiler_params(tiling, lhs.dtype),
       name="dynjax_tgmm",
   )(group_start, group_count, lhs, dy)
 
