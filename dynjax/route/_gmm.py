@@ -81,6 +81,10 @@ class Tiling:
       >>> dynjax.route.Tiling.auto(8192, 64).tm
       64
     """
+    # Measured (H100, jax 0.11.2, bf16, d=1024, ffn=4096, 8,192 tokens, k=1, the whole
+    # grouped layer): 8 experts: 128x64x128 w8 s3 0.556 ms (128x64x256 0.656, 64-row tiles
+    # 0.77); 64 experts uniform: 64x64x128 w4 s4 0.926 ms (128x64x128 1.244); but 64 experts
+    # Zipf(1.2): 128x64x128 0.998, 64x64x128 1.114 (few experts hold most rows).
     if num_groups * 128 / 2 <= rows / 8:
       return cls()
     return cls(tm=64, tk=64, tn=128, num_warps=4, num_stages=4)

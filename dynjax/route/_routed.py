@@ -16,6 +16,11 @@ Modes (what each costs is in WORKSPACE.md, "Routing"):
   (:func:`dynjax.route.gmm`: a Pallas kernel on GPU/TPU).  One traceable function, no host
   sync, no profile, no overflow path.  Needs ``Experts(ffn(...))``; ``kernel="auto"`` falls back
   to the ``"profiled"`` batched path on CPU (where the Pallas kernel only interprets).
+
+Measured (H100, jax 0.11.2, bf16 FFN layer d=1024, ffn=4096, 8,192 tokens; benchmarks/
+bench_moe_gmm.py): k=1, 8 experts: grouped 0.556 ms, profiled 0.665, exact-sync 1.379;
+64 experts: 0.926 / 0.948 / 1.627; k=2, 8 experts: 0.975 / 0.813 / 1.260.  Training step (k=1,
+8 experts): grouped 1.86 ms, profiled 2.41.
 """
 
 from __future__ import annotations
