@@ -4,6 +4,9 @@ Example:
   >>> moe = dynjax.route.Routed(dynjax.route.Experts(dynjax.route.ffn()),
   ...                           dynjax.route.Router(8, k=2), mode="profiled")
   >>> y = jax.jit(moe)(params, x, logits)
+  >>> gmm_moe = dynjax.route.Routed(dynjax.route.Experts(dynjax.route.ffn()),
+  ...                               dynjax.route.Router(8, k=2, renormalize=True), mode="grouped")
+  >>> y = jax.jit(gmm_moe)(params, x, logits)   # grouped-GEMM kernel on GPU/TPU
 """
 
 from __future__ import annotations
@@ -14,6 +17,9 @@ from dynjax.route._dispatch import combine as combine
 from dynjax.route._dispatch import dense_reference as dense_reference
 from dynjax.route._dispatch import dispatch as dispatch
 from dynjax.route._dispatch import make_plan as make_plan
+from dynjax.route._gmm import Tiling as Tiling
+from dynjax.route._gmm import gmm as gmm
+from dynjax.route._grouped import grouped_layout as grouped_layout
 from dynjax.route._paths import Branches as Branches
 from dynjax.route._paths import Experts as Experts
 from dynjax.route._paths import ffn as ffn
@@ -25,7 +31,8 @@ from dynjax.route._router import Routing as Routing
 _FLAX_NAMES = ("LinenMoE", "NnxMoE")
 
 __all__ = ["Branches", "Experts", "LinenMoE", "NnxMoE", "Plan", "Profile", "Routed", "Router",
-           "Routing", "apply", "combine", "dense_reference", "dispatch", "ffn", "make_plan"]
+           "Routing", "Tiling", "apply", "combine", "dense_reference", "dispatch", "ffn", "gmm",
+           "grouped_layout", "make_plan"]
 
 
 def __getattr__(name: str):

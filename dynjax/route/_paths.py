@@ -157,4 +157,6 @@ def ffn(activation: Callable = jax.nn.gelu, accumulate=None) -> Callable:
     return jnp.dot(h, p["w2"], preferred_element_type=accumulate).astype(x.dtype)
 
   expert.__name__ = f"ffn_{getattr(activation, '__name__', 'act')}"
+  # Read by Routed(mode="grouped"): this expert can run as two grouped GEMMs.
+  expert.ffn_spec = (activation, accumulate)
   return expert

@@ -11,10 +11,21 @@ Modes (what each costs is in WORKSPACE.md, "Routing"):
   path's load fraction, bucketed) and are static, so the whole layer is one traceable function
   (no host sync: use it under ``jax.jit``/``jax.grad``); cells past capacity take the chunked
   overflow path, computed exactly.
+- ``"grouped"``: no capacities at all.  Cells are laid out by path, each path's rows padded to a
+  multiple of the row tile only, and the expert FFN runs as two grouped GEMMs
+  (:func:`dynjax.route.gmm`: a Pallas kernel on GPU/TPU).  One traceable function, no host
+  sync, no profile, no overflow path.  Needs ``Experts(ffn(...))``; ``kernel="auto"`` falls back
+  to the ``"profiled"`` batched path on CPU (where the Pallas kernel only interprets).
+
+Measured (H100, jax 0.11.2, bf16 FFN layer d=1024, ffn=4096, 8,192 tokens; benchmarks/
+bench_moe_gmm.py): k=1, 8 experts: grouped 0.556 ms, profiled 0.665, exact-sync 1.379;
+64 experts: 0.926 / 0.948 / 1.627; k=2, 8 experts: 0.975 / 0.813 / 1.260.  Training step (k=1,
+8 experts): grouped 1.86 ms, profiled 2.41.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 import time
@@ -34,11 +45,14 @@ from dynjax.route._dispatch import (
   group_buckets,
   make_plan,
 )
+from dynjax.route._gmm import Tiling
+from dynjax.route._grouped import ffn_spec, grouped_ffn
 from dynjax.route._paths import Branches, Experts
 from dynjax.route._profile import Profile
 from dynjax.route._router import Router, Routing
 
-MODES = ("exact-sync", "profiled")
+MODES = ("exact-sync", "profiled", "grouped")
+KERNELS = ("auto", "pallas", "xla", "batched")
 
 
 def _is_tracer(x) -> bool:
@@ -68,7 +82,7 @@ class Routed:
   Args:
     paths: :class:`Experts` (stacked parameters) or :class:`Branches` (one function per path).
     router: the :class:`Router`.
-    mode: ``"exact-sync"`` or ``"profiled"`` (see the module docstring).
+    mode: ``"exact-sync"``, ``"profiled"`` or ``"grouped"`` (see the module docstring).
     buckets: the capacity bucket policy (``dynjax.buckets``; a list means explicit sizes).
       Default: ``geometric(1.25, min=8)`` aligned to 8 (at most 25% + 8 rows of padding).
     profile: a :class:`Profile` (or a path to a saved one) for ``"profiled"``; recorded into by
@@ -86,6 +100,12 @@ class Routed:
       slots exceed the tight signature's by at most this fraction.
     overflow_chunk: rows per step of the overflow path.
     record: record loads into the profile on every ``"exact-sync"`` call.
+    kernel: ``"grouped"`` mode: ``"pallas"`` (grouped-GEMM kernel: Triton on GPU, megablox on
+      TPU, interpret mode on CPU), ``"xla"`` (``lax.ragged_dot`` on the same layout),
+      ``"batched"`` (the ``"profiled"`` path) or ``"auto"`` (``"pallas"`` on GPU/TPU when the
+      widths divide by the tiling, else ``"batched"``).
+    tiling: ``"grouped"`` mode: the grouped GEMM's :class:`Tiling`; default: per call shape,
+      128-row tiles when few paths share many cells, else 64-row tiles.
 
   Example:
     >>> moe = dynjax.route.Routed(dynjax.route.Experts(dynjax.route.ffn()),
@@ -101,7 +121,7 @@ class Routed:
                margin: float = 1.0, capacity_factor: float = 1.25, fusion: str = "auto",
                group_overhead: int = 256,
                max_signatures: int = 16, slack: float = 0.125, overflow_chunk: int = 256,
-               record: bool = True):
+               record: bool = True, kernel: str = "auto", tiling: Tiling | None = None):
     if not isinstance(paths, Experts | Branches):
       raise RoutingError(f"dynjax.route.Routed: paths must be dynjax.route.Experts(fn) or "
                          f"dynjax.route.Branches(fns), got {type(paths).__name__}; wrap the "
@@ -115,6 +135,14 @@ class Routed:
     if fusion not in FUSIONS:
       raise RoutingError(f"dynjax.route.Routed: fusion must be one of "
                          f"{', '.join(map(repr, FUSIONS))}, got {fusion!r}")
+    if kernel not in KERNELS:
+      raise RoutingError(f"dynjax.route.Routed: kernel must be one of "
+                         f"{', '.join(map(repr, KERNELS))}, got {kernel!r}")
+    if mode == "grouped" and kernel in ("pallas", "xla") and ffn_spec(paths) is None:
+      raise RoutingError(f"dynjax.route.Routed: mode='grouped' with kernel={kernel!r} runs the "
+                         "expert FFN as grouped GEMMs, so paths must be "
+                         f"dynjax.route.Experts(dynjax.route.ffn(...)), got {paths!r}; use "
+                         "kernel='batched' (or 'auto') for other paths")
     if isinstance(paths, Branches) and len(paths.fns) != router.num_paths:
       raise RoutingError(f"dynjax.route.Routed: {len(paths.fns)} branches but the router has "
                          f"num_paths={router.num_paths}; give one branch per path")
@@ -140,6 +168,8 @@ class Routed:
     self.slack = float(slack)
     self.overflow_chunk = int(overflow_chunk)
     self.record = bool(record)
+    self.kernel = kernel
+    self.tiling = tiling  # None: Tiling.auto(cells * k, num_paths) per call shape
     self._route = jax.jit(self.route)
     self._execs: dict[Plan, object] = {}
     # Exact-sync plan cache, keyed by the bucketed loads (bytes of an int64 array): the DP
@@ -315,6 +345,33 @@ class Routed:
                          f"expected num_paths={self.router.num_paths}")
     return apply(self.paths, params, x, routing, self._plan(capacities, overflow))
 
+  def grouped_kernel(self, params) -> str:
+    """The kernel ``mode="grouped"`` runs for these parameters: ``"pallas"``, ``"xla"`` or
+    ``"batched"`` (``kernel="auto"`` resolved for the default device and the widths)."""
+    if self.kernel != "auto":
+      return self.kernel
+    if ffn_spec(self.paths) is None or jax.default_backend() == "cpu":
+      return "batched"
+    t = self.tiling or Tiling(tm=64)  # both auto tilings use tk, tn <= 128
+    d, f = np.shape(params["w1"])[1:]
+    return "pallas" if d % t.tk == 0 and d % t.tn == 0 and f % t.tk == 0 and f % t.tn == 0 \
+        else "batched"
+
+  def grouped(self, params, x, routing: Routing) -> jax.Array:
+    """The ``"grouped"`` layer for a given routing (traceable, differentiable, dropless).
+
+    Example:
+      >>> y = jax.jit(lambda p, x, lg: moe.grouped(p, x, moe.route(lg)))(params, x, logits)
+    """
+    kernel = self.grouped_kernel(params)
+    if kernel == "batched":
+      return self.apply(params, x, routing)
+    activation, _ = ffn_spec(self.paths)
+    n, k = routing.paths.shape
+    tiling = self.tiling or Tiling.auto(int(n) * int(k), self.router.num_paths)
+    return grouped_ffn(params, x, routing, activation=activation, tiling=tiling,
+                       backend=kernel)
+
   # -- the layer -----------------------------------------------------------------------------
   def __call__(self, params, x, logits=None, *, labels=None, mask=None) -> jax.Array:
     """Routes ``x`` by ``logits`` (or ``labels``), runs the paths, combines; nothing dropped.
@@ -331,7 +388,7 @@ class Routed:
     """
     self._check(params, x, logits, labels)
     self._stats["calls"] += 1
-    if self.mode == "profiled":
+    if self.mode in ("profiled", "grouped"):
       if _is_symbolic(np.shape(x)[0]):
         # A symbolic number of cells (dynjax.jit's shape trace): capacities need a number, so
         # this trace gets the dense computation (exact, same shapes).  dynjax.jit's "trust"
@@ -343,6 +400,8 @@ class Routed:
                            jax.numpy.zeros((p,), jax.numpy.int32))
         return dense_reference(self.paths, params, x, stand_in)
       routing = self.route(logits, labels, mask)
+      if self.mode == "grouped":
+        return self.grouped(params, x, routing)
       return self.apply(params, x, routing)
     if _is_tracer((params, x, logits, labels)):
       raise RoutingError(
@@ -376,6 +435,9 @@ class Routed:
     """
     s = dict(self._stats)
     s["mode"] = self.mode
+    if self.mode == "grouped":
+      s["kernel"] = self.kernel
+      s["tiling"] = "auto" if self.tiling is None else dataclasses.asdict(self.tiling)
     s["signatures"] = {", ".join(map(str, p.capacities)): n for p, n in self._uses.items()}
     s["padded_fraction"] = 0.0 if not s["slots"] else 1.0 - s["cells"] / s["slots"]
     s["profile"] = self.profile.summary()

@@ -1,0 +1,98 @@
+"""The ``"grouped"`` routed layer: cells sorted by path into tile-aligned groups, grouped GEMMs.
+
+No capacities: path ``p``'s cells take rows ``[base_p, base_p + load_p)`` of one buffer, where
+``base_p`` is ``tm`` times the row tiles of the paths before it, so a path is padded by at most
+``tm - 1`` rows and the buffer has a static ``num_tiles(N*k, P, tm) * tm`` rows (the bound over
+every routing).  As in the capacity modes, the router's positions place the cells (one int32
+scatter of cell ids, one row gather; no sort).  The expert FFN then runs as two grouped GEMMs
+(:func:`dynjax.route.gmm`) with the activation between them, and the combine gathers each
+cell's ``k`` rows times its gates.  Dropless, one traceable function, no host sync.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from dynjax._errors import RoutingError
+from dynjax.route._gmm import Tiling, gmm, num_tiles
+from dynjax.route._router import Routing
+
+
+class GroupedLayout(NamedTuple):
+  """Where every (cell, choice) sits in the grouped buffer.
+
+  Attributes:
+    slots: int32 ``[N, k]``, the buffer row of each choice (``rows`` for "no path").
+    table: int32 ``[rows]``, the cell of each buffer row (``N`` for padding rows).
+    group_sizes: int32 ``[P]``, the loads.
+  """
+
+  slots: jax.Array
+  table: jax.Array
+  group_sizes: jax.Array
+
+
+def grouped_layout(routing: Routing, num_paths: int, tm: int) -> GroupedLayout:
+  """The tile-aligned grouped layout of a routing (traceable).
+
+  Example:
+    >>> r = dynjax.route.Router(4, k=2)(logits)
+    >>> lay = grouped_layout(r, 4, 128)     # lay.table: [rows] cell ids, N = padding
+  """
+  n, k = routing.paths.shape
+  rows = num_tiles(n * k, num_paths, tm) * tm
+  paths = routing.paths.reshape(-1)
+  valid = paths < num_paths
+  safe = jnp.where(valid, paths, 0)
+  loads = routing.loads.astype(jnp.int32)
+  tiles = (loads + tm - 1) // tm
+  base = (jnp.cumsum(tiles) - tiles) * tm
+  slots = jnp.where(valid, base[safe] + routing.positions.reshape(-1), rows)
+  cell = jnp.arange(n * k, dtype=jnp.int32) // k
+  table = jnp.full((rows,), n, jnp.int32).at[slots].set(cell, mode="drop")
+  return GroupedLayout(slots.reshape(n, k).astype(jnp.int32), table, loads)
+
+
+def ffn_spec(paths) -> tuple | None:
+  """``(activation, accumulate)`` when ``paths`` is ``Experts(ffn(...))``, else None."""
+  return getattr(getattr(paths, "fn", None), "ffn_spec", None)
+
+
+def grouped_ffn(params, x: jax.Array, routing: Routing, *, activation, tiling: Tiling,
+                backend: str) -> jax.Array:
+  """``sum_j gates[:, j] * act(x @ w1[p_j]) @ w2[p_j]`` via two grouped GEMMs (dropless).
+
+  Args:
+    params: ``{"w1": [P, d, f], "w2": [P, f, d]}``.
+    x: ``[N, d]``.
+    routing: the :class:`Routing`.
+    activation: the FFN activation.
+    tiling: the grouped GEMM's :class:`Tiling`.
+    backend: ``"pallas"`` or ``"xla"`` (see :func:`dynjax.route.gmm`).
+
+  Returns:
+    ``[N, d]`` in ``x``'s dtype (the weighted sum over the ``k`` choices runs in float32).
+  """
+  w1, w2 = params["w1"], params["w2"]
+  num_paths = w1.shape[0]
+  n = x.shape[0]
+  if x.ndim != 2:
+    raise RoutingError(f"dynjax.route: mode='grouped' takes cells of shape [N, d], got "
+                       f"{tuple(x.shape)}; flatten the leading axes")
+  if not n:
+    return jnp.zeros((0, w2.shape[2]), x.dtype)
+  lay = grouped_layout(routing, num_paths, tiling.tm)
+  xs = jnp.take(x, lay.table, axis=0, mode="fill", fill_value=0)
+  h = gmm(xs, w1.astype(x.dtype), lay.group_sizes, tiling=tiling, backend=backend,
+          activation=activation)
+  ys = gmm(h, w2.astype(x.dtype), lay.group_sizes, tiling=tiling, backend=backend)
+  acc = jnp.promote_types(ys.dtype, jnp.float32)
+  valid = routing.paths < num_paths
+  gates = jnp.where(valid, routing.gates, 0).astype(acc)
+  picked = jnp.take(ys, lay.slots.reshape(-1), axis=0, mode="fill", fill_value=0)
+  picked = picked.astype(acc).reshape(n, -1, ys.shape[1]) * gates[..., None]
+  y = picked[:, 0] if picked.shape[1] == 1 else jnp.sum(picked, axis=1)
+  return y.astype(x.dtype)
