@@ -34,6 +34,7 @@ import jax
 import numpy as np
 
 from dynjax._errors import RoutingError
+from dynjax._symbolic import is_symbolic
 from dynjax.bucketing._policies import BucketPolicy, as_policy, geometric
 from dynjax.route._dispatch import (
   FUSIONS,
@@ -57,10 +58,6 @@ KERNELS = ("auto", "pallas", "xla", "batched")
 
 def _is_tracer(x) -> bool:
   return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(x))
-
-
-def _is_symbolic(n) -> bool:
-  return not isinstance(n, int | np.integer)
 
 
 class _Signature:
@@ -262,7 +259,7 @@ class Routed:
     # jax 0.10.2, Zipf(1.2) routing of 512 tokens, linear(16) buckets, fusion="auto"):
     # 71 us at 8 paths / 437 us at 64 while the DP planner + make_plan + covering search ran
     # on every call; 7.9 us / 8.2 us with the signature cache (read of the loads, profile
-    # record, table bucketing, one dict lookup).  benchmarks/bench_moe.py prints it
+    # record, table bucketing, one dict lookup).  ``python -m benchmarks.moe`` prints it
     # ("host plan") per setting.
     t0 = time.perf_counter()
     loads = np.asarray(routing.loads)  # the one device->host sync of the layer
@@ -389,7 +386,7 @@ class Routed:
     self._check(params, x, logits, labels)
     self._stats["calls"] += 1
     if self.mode in ("profiled", "grouped"):
-      if _is_symbolic(np.shape(x)[0]):
+      if is_symbolic(np.shape(x)[0]):
         # A symbolic number of cells (dynjax.jit's shape trace): capacities need a number, so
         # this trace gets the dense computation (exact, same shapes).  dynjax.jit's "trust"
         # executables are traced again at each bucket's concrete size and route for real;
