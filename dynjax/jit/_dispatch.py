@@ -119,9 +119,13 @@ class Executor:
     if self.timed:
       t0 = time.perf_counter()
     outs = self.exe(self.dev_sizes, *args) if self.dev_sizes is not None else self.exe(*args)
-    if self.sync:
-      res = [h if sl is None else h[sl]
-             for h, sl in zip(to_host(outs), self.out_slices, strict=True)]
+    if self.sync:  # a host request: numpy results, cut to the exact shapes (views)
+      if self.single:
+        h = np.asarray(outs[0])
+        sl = self.out_slices[0]
+        res = h if sl is None else h[sl]
+      else:
+        res = [h if sl is None else h[sl] for h, sl in zip(to_host(outs), self.out_slices)]
     elif self.return_padded:
       res = [Padded(o, s) if dyn else o
              for o, s, dyn in zip(outs, self.out_shapes, self.out_dynamic, strict=True)]
@@ -133,7 +137,10 @@ class Executor:
     with self.lock:
       self.n += 1
     fam.tuple_hist[self.sizes] += 1
-    out = res[0] if self.single else tree_unflatten(self.out_tree, res)
+    if type(res) is list:
+      out = res[0] if self.single else tree_unflatten(self.out_tree, res)
+    else:
+      out = res
     if self.check:
       leaves = tree_flatten(vals, is_leaf=is_padded)[0] if self.top else vals
       self.ctx.maybe_check(fam, leaves, out)
