@@ -354,7 +354,7 @@ def decode_nested_python(params, prompts, per_sentence, sentences, heads, max_le
 
 # -- the benchmark ----------------------------------------------------------------------------
 def _prompts(batch: int, n: int, max_prompt: int, seed: int) -> list[np.ndarray]:
-  from benchmarks import data
+  from examples import data
 
   docs = [d for d in data.docstring_bytes(max_len=max_prompt) if len(d) >= 4]
   rng = np.random.default_rng(seed)

@@ -24,7 +24,7 @@ Methods:
 
 Setting ``e2e`` (``--e2e`` runs only it): a one-layer MoE transformer encoder (embedding,
 masked multi-head attention, MoE FFN, masked-mean pooling) on batches of 8 standard-library
-docstrings (``benchmarks.data.request_stream``), numpy in, numpy out per request.  Every
+docstrings (``examples.data.request_stream``), numpy in, numpy out per request.  Every
 variant runs under ``dynjax.jit(dims={"tokens": "b, t"}, padding="trust")`` with the same
 length buckets, so only the MoE layer differs:
   dynjax profiled       Routed(mode="profiled"): static capacities per bucket, no host sync
@@ -470,7 +470,7 @@ def make_e2e_variants(params, cfg: dict, k: int, policy, quantile: float = 1.0,
 
 def run_e2e(args) -> dict:
   """The end-to-end setting: per-request latency of each variant on docstring batches."""
-  from benchmarks import data
+  from examples import data
 
   size = "small" if args.small else "full"
   cfg = dict(E2E_SIZES[size])

@@ -475,7 +475,7 @@ def run_arity(flags: dict | None = None) -> dict:
   """
   import sys
 
-  from benchmarks import data
+  from examples import data
 
   flags = dict(flags or {})
   quick = bool(flags.get("quick", jax.default_backend() == "cpu"))
@@ -703,7 +703,7 @@ def _versions() -> dict:
 
 def _run_childsum(flags: dict) -> dict:
   """The four-cell child-sum model over child lists (forget/add/node; the first benchmark)."""
-  from benchmarks import data
+  from examples import data
 
   quick = bool(flags.get("quick", jax.default_backend() == "cpu"))
   batch = int(flags.get("batch", 16 if quick else 64))
