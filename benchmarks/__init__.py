@@ -6,7 +6,7 @@
   the control-flow and routing benchmarks.
 
 Only runners live here: the models and the real data they run are in ``examples/``
-(:mod:`examples.data`, :mod:`examples.models`; the decode, Tree-LSTM and MoE models still
-sit in their runners here), where the tests and the example
+(:mod:`examples.data`, :mod:`examples.models`, :mod:`examples.decode_lm`,
+:mod:`examples.treelstm_model`, :mod:`examples.moe_encoder`), where the tests and the example
 scripts import them too.  Nothing here is imported by ``import dynjax``, nor is it in the wheel.
 """
