@@ -1,6 +1,6 @@
 """The array workloads of the suite: ``bert`` (Linen), ``encoder`` (jax.numpy), ``lstm``.
 
-Each request is a :class:`benchmarks.data.Request`: a batch of real docstrings as token ids,
+Each request is a :class:`examples.data.Request`: a batch of real docstrings as token ids,
 padded to its own longest sequence (``tokens [batch, t]``, ``lengths [batch]``), exactly what a
 client would send.  Every mode gets fresh function objects, so no two modes share JAX's
 tracing or compilation caches.
@@ -14,16 +14,16 @@ import tempfile
 
 import numpy as np
 
-from benchmarks import data, models
 from benchmarks._suite import (
-    Config,
-    Mode,
-    ModeContext,
-    ModeUnavailable,
-    Workload,
-    _pool_map,
-    child_mode,
+  Config,
+  Mode,
+  ModeContext,
+  ModeUnavailable,
+  Workload,
+  _pool_map,
+  child_mode,
 )
+from examples import data, models
 
 DIMS = {"tokens": "b, t", "lengths": "b"}
 MIN_BUCKET = 16

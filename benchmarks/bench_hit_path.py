@@ -33,8 +33,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 
 import dynjax  # noqa: E402
-from benchmarks import models  # noqa: E402
 from dynjax import flax as dynjax_flax  # noqa: E402
+from examples import models  # noqa: E402
 
 
 def _blocks(fns, iters: int, block: int = 20) -> list[float]:

@@ -3,9 +3,9 @@
     python benchmarks/bench_sharding.py --out DIR            # bert base, 1,000 requests, all GPUs
     python benchmarks/bench_sharding.py --out DIR --quick    # CPU (2 fake devices), < 60 s
 
-One process.  The encoder is ``benchmarks.models.encoder_apply`` (jax.numpy, masked by the
+One process.  The encoder is ``examples.models.encoder_apply`` (jax.numpy, masked by the
 lengths, so ``padding="trust"`` is exact); requests are batches of 8 standard-library docstrings
-(``benchmarks.data.request_stream``; a seeded lognormal if that import fails), lengths
+(``examples.data.request_stream``; a seeded lognormal if that import fails), lengths
 bucketed with ``pow2(16, max_len)``.  Modes, every one a ``dynjax.jit`` of the same function:
 
   1 device        no shardings (the baseline)
@@ -48,7 +48,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import dynjax  # noqa: E402
-from benchmarks import models  # noqa: E402
+from examples import models  # noqa: E402
 
 _COMPILES = [0]
 
@@ -64,7 +64,7 @@ jax.monitoring.register_event_duration_secs_listener(_on_event)
 def _requests(n: int, batch: int, max_len: int, vocab: int, seed: int = 0):
   """[(tokens [batch, t] int32, lengths [batch] int32)], and where they came from."""
   try:
-    from benchmarks import data
+    from examples import data
 
     stream = data.request_stream(n, batch=batch, max_len=max_len, seed=seed, vocab=vocab)
     return [(r.tokens, r.lengths) for r in stream], "stdlib docstrings"

@@ -47,8 +47,8 @@ def run_variant(variant: str, size: str, n: int) -> dict:
   import numpy as np
 
   import dynjax
-  from benchmarks import data, models
   from dynjax import flax as djf
+  from examples import data, models
 
   if variant == "switch":
     sys.setswitchinterval(2e-4)

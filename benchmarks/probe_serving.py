@@ -75,8 +75,8 @@ def _setup(size: str):
   import numpy as np
 
   import dynjax
-  from benchmarks import models
   from dynjax import flax as djf
+  from examples import models
 
   cfg = models.ENCODER_SIZES[size]
   module = models.BertEncoder(cfg)

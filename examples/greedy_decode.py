@@ -14,10 +14,10 @@ import numpy as np
 
 import dynjax.control as dc
 
-# The models and data are the benchmarks' (benchmarks/ at the repository root, not in the wheel).
+# The models and data are importable modules of examples/ (the repository root, not in the wheel).
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks import decode as D  # noqa: E402
+from examples import decode_lm as D  # noqa: E402
 
 params = D.init_lm(D.LMConfig(d=32, heads=2, ffn=64))
 new_tokens = 24

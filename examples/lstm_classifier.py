@@ -19,10 +19,10 @@ import numpy as np
 
 import dynjax
 
-# The models and data are the benchmarks' (benchmarks/ at the repository root, not in the wheel).
+# The models and data are importable modules of examples/ (the repository root, not in the wheel).
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks import data, models  # noqa: E402
+from examples import data, models  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -17,10 +17,10 @@ import time
 import jax
 import numpy as np
 
-# The models and data are the benchmarks' (benchmarks/ at the repository root, not in the wheel).
+# The models and data are importable modules of examples/ (the repository root, not in the wheel).
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks import treelstm as T  # noqa: E402
+from examples import treelstm_model as T  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import dynjax
-from benchmarks import models
 from dynjax import flax as dflax
+from examples import models
 
 nn = pytest.importorskip("flax.linen")
 nnx = pytest.importorskip("flax.nnx")

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 import dynjax
-from benchmarks import data
 from dynjax.bucketing._joint import JointPlan
 from dynjax.bucketing._policies import Auto
+from examples import data
 
 
 @pytest.fixture(scope="module")

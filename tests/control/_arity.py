@@ -5,7 +5,7 @@ from __future__ import annotations
 from _trees import binary_trees
 
 import dynjax.control as dc
-from benchmarks import treelstm as T
+from examples import treelstm_model as T
 
 TREES, N_TYPES = binary_trees()
 P_NP = T.init_arity_params(N_TYPES, d_h=8, seed=0)

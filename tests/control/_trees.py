@@ -53,7 +53,7 @@ def stdlib_trees(modules=("textwrap", "json.decoder", "fnmatch"), max_nodes=120)
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class BinTree:
-  """A tree in the first-child / next-sibling form (what ``benchmarks.data.Tree`` has)."""
+  """A tree in the first-child / next-sibling form (what ``examples.data.Tree`` has)."""
 
   name: str
   types: np.ndarray

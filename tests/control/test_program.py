@@ -10,9 +10,9 @@ import pytest
 
 import dynjax
 import dynjax.control as dc
-from benchmarks import decode as D
 from dynjax._errors import ControlFlowError
 from dynjax.runtime import collect_stats
+from examples import decode_lm as D
 
 CFG = D.LMConfig(d=16, heads=2, ffn=32)
 PARAMS = D.init_lm(CFG, seed=1)
@@ -173,7 +173,7 @@ def test_hoisted_body_grows_the_carry_in_place():
   args = [*spec.body_consts, *spec.cond_consts, np.asarray([5], np.int32),
           jnp.zeros((1, 16), jnp.int32), leaves[1], leaves[2]]
   text = spec.hoisted.get((16,)).lower(*args).compile().as_text()
-  ops = D._while_body_ops(text)
+  ops = D.while_body_ops(text)
   assert "s32[1,17]" not in text  # t + 1 never gets its own buffer
   assert ops["total"] > 0
 

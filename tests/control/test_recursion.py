@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 import dynjax.control as dc
-from benchmarks import treelstm as T
 from dynjax._errors import ControlFlowError
 from dynjax.runtime import collect_stats
+from examples import treelstm_model as T
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _trees import stdlib_trees  # noqa: E402

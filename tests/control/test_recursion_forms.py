@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 import dynjax.control as dc
-from benchmarks import treelstm as T
 from dynjax._errors import ControlFlowError
+from examples import treelstm_model as T
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _arity import ATOL, CELLS, N_TYPES, P_NP, RTOL, TREES  # noqa: E402

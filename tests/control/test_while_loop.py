@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 import dynjax.control as dc
-from benchmarks import decode as D
 from dynjax._errors import ControlFlowError
 from dynjax.runtime import collect_stats
+from examples import decode_lm as D
 
 PARAMS = D.init_lm(D.LMConfig(d=16, heads=2, ffn=32), seed=1)
 

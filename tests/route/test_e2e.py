@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchmarks import moe as _moe
-from benchmarks.data import Request
 from dynjax import buckets, route
+from examples import moe_encoder as _moe
+from examples.data import Request
 
 CFG = dict(vocab=64, d=16, heads=2, ffn=32, experts=4, max_len=64, batch=4, min_bucket=8)
 

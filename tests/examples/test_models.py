@@ -1,11 +1,12 @@
-"""The benchmark models: one weight layout across jax.numpy, Linen and PyTorch; pad-safety."""
+"""The shared models (examples/models.py): one weight layout across jax.numpy, Linen and PyTorch;
+pad-safety."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from benchmarks import models
+from examples import models
 
 CFG = models.EncoderConfig(vocab=97, d_model=32, heads=4, layers=2, ffn=64, max_len=48)
 LCFG = models.LstmConfig(vocab=97, embed=8, hidden=16, classes=3)

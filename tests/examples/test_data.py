@@ -1,4 +1,5 @@
-"""The real-data loaders: deterministic, figures in the expected range, tree forms consistent."""
+"""The real-data loaders (examples/data.py): deterministic, figures in the expected range, tree
+forms consistent."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import platform
 import numpy as np
 import pytest
 
-from benchmarks import data
+from examples import data
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
-"""Benchmark models: one weight layout, three implementations (jax.numpy, Flax Linen, PyTorch).
+"""The models of the benchmarks, tests and examples: one weight layout, three implementations
+(jax.numpy, Flax Linen, PyTorch).
 
 * :func:`encoder_apply`: a BERT-style transformer encoder in plain ``jax.numpy`` with an
   explicit length mask (issue 2's benchmark model); :func:`encoder_apply_unmasked` is the

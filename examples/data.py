@@ -1,4 +1,5 @@
-"""Real data for the benchmarks: the Python standard library, read from this machine's CPython.
+"""Real data for the benchmarks, tests and examples: the Python standard library, read from
+this machine's CPython.
 
 Nobody here wrote it and it is on every machine with Python, so figures are reproducible
 without network access (DESIGN.md, "Real data"):
@@ -21,7 +22,7 @@ corpus is cached in memory per process (parsing the standard library takes ~4 s)
 version is part of every result's metadata, because the figures change with it.
 
 Example:
-  >>> from benchmarks import data
+  >>> from examples import data
   >>> lengths = data.docstring_lengths()
   >>> stream = data.request_stream(100, batch=8, max_len=512, seed=0)
   >>> stream[0].tokens.shape, stream[0].lengths
@@ -410,7 +411,7 @@ def stream_summary(stream: Sequence[Request]) -> dict:
 
 
 def main() -> None:
-  """Prints the corpus figures next to DESIGN.md's (``python -m benchmarks.data``)."""
+  """Prints the corpus figures next to DESIGN.md's (``python -m examples.data``)."""
   s = summary()
   print(f"standard library of Python {s['python_version']} at {s['stdlib_root']}")
   print(f"{'figure':<26}{'ours':>10}{'DESIGN.md (3.11)':>18}")
