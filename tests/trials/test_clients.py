@@ -10,14 +10,15 @@ fails once the cause is fixed and someone updates it.  A wrong result is a bug: 
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import pytest
 
 pytest.importorskip("flax")
 pytest.importorskip("optax")
 
 from tests.trials import _clients  # noqa: E402
+
+# the fallbacks' warnings are what the tests assert on (through stats()["fallbacks"])
+pytestmark = pytest.mark.filterwarnings("ignore:dynjax.jit.*running unpadded:UserWarning")
 
 PER_SHAPE = 3  # every trial makes three calls of three distinct shapes over two buckets
 
@@ -32,21 +33,26 @@ def _fast_compiles():
   jax.config.update("jax_disable_most_optimizations", old)
 
 
+class _Trials:
+  def __getitem__(self, name):
+    return _clients.get(name)  # each group built once per process, outside the compile counts
+
+
 @pytest.fixture(scope="module")
 def trials(_fast_compiles):
-  """Built once (model init compiles many small eager ops: outside the compile counts)."""
   _clients.warm_jax()  # jax's one-off "stage" compile of dynjax's int32[k] sizes vector
-  return {t.name: t for t in _clients.build()}
+  return _Trials()
 
 
 def _run(trials, name, compiles, **kw):
+  trial = trials[name]
   start = compiles()
-  r = _clients.run(trials[name], **kw)
+  r = _clients.run(trial, **kw)
   assert r["exact"], r["bad"]
   # run() counts the dynjax calls only (the reference compiles after them), through the same
   # jax.monitoring listener as the ``compiles`` fixture
   assert r["compiles"] <= compiles() - start
-  assert r["fn"].stats()["compiles"] == r["compiles"] or not r["fallbacks"]
+  assert r["fn"].stats()["compiles"] == r["compiles"]
   return r
 
 
@@ -86,10 +92,16 @@ def test_speech_forward_is_padded(trials, compiles):
 
 def test_speech_ctc_train_falls_back_on_symbolic_tracing(trials, compiles):
   r = _run(trials, "speech_ctc train", compiles)
-  # Root cause (jax shape polymorphism, before any padding): the VJP of the stride-2 VALID
-  # convs/pools compares a derived length with 1 (a window fits?), which needs t >= 15.
-  _fell_back(r, "symbolic tracing failed", "InconclusiveDimensionOperation",
-             "floordiv(floordiv(t - 3, 2) - 2, 2)")
+  # Root cause (jax shape polymorphism, before any padding): optax's
+  # ctc_loss_with_forward_probs takes logalpha_phi[-1] of the scan over the subsampled length
+  # T' = floordiv(floordiv(floordiv(t - 3, 2) - 2, 2) - ...) ; jax's gather shape rule
+  # (lax/slicing.py _gather_shape_rule) needs T' >= 1, undecidable without t >= 15.
+  _fell_back(
+    r,
+    "symbolic tracing failed",
+    "InconclusiveDimensionOperation",
+    "floordiv(floordiv(t - 3, 2) - 2, 2)",
+  )
 
 
 def test_speech_ctc_train_with_constraint_falls_back_on_conv_vjp(trials, compiles):
