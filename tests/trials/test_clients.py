@@ -1,0 +1,170 @@
+"""Real-client trials (``_clients.py``) under ``padding="auto"``: every call compared with
+``jax.jit`` (``nnx.jit``) at the exact shape, compiles counted through ``jax.monitoring``.
+
+Where dynjax does not yet run a client padded, the test states today's behaviour exactly (the
+fallback's reason, one compile per exact shape) with the root cause in a comment, so that it
+fails once the cause is fixed and someone updates it.  A wrong result is a bug: it is marked
+``xfail(strict=True)``.
+"""
+
+from __future__ import annotations
+
+import jax
+import pytest
+
+pytest.importorskip("flax")
+pytest.importorskip("optax")
+
+from tests.trials import _clients  # noqa: E402
+
+# the fallbacks' warnings are what the tests assert on (through stats()["fallbacks"])
+pytestmark = pytest.mark.filterwarnings("ignore:dynjax.jit.*running unpadded:UserWarning")
+
+PER_SHAPE = 3  # every trial makes three calls of three distinct shapes over two buckets
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _fast_compiles():
+  # XLA's CPU optimisation passes are most of a compile on the 2-core box; exactness and
+  # compile counts do not depend on them (the reference runs under the same setting).
+  old = jax.config.read("jax_disable_most_optimizations")
+  jax.config.update("jax_disable_most_optimizations", True)
+  yield
+  jax.config.update("jax_disable_most_optimizations", old)
+
+
+class _Trials:
+  def __getitem__(self, name):
+    return _clients.get(name)  # each group built once per process, outside the compile counts
+
+
+@pytest.fixture(scope="module")
+def trials(_fast_compiles):
+  _clients.warm_jax()  # jax's one-off "stage" compile of dynjax's int32[k] sizes vector
+  return _Trials()
+
+
+def _run(trials, name, compiles, **kw):
+  trial = trials[name]
+  start = compiles()
+  r = _clients.run(trial, **kw)
+  assert r["exact"], r["bad"]
+  # run() counts the dynjax calls only (the reference compiles after them), through the same
+  # jax.monitoring listener as the ``compiles`` fixture
+  assert r["compiles"] <= compiles() - start
+  assert r["fn"].stats()["compiles"] == r["compiles"]
+  return r
+
+
+def _padded(r):
+  assert r["fallbacks"] == []
+  assert r["compiles"] == r["buckets"] == 2  # one compile per bucket
+
+
+def _fell_back(r, *words):
+  """Today's behaviour: one fallback whose reason names ``words``; one compile per shape."""
+  assert len(r["fallbacks"]) == 1, r["fallbacks"]
+  for w in words:
+    assert w in r["fallbacks"][0], r["fallbacks"][0]
+  assert r["compiles"] == PER_SHAPE
+
+
+# -- 1. beam search (flax examples/wmt/decode.py) ----------------------------------------------
+
+
+def test_beam_search_falls_back_on_tile(trials, compiles):
+  r = _run(trials, "beam_search", compiles)
+  # Root cause: jnp.tile binds jax's `tile` primitive (jax >= 0.10), which has no rule in
+  # dynjax/bucketing/_padding_rules.py.  WMT's add_beam_dim tiles (b, 1, s, d) by reps
+  # (1, beam, 1, 1) (reps 1 on every dynamic axis: a pass-through) and beam_init's
+  # jnp.tile(row, [batch_size, 1]) has a symbolic rep on a static size-1 axis (a broadcast to
+  # the bucket).  With such a pass-through rule registered in-process the trial is exact with
+  # 2 compiles for 2 buckets.
+  _fell_back(r, "no exact rule for 'tile'", "add_beam_dim")
+
+
+# -- 2. speech front end + optax.ctc_loss -----------------------------------------------------
+
+
+def test_speech_forward_is_padded(trials, compiles):
+  _padded(_run(trials, "speech_ctc forward", compiles))
+
+
+def test_speech_ctc_train_falls_back_on_symbolic_tracing(trials, compiles):
+  r = _run(trials, "speech_ctc train", compiles)
+  # Root cause (jax shape polymorphism, before any padding): optax's
+  # ctc_loss_with_forward_probs takes logalpha_phi[-1] of the scan over the subsampled length
+  # T' = floordiv(floordiv(floordiv(t - 3, 2) - 2, 2) - ...) ; jax's gather shape rule
+  # (lax/slicing.py _gather_shape_rule) needs T' >= 1, undecidable without t >= 15.
+  _fell_back(
+    r,
+    "symbolic tracing failed",
+    "InconclusiveDimensionOperation",
+    "floordiv(floordiv(t - 3, 2) - 2, 2)",
+  )
+
+
+def test_speech_ctc_train_with_constraint_falls_back_on_conv_vjp(trials, compiles):
+  r = _run(trials, "speech_ctc train t>=15", compiles)
+  # Root cause (jax): jax/_src/lax/convolution.py _conv_general_vjp_lhs_padding computes the
+  # transposed conv's padding from the shapes; for a strided conv whose input length is not a
+  # multiple of the stride it is a symbolic expression (t - 2*floordiv(t - 3, 2) - ...), and
+  # conv_general_dilated accepts only integer padding.  The forward pass is padded (above).
+  _fell_back(r, "symbolic tracing failed", "padding argument to conv_general_dilated")
+
+
+def test_speech_slice_paddings_fall_back(trials, compiles):
+  r = _run(trials, "speech_ctc (slice paddings) forward", compiles)
+  # Root cause (jax shape polymorphism): paddings[:, 2::2] has length ceil((t - 2) / 2), and
+  # jax cannot decide it is >= 1 without a constraint ...
+  _fell_back(r, "symbolic tracing failed", "InconclusiveDimensionOperation")
+  r = _run(trials, "speech_ctc (slice paddings) forward t>=15", compiles)
+  # ... and with t >= 15 it cannot prove floordiv(t - 1, 2) (the slice) equal to
+  # floordiv(t - 3, 2) + 1 (the VALID conv): `x * (1 - paddings)` fails to broadcast.
+  _fell_back(r, "symbolic tracing failed", "incompatible shapes for broadcasting")
+
+
+# -- 3. masked-LM training step with optax ----------------------------------------------------
+
+
+@pytest.mark.xfail(
+  strict=True,
+  raises=TypeError,
+  reason="BUG: a train step that returns a new-style PRNG key (jax.random.split's result) and "
+  "is called with numpy batches crashes: dynjax/jit/_dispatch.py to_host() calls np.asarray on "
+  "every output, which a key array refuses ('JAX array with PRNGKey dtype cannot be converted "
+  "to a NumPy array'); extended dtypes must stay jax arrays (or go through key_data/wrap)",
+)
+def test_mlm_train_step_numpy_batch(trials, compiles):
+  _padded(_run(trials, "mlm_optax train", compiles))
+
+
+def test_mlm_train_step_device_batch_is_padded(trials, compiles):
+  # dropout and the 80/10/10 masking draw jax.random bits of shape (b, t): bit-identical padded
+  r = _run(trials, "mlm_optax train device batch", compiles)
+  _padded(r)
+
+
+# -- 4. GNN with jraph's padding conventions --------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["jraph_gnn forward", "jraph_gnn train"])
+def test_jraph_gnn_is_padded(trials, name, compiles):
+  _padded(_run(trials, name, compiles))
+
+
+# -- 5. scan over layers ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["scan_layers linen train", "scan_layers nnx train+opt"])
+def test_scan_layers_lm_loss_falls_back_without_constraint(trials, name, compiles):
+  r = _run(trials, name, compiles)
+  # Root cause (jax shape polymorphism): the shifted LM loss gathers
+  # take_along_axis(logp[:, :-1], tokens[:, 1:]); jax's gather shape rule checks slice size 1
+  # <= t - 1, undecidable for t >= 1.  A user states constraints=["t >= 2"] (below).
+  _fell_back(r, "symbolic tracing failed", "'t - 1' >= '1' is inconclusive")
+
+
+@pytest.mark.parametrize("name", ["scan_layers linen train t>=2", "scan_layers nnx train+opt t>=2"])
+def test_scan_layers_with_constraint_is_padded(trials, name, compiles):
+  _padded(_run(trials, name, compiles))
