@@ -21,7 +21,9 @@ from dynjax._padded import Padded
 tree_flatten = jax.tree_util.tree_flatten
 tree_unflatten = jax.tree_util.tree_unflatten
 LEAF_TREEDEF = jax.tree_util.tree_structure(0)
-ARRAY_IMPL = _ARRAY_IMPL = type(jnp.zeros(()))
+# The concrete jax.Array class, for exact type tests (device_put compiles nothing; jnp.zeros
+# would compile a broadcast at import time).
+ARRAY_IMPL = _ARRAY_IMPL = type(jax.device_put(np.zeros((), np.float32)))
 
 
 def is_padded(x) -> bool:
@@ -201,9 +203,10 @@ def aval(x) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(x.shape, canonical(x.dtype))
   if isinstance(x, jax.Array):
     return jax.ShapeDtypeStruct(x.shape, x.dtype)
-  if isinstance(x, bool | int | float | complex):
-    dtype = jnp.asarray(x).dtype
-    return jax.ShapeDtypeStruct((), dtype, weak_type=True)
+  if isinstance(x, bool | int | float | complex):  # weakly typed, as jax.jit traces them
+    kind = bool if isinstance(x, bool) else int if isinstance(x, int) else (
+        float if isinstance(x, float) else complex)
+    return jax.ShapeDtypeStruct((), canonical(np.dtype(kind)), weak_type=True)
   if isinstance(x, np.generic):
     return jax.ShapeDtypeStruct((), canonical(x.dtype))
   try:

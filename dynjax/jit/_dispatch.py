@@ -52,7 +52,8 @@ class Executor:
   __slots__ = ("fam", "gen", "sizes", "bkey", "exe", "pads", "shard", "full_shapes",
                "in_shapes", "tree", "dev_sizes", "out_slices", "out_shapes", "out_tree",
                "single", "sync", "device", "return_padded", "timed", "check", "ctx", "n", "lock",
-               "padded_elems", "true_elems", "larger", "bucket_id", "out_dynamic", "top")
+               "padded_elems", "true_elems", "larger", "bucket_id", "out_dynamic", "top",
+               "plain_out")
 
   def __init__(self, ctx, fam: Family, sizes, own, bkey, entry, shapes, device: bool,
                top: bool, dev_sizes, out_shapes, true_elems: int, all_leaves: bool):
@@ -84,6 +85,7 @@ class Executor:
     self.out_dynamic = fam.out_dynamic
     self.out_tree = fam.out_tree
     self.single = fam.out_tree == _args.LEAF_TREEDEF  # one array out: no unflatten
+    self.plain_out = not any(is_key(o) for o in fam.out_avals)  # no PRNG keys among them
     self.return_padded = opts.return_padded
     self.device = device
     self.sync = not device and not opts.return_padded  # host request: numpy results
@@ -120,7 +122,7 @@ class Executor:
       t0 = time.perf_counter()
     outs = self.exe(self.dev_sizes, *args) if self.dev_sizes is not None else self.exe(*args)
     if self.sync:  # a host request: numpy results, cut to the exact shapes (views)
-      if self.single:
+      if self.single and self.plain_out:
         h = np.asarray(outs[0])
         sl = self.out_slices[0]
         res = h if sl is None else h[sl]
@@ -456,11 +458,18 @@ def pad_leaf(x, shape, target):
   return buf
 
 
-def to_host(outs) -> list[np.ndarray]:
+def to_host(outs) -> list:
   """Device outputs to numpy. ``np.asarray`` per output costs ~2 us on CPU where
-  ``jax.device_get`` costs ~40 us (tree walk); several outputs start their copies first."""
+  ``jax.device_get`` costs ~40 us (tree walk); several outputs start their copies first.
+  Arrays of an extended dtype (PRNG keys) have no numpy form and stay jax arrays."""
   if len(outs) > 1:
     for o in outs:
-      if isinstance(o, jax.Array):
+      if isinstance(o, jax.Array) and not is_key(o):
         o.copy_to_host_async()
-  return [np.asarray(o) for o in outs]
+  return [o if is_key(o) else np.asarray(o) for o in outs]
+
+
+def is_key(x) -> bool:
+  """A jax array of an extended dtype (``jax.random.key``): it cannot become numpy."""
+  dtype = getattr(x, "dtype", None)
+  return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.extended)

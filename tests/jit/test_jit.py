@@ -287,16 +287,30 @@ def test_trust_compound_output_falls_back_with_warning():
   assert f.stats()["fallbacks"] and "FALLBACK" in f.explain()
 
 
-def test_symbolic_trace_failure_falls_back():
+def test_shape_dependent_python_branch_traces_under_a_guard():
   def f(x):
-    if x.shape[0] > 3:  # shape-dependent Python control flow cannot be traced symbolically
+    if x.shape[0] > 3:  # shape-dependent Python control flow: decided by an inferred guard
       return x * 2
     return x
 
   g = dynjax.jit(f, dims={"x": "t"}, padding="trust")
+  np.testing.assert_array_equal(g(np.ones(5, np.float32)), np.full(5, 2.0))
+  fam = next(iter(g._dispatcher.families.values()))
+  assert fam.guards == ("t >= 4",) and fam.mode == "trust" and g.stats()["fallbacks"] == []
+  assert "guards inferred while tracing: t >= 4" in g.explain()
+  with pytest.warns(UserWarning, match=r"sizes t = 2 violate the guard\(s\) t >= 4"):
+    np.testing.assert_array_equal(g(np.ones(2, np.float32)), np.ones(2))  # runs exact
+  assert g.stats()["exact_calls"] == 1
+
+
+def test_untraceable_function_falls_back():
+  def f(x):
+    return x * float(x.shape[0] % 2)  # a symbolic dim cannot become a Python float
+
+  g = dynjax.jit(f, dims={"x": "t"}, padding="trust")
   with pytest.warns(UserWarning, match="symbolic tracing failed"):
-    np.testing.assert_array_equal(g(np.ones(5, np.float32)), np.full(5, 2.0))
-  np.testing.assert_array_equal(g(np.ones(2, np.float32)), np.ones(2))
+    np.testing.assert_array_equal(g(np.ones(5, np.float32)), np.ones(5))
+  np.testing.assert_array_equal(g(np.ones(2, np.float32)), np.zeros(2))
 
 
 def test_constraints_let_models_slice_static_tables():

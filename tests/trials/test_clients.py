@@ -72,15 +72,11 @@ def _fell_back(r, *words):
 # -- 1. beam search (flax examples/wmt/decode.py) ----------------------------------------------
 
 
-def test_beam_search_falls_back_on_tile(trials, compiles):
-  r = _run(trials, "beam_search", compiles)
-  # Root cause: jnp.tile binds jax's `tile` primitive (jax >= 0.10), which has no rule in
-  # dynjax/bucketing/_padding_rules.py.  WMT's add_beam_dim tiles (b, 1, s, d) by reps
-  # (1, beam, 1, 1) (reps 1 on every dynamic axis: a pass-through) and beam_init's
-  # jnp.tile(row, [batch_size, 1]) has a symbolic rep on a static size-1 axis (a broadcast to
-  # the bucket).  With such a pass-through rule registered in-process the trial is exact with
-  # 2 compiles for 2 buckets.
-  _fell_back(r, "no exact rule for 'tile'", "add_beam_dim")
+def test_beam_search_is_padded(trials, compiles):
+  # WMT's add_beam_dim tiles (b, 1, s, d) by reps (1, beam, 1, 1) and beam_init tiles a row by
+  # [batch_size, 1]: jax's `tile` primitive, padded by its rule (copies along static axes run
+  # as is; along a dynamic axis the copies are gathered back to back into the prefix).
+  _padded(_run(trials, "beam_search", compiles))
 
 
 # -- 2. speech front end + optax.ctc_loss -----------------------------------------------------
@@ -127,15 +123,9 @@ def test_speech_slice_paddings_fall_back(trials, compiles):
 # -- 3. masked-LM training step with optax ----------------------------------------------------
 
 
-@pytest.mark.xfail(
-  strict=True,
-  raises=TypeError,
-  reason="BUG: a train step that returns a new-style PRNG key (jax.random.split's result) and "
-  "is called with numpy batches crashes: dynjax/jit/_dispatch.py to_host() calls np.asarray on "
-  "every output, which a key array refuses ('JAX array with PRNGKey dtype cannot be converted "
-  "to a NumPy array'); extended dtypes must stay jax arrays (or go through key_data/wrap)",
-)
 def test_mlm_train_step_numpy_batch(trials, compiles):
+  # The step returns its new PRNG key: with numpy batches the outputs come back as numpy,
+  # except arrays of an extended dtype (keys), which stay jax arrays (they have no numpy form).
   _padded(_run(trials, "mlm_optax train", compiles))
 
 
@@ -157,12 +147,17 @@ def test_jraph_gnn_is_padded(trials, name, compiles):
 
 
 @pytest.mark.parametrize("name", ["scan_layers linen train", "scan_layers nnx train+opt"])
-def test_scan_layers_lm_loss_falls_back_without_constraint(trials, name, compiles):
+def test_scan_layers_lm_loss_traces_under_an_inferred_guard(trials, name, compiles):
   r = _run(trials, name, compiles)
-  # Root cause (jax shape polymorphism): the shifted LM loss gathers
-  # take_along_axis(logp[:, :-1], tokens[:, 1:]); jax's gather shape rule checks slice size 1
-  # <= t - 1, undecidable for t >= 1.  A user states constraints=["t >= 2"] (below).
-  _fell_back(r, "symbolic tracing failed", "'t - 1' >= '1' is inconclusive")
+  # The shifted LM loss gathers take_along_axis(logp[:, :-1], tokens[:, 1:]); jax's gather
+  # shape rule asks whether t - 1 >= 1, which tracing cannot decide: dynjax infers the guard
+  # t >= 2 (the side that holds for more of the policy's sizes), traces under it, and would run
+  # a t = 1 call exact.  Without guards this fell back (one compile per shape).
+  _padded(r)
+  fam = next(iter(r["fn"]._dispatcher.families.values())) if hasattr(r["fn"], "_dispatcher") \
+      else None
+  if fam is not None:
+    assert fam.guards == ("t >= 2",)
 
 
 @pytest.mark.parametrize("name", ["scan_layers linen train t>=2", "scan_layers nnx train+opt t>=2"])
