@@ -127,7 +127,7 @@ class Executor:
         sl = self.out_slices[0]
         res = h if sl is None else h[sl]
       else:
-        res = [h if sl is None else h[sl] for h, sl in zip(to_host(outs), self.out_slices)]
+        res = [h if sl is None else h[sl] for h, sl in zip(to_host(outs), self.out_slices, strict=True)]
     elif self.return_padded:
       res = [Padded(o, s) if dyn else o
              for o, s, dyn in zip(outs, self.out_shapes, self.out_dynamic, strict=True)]
