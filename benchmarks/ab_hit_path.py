@@ -31,7 +31,11 @@ def run_once(tree: str, args, out_dir: str) -> dict:
          "--iters", str(args.iters), "--out", out_dir]
   subprocess.run(cmd, env=env, check=True, cwd=ROOT)
   with open(os.path.join(out_dir, "hit_path.json")) as fh:
-    return json.load(fh)
+    res = json.load(fh)
+  used = res["versions"].get("dynjax", "")
+  if not used.startswith(os.path.join(tree, "dynjax")):  # the comparison would be void
+    raise RuntimeError(f"the run for {tree} imported dynjax from {used}")
+  return res
 
 
 def main(argv=None) -> dict:

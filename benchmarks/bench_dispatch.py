@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 
 import dynjax  # noqa: E402
 from benchmarks._suite import time_calls  # noqa: E402

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 
 import dynjax  # noqa: E402
 from dynjax import flax as dynjax_flax  # noqa: E402
@@ -164,7 +164,8 @@ def main(argv=None) -> None:
   print(f"hit path, python {platform.python_version()}, jax {jax.__version__}, "
         f"{jax.devices()[0].device_kind}", flush=True)
   res = {"versions": {"python": platform.python_version(), "jax": jax.__version__,
-                      "device": jax.devices()[0].device_kind}}
+                      "device": jax.devices()[0].device_kind,
+                      "dynjax": os.path.dirname(os.path.abspath(dynjax.__file__))}}
   res.update(tiny_cases(args.iters))
   res.update(bert_cases(args.size, args.iters))
   print(res["profile"])

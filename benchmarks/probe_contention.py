@@ -151,7 +151,7 @@ def main(argv=None) -> None:
   ap.add_argument("--requests", type=int, default=600)
   ap.add_argument("--out", default="probe_out")
   args = ap.parse_args(argv)
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   os.makedirs(args.out, exist_ok=True)
   if args.variant is None:
     for v in args.variants.split(","):

@@ -311,7 +311,7 @@ def main(argv=None) -> None:
   ap.add_argument("--parts", default="options,concurrent,restart,hit")
   ap.add_argument("--option_sets", default="default,triton_off,triton_off_at0")
   args = ap.parse_args(argv)
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   os.makedirs(args.out, exist_ok=True)
   work = os.path.join(tempfile.gettempdir(), f"dynjax_probe_{args.size}")
   cache_dir, ser_dir = os.path.join(work, "cache"), os.path.join(work, "ser")
