@@ -9,7 +9,6 @@ JAX_PIN := jax==0.10.2 jaxlib==0.10.2
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(JAX_PIN) -e ".[dev]"
 	touch $@
 

@@ -20,8 +20,10 @@ def test_cli_tiny_stream(tmp_path):
   cmd = [sys.executable, "-m", "benchmarks", "lstm", "--size", "tiny", "--requests", "6",
          "--max_len", "64", "--modes", "jit,oracle,pad_max,dynjax_pow2,dynjax_auto,torch_eager",
          "--dispatch_iters", "30", "--out", str(out), "--noprogress"]
-  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-  env.pop("XLA_FLAGS", None)
+  # The suite's cheap-compile settings (tests/conftest.py), without its 8 fake devices.
+  flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": " ".join(flags),
+         "JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}
   proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "x oracle" in proc.stdout and "dynjax_pow2" in proc.stdout
