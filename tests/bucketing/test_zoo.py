@@ -13,18 +13,8 @@ pytest.importorskip("flax")
 from tests.bucketing import _zoo  # noqa: E402
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _fast_compiles():
-  # XLA's CPU optimisation passes are most of a compile here (~5 s for the seq2seq train step
-  # on the 2-core box); exactness and compile counts do not depend on them.
-  old = jax.config.read("jax_disable_most_optimizations")
-  jax.config.update("jax_disable_most_optimizations", True)
-  yield
-  jax.config.update("jax_disable_most_optimizations", old)
-
-
 @pytest.fixture(scope="module")
-def zoo(_fast_compiles):
+def zoo():  # XLA optimisations are off suite-wide (conftest.py)
   """Built once (model init compiles many small eager ops: outside the compile count)."""
   for k in (2, 3):
     # dynjax's dispatch moves the int32[k] sizes vector with jnp.asarray: jax compiles a tiny

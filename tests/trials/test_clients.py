@@ -9,7 +9,6 @@ fails once the cause is fixed and someone updates it.  A wrong result is a bug: 
 
 from __future__ import annotations
 
-import jax
 import pytest
 
 pytest.importorskip("flax")
@@ -23,23 +22,13 @@ pytestmark = pytest.mark.filterwarnings("ignore:dynjax.jit.*running unpadded:Use
 PER_SHAPE = 3  # every trial makes three calls of three distinct shapes over two buckets
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _fast_compiles():
-  # XLA's CPU optimisation passes are most of a compile on the 2-core box; exactness and
-  # compile counts do not depend on them (the reference runs under the same setting).
-  old = jax.config.read("jax_disable_most_optimizations")
-  jax.config.update("jax_disable_most_optimizations", True)
-  yield
-  jax.config.update("jax_disable_most_optimizations", old)
-
-
 class _Trials:
   def __getitem__(self, name):
     return _clients.get(name)  # each group built once per process, outside the compile counts
 
 
 @pytest.fixture(scope="module")
-def trials(_fast_compiles):
+def trials():  # XLA optimisations are off suite-wide (conftest.py)
   _clients.warm_jax()  # jax's one-off "stage" compile of dynjax's int32[k] sizes vector
   return _Trials()
 
