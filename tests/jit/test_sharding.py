@@ -358,7 +358,7 @@ def test_two_processes_jax_distributed(tmp_path):
     port = s.getsockname()[1]
   env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_"))}
   env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2",
-             PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+             PYTHONPATH=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
   procs = [subprocess.Popen([sys.executable, str(script), str(i), str(port)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
            for i in range(2)]
