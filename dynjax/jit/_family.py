@@ -18,11 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import logging
 import math
-import os
-import re
 import sys
 import warnings
 from collections import Counter
@@ -43,10 +40,10 @@ from dynjax.bucketing._joint import JointPlan
 from dynjax.bucketing._padding import pad_jaxpr
 from dynjax.bucketing._policies import Auto, BucketPolicy
 from dynjax.jit import _args, _sharding
-from dynjax.jit._store import ExecutableStore, fingerprint_parts
+from dynjax.jit._guards import MAX_GUARDS, guard_texts, inconclusive_comparison
+from dynjax.jit._store import ExecutableStore, family_parts, fingerprint_parts
 
 logger = logging.getLogger("dynjax")
-_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 PADDED_MODES = ("trust", "auto")
 
 
@@ -561,7 +558,7 @@ class Family:
     if root is None or not self.structured or self.mode not in PADDED_MODES:
       return None
     try:
-      parts = self.fingerprint_parts()
+      parts = family_parts(self)
     except Exception as e:  # noqa: BLE001 - no store, never a wrong executable
       logger.info("dynjax: %s is not stored (fingerprint failed: %s: %s)",
                   self.name, type(e).__name__, e)
@@ -573,38 +570,6 @@ class Family:
     self._store = ExecutableStore(root, fp, describe)
     return self._store
 
-  def fingerprint_parts(self) -> dict[str, Any]:
-    """Everything a stored executable depends on, known before lowering.
-
-    The symbolic jaxpr (memory addresses in reprs removed) and a hash of its constants, the
-    signature, padding mode, donation, compiler options, jax/jaxlib/dynjax versions (dynjax as
-    a hash of its own source, so a changed padding pass never reuses an executable), the
-    backend and device, the jax configuration that changes lowering, and ``XLA_FLAGS``.
-    """
-    consts = hashlib.sha256()
-    for c in self.jaxpr.consts:
-      a = np.asarray(c)
-      consts.update(f"{a.dtype}{a.shape}".encode())
-      consts.update(np.ascontiguousarray(a).tobytes())
-    opts = self.ctx.opts
-    dev = jax.devices()[0]
-    return {
-        "jaxpr": _ADDRESS.sub("", str(self.jaxpr.jaxpr)),
-        "consts": consts.hexdigest(),
-        "mode": self.mode,
-        "vars": self.sig.var_order,
-        "specs": [(p, None if s is None else s.text) for p, s in
-                  zip(self.leaf_paths, self.sig.leaves, strict=True)],
-        "avals": [(str(a.dtype), tuple(a.shape), a.weak_type) for a in self.avals],
-        "treedef": str(self.treedef),
-        "donate": opts.donate_argnames,
-        "compiler_options": opts.compiler_options,
-        "versions": (jax.__version__, _jax_private.jaxlib_version(), dynjax_source_hash()),
-        "backend": (jax.default_backend(), dev.device_kind, jax.device_count()),
-        "config": _jax_private.lowering_config(),
-        "xla_flags": os.environ.get("XLA_FLAGS", ""),
-    }
-
 
 def _user_stacklevel() -> int:
   """The ``warnings.warn`` stacklevel of the first frame outside dynjax (the user's call)."""
@@ -615,49 +580,6 @@ def _user_stacklevel() -> int:
   return level
 
 
-MAX_GUARDS = 8  # re-traces under inferred guards per family; one more falls back
-
-_INCONCLUSIVE = re.compile(
-    r"Symbolic dimension comparison '([^']+)' (<=|>=|<|>) '([^']+)' is inconclusive")
-_VAR_PLUS = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)(?: ([+-]) (\d+))?$")
-_INT = re.compile(r"^-?\d+$")
-_FLIP = {"<": ">", "<=": ">=", ">": "<", ">=": "<="}
-
-
-def guard_texts(var_order, bounds: dict) -> tuple[str, ...]:
-  """``jax.export`` constraints of ``{var index: (lo, hi)}`` bounds (``hi`` may be inf)."""
-  out = []
-  for i, (lo, hi) in sorted(bounds.items()):
-    if lo > 1:
-      out.append(f"{var_order[i]} >= {lo}")
-    if hi != math.inf:
-      out.append(f"{var_order[i]} <= {hi}")
-  return tuple(out)
-
-
-def inconclusive_comparison(e: BaseException | None) -> tuple[str, int] | None:
-  """``(var, split)`` from the first "Symbolic dimension comparison 'A' OP 'B' is
-  inconclusive" in an exception chain, when it compares ``var`` (or ``var + c``) with an
-  integer: the comparison holds for sizes on one side of ``split`` (``var < split`` or
-  ``var >= split``).  None for anything else (products, two variables, other errors)."""
-  seen = set()
-  while e is not None and id(e) not in seen:
-    seen.add(id(e))
-    m = _INCONCLUSIVE.search(str(e))
-    if m is not None:
-      lhs, op, rhs = (g.strip() for g in m.groups())
-      if _INT.match(lhs):
-        lhs, op, rhs = rhs, _FLIP[op], lhs
-      v = _VAR_PLUS.match(lhs)
-      if v is None or not _INT.match(rhs):
-        return None
-      # var + c OP k  <=>  var OP k - c
-      k = int(rhs) - (int(v.group(3)) if v.group(2) == "+" else -int(v.group(3) or 0))
-      return v.group(1), (k if op in ("<", ">=") else k + 1)
-    e = e.__cause__ or e.__context__
-  return None
-
-
 def needs_program(e: BaseException) -> bool:
   """True when tracing stopped at a dynjax control-flow op (dynjax.control.NeedsProgram)."""
   while e is not None:
@@ -665,22 +587,3 @@ def needs_program(e: BaseException) -> bool:
       return True
     e = e.__cause__ or e.__context__
   return False
-
-
-_SOURCE_HASH: list[str] = []
-
-
-def dynjax_source_hash() -> str:
-  """A hash of dynjax's own source: executables built by other dynjax code are not reused."""
-  if not _SOURCE_HASH:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    h = hashlib.sha256()
-    for dirpath, dirnames, files in os.walk(root):
-      dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
-      for f in sorted(files):
-        if f.endswith(".py"):
-          with open(os.path.join(dirpath, f), "rb") as fh:
-            h.update(os.path.relpath(os.path.join(dirpath, f), root).encode())
-            h.update(fh.read())
-    _SOURCE_HASH.append(h.hexdigest()[:16])
-  return _SOURCE_HASH[0]

@@ -28,10 +28,16 @@ import json
 import logging
 import os
 import pickle
+import re
 import tempfile
 import threading
 import warnings
 from collections.abc import Hashable
+
+import jax
+import numpy as np
+
+from dynjax import _jax_private
 
 _FORMAT = 2
 
@@ -195,3 +201,58 @@ def fingerprint_parts(parts: dict[str, Hashable | str]) -> str:
     h.update(v if isinstance(v, bytes) else str(v).encode())
     h.update(b"\1")
   return h.hexdigest()
+
+
+_SOURCE_HASH: list[str] = []
+
+
+def dynjax_source_hash() -> str:
+  """A hash of dynjax's own source: executables built by other dynjax code are not reused."""
+  if not _SOURCE_HASH:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    h = hashlib.sha256()
+    for dirpath, dirnames, files in os.walk(root):
+      dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
+      for f in sorted(files):
+        if f.endswith(".py"):
+          with open(os.path.join(dirpath, f), "rb") as fh:
+            h.update(os.path.relpath(os.path.join(dirpath, f), root).encode())
+            h.update(fh.read())
+    _SOURCE_HASH.append(h.hexdigest()[:16])
+  return _SOURCE_HASH[0]
+
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def family_parts(fam) -> dict:
+  """Everything a stored executable depends on, known before lowering.
+
+  The symbolic jaxpr (memory addresses in reprs removed) and a hash of its constants, the
+  signature, padding mode, donation, compiler options, jax/jaxlib/dynjax versions (dynjax as
+  a hash of its own source, so a changed padding pass never reuses an executable), the
+  backend and device, the jax configuration that changes lowering, and ``XLA_FLAGS``.
+  """
+  consts = hashlib.sha256()
+  for c in fam.jaxpr.consts:
+    a = np.asarray(c)
+    consts.update(f"{a.dtype}{a.shape}".encode())
+    consts.update(np.ascontiguousarray(a).tobytes())
+  opts = fam.ctx.opts
+  dev = jax.devices()[0]
+  return {
+      "jaxpr": _ADDRESS.sub("", str(fam.jaxpr.jaxpr)),
+      "consts": consts.hexdigest(),
+      "mode": fam.mode,
+      "vars": fam.sig.var_order,
+      "specs": [(p, None if s is None else s.text) for p, s in
+                zip(fam.leaf_paths, fam.sig.leaves, strict=True)],
+      "avals": [(str(a.dtype), tuple(a.shape), a.weak_type) for a in fam.avals],
+      "treedef": str(fam.treedef),
+      "donate": opts.donate_argnames,
+      "compiler_options": opts.compiler_options,
+      "versions": (jax.__version__, _jax_private.jaxlib_version(), dynjax_source_hash()),
+      "backend": (jax.default_backend(), dev.device_kind, jax.device_count()),
+      "config": _jax_private.lowering_config(),
+      "xla_flags": os.environ.get("XLA_FLAGS", ""),
+  }

@@ -15,7 +15,7 @@ from jax import export, lax
 import dynjax
 from dynjax import _symbolic
 from dynjax.jit import _dispatch
-from dynjax.jit._family import inconclusive_comparison
+from dynjax.jit._guards import inconclusive_comparison
 
 
 @pytest.fixture
