@@ -42,10 +42,9 @@ from dynjax.control._carry import (
   flat_fns,
   initial_dims,
   keypaths,
-  trace_error,
   user_policy,
 )
-from dynjax.control._frontend import NotLowerable, any_tracer, building, is_tracer, needs_vm
+from dynjax.control._frontend import NotLowerable, any_tracer, is_tracer, needs_vm
 from dynjax.control._hostloop import HostLoop, stage_host_loop
 from dynjax.control._loopprog import Loop
 from dynjax.control._loopspec import (
@@ -203,19 +202,11 @@ def while_loop(cond_fun: Callable, body_fun: Callable, init_val, *, dims=None,
 def _traced_while(cond_fun, body_fun, init_val, leaves, treedef, options):
   stager = current()
   try:
-    with building("while_loop body"):
-      out = jax.eval_shape(body_fun, init_val)
+    out = eval_shape_body(body_fun, (init_val,))  # NotLowerable passes through unchanged
   except NotLowerable as e:
     if stager is not None:  # a shape-changing loop inside the body: the program runs it
       return stager.stage("while_loop", cond_fun, body_fun, init_val, options)
     raise needs_vm("while_loop", f"its body runs a loop that changes shapes ({e})") from None
-  except ControlFlowError:
-    raise
-  except Exception as e:
-    err = trace_error("body_fun", e)
-    if err is None:
-      raise
-    raise err from None
   out_leaves, out_tree = jax.tree_util.tree_flatten(out)
   changed = []
   if out_tree == treedef:
