@@ -517,8 +517,8 @@ class Family:
     with (_jax_private.no_persistent_cache_write() if store is not None
           else contextlib.nullcontext()):
       exe = lowered.compile(compiler_options=options) if options else lowered.compile()
-    if store is not None:
-      store.save(bkey, tier, exe, self.exe_avals(bkey))
+    if store is not None and store.save(bkey, tier, exe, self.exe_avals(bkey)) and tier > 0:
+      store.drop_below(bkey, tier)  # a restart loads the best tier; the quick one is garbage
     return self.entry_of(exe, bkey, rewrites, tier, "compiled")
 
   def exe_avals(self, bkey) -> list[tuple]:

@@ -14,8 +14,9 @@ it while its own bucket compiles in the background (progressive serving):
   seconds saved per second of compiling (:meth:`Compiler.job_value`); buckets an ``auto``
   policy re-planned away are worth 0.
 - Tiers on GPU: tier 0 compiles without autotuning (``QUICK_GPU_OPTIONS``), tier 1
-  recompiles with XLA's defaults once traffic is steady (``TIER_UP_AFTER`` calls) or at
-  ``wait()``.
+  recompiles with XLA's defaults as soon as the compile queue is idle (no tier-0 compile
+  running or wanted), one at a time, the most used bucket first; ``wait()`` forces them.
+  A tier-1 executable replaces its tier-0 file in ``cache_dir`` the moment it is stored.
 - Lowering holds the GIL, so it runs on one lane thread with a 0.5 ms switch interval
   (:func:`quick_switches`); the plan's buckets are lowered while the first one compiles.
 - ``cache_dir``: stored executables load at the first call (and in ``warmup``).
@@ -51,10 +52,13 @@ from dynjax.jit._scheduler import CompileScheduler
 QUICK_GPU_OPTIONS = {"xla_gpu_enable_triton_gemm": False, "xla_gpu_autotune_level": 0}
 # Buckets lowered in the background during the first wait (serving).
 PRELOWER_MAX = 12
-# Tier-1 recompiles (serving on GPU) wait for this many calls after the last tier-0 compile:
-# measured, they slow serving by ~40% while they run (GPU autotuning, cores), and pay back
-# only after minutes of traffic.  wait() runs them at once.
-TIER_UP_AFTER = 1000
+# Tier-1 recompiles (serving on GPU) wait for this many calls after the last tier-0 compile
+# (``DYNJAX_TIER_UP_AFTER``; default 0: as soon as the queue is idle).  One autotuning compile
+# at a time slows the requests served meanwhile (GPU autotuning; four at once made requests
+# ~110 ms), but a server that waited for 1,000 calls (the old default) restarted on quick-tier
+# executables 1.2-1.6x slower than full-tier ones (H100, BERT-base, issue 18); wait() runs
+# them at once.
+TIER_UP_AFTER = config.tier_up_after
 
 
 class Compiler:
@@ -263,21 +267,24 @@ class Compiler:
 
     Tier 0: over the true size tuples seen so far, how much cheaper the job's bucket would
     serve them than the best executable they have now (compiled, or compiling), if the
-    policies still want the bucket.  Tier 1 (recompiling with full options) runs only when
+    policies still want the bucket.  Tier 1 (recompiling with full options) runs as soon as
     nothing else is running or wanted, one at a time, the most used bucket first.
     Called by the scheduler under its lock: it reads the scheduler's job lists it is given.
     """
     fam, bkey, tier = job.info
     sched = self.scheduler
     if tier > 0:
-      if (not self.force_tier_up
+      if (TIER_UP_AFTER and not self.force_tier_up
           and self.counters.calls_so_far() - self.calls_at_compile < TIER_UP_AFTER):
-        return 0.0  # the traffic is not steady yet: recompiling now would slow it down
+        return 0.0  # asked to wait for steady traffic
       if sched.running_jobs():
         return 0.0
       for other in sched.pending_jobs():
         ofam, obkey, otier = other.info
-        if other.urgent or (otier == 0 and self._tier0_value(ofam, obkey) > 0):
+        # A queued tier-0 job goes first even before its value is known (the call that
+        # queued it has not been counted yet): a bucket's first executable is worth more.
+        if other.urgent or (otier == 0 and (ofam.fid, obkey) not in self.cache
+                            and ofam.planned(obkey)):
           return 0.0
       return 1e-9 * (1 + self.counters.bucket_uses((fam.fid, bkey)))
     return self._tier0_value(fam, bkey)

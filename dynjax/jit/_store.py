@@ -122,6 +122,19 @@ class ExecutableStore:
       self.saved += 1
     return True
 
+  def drop_below(self, bkey: tuple, tier: int) -> int:
+    """Removes the bucket's stored executables of tiers below ``tier`` (replaced by a better
+    one); returns how many."""
+    n = 0
+    for b, t in self.stored():
+      if b == tuple(bkey) and t < tier:
+        try:
+          os.remove(self.path(b, t))
+          n += 1
+        except OSError:  # another process removed it first
+          pass
+    return n
+
   def load(self, bkey: tuple, tier: int, in_avals=()):
     """The stored ``jax.stages.Compiled`` for (bucket, tier) compiled for ``in_avals``, or
     None: missing, or discarded with a warning because it does not fit (see the module)."""

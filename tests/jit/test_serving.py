@@ -159,11 +159,45 @@ def test_gpu_tiers_quick_compile_first_then_full_options_replace_it(monkeypatch)
   assert fam.buckets[(2, 64)].tier == 0
   quick = {"xla_gpu_enable_triton_gemm": False, "xla_gpu_autotune_level": 0}
   assert seen and all(o == quick for o in seen)
-  assert f._dispatcher.compiler.scheduler.wait_idle(5)  # tier 0 of t=8 (background); tier 1 waits for traffic
-  assert all(o == quick for o in seen)
-  f.wait()  # runs the queued tier-1 recompiles now
-  assert fam.buckets[(2, 64)].tier == 1 and fam.buckets[(2, 8)].tier == 1 and {} in seen
+  # Tier 1 starts by itself once the queue is idle (no wait() and no traffic needed); one
+  # at a time, after every tier-0 compile.
+  sched = f._dispatcher.compiler.scheduler
+  assert sched.wait_idle(30)
+  assert fam.buckets[(2, 64)].tier == 1 and fam.buckets[(2, 8)].tier == 1
+  first_full = seen.index({})
+  assert all(o == quick for o in seen[:first_full]) and all(o == {} for o in seen[first_full:])
+  starts = sorted((start, start + dt) for key, start, dt in sched.log if key[2] == 1)
+  assert all(b[0] >= a[1] - 1e-6 for a, b in zip(starts, starts[1:]))  # never two at once
   np.testing.assert_allclose(f(p, _x(5)), EXACT(p, _x(5)), rtol=1e-6, atol=1e-6)
+
+
+def test_tier_up_waits_for_traffic_when_asked(monkeypatch):
+  monkeypatch.setattr(serving_mod, "on_gpu", lambda: True)
+  monkeypatch.setattr(serving_mod, "TIER_UP_AFTER", 1000)
+  p = _params()
+  f = _serving(compile_workers=1)
+  f(p, _x(5))
+  fam = next(iter(f._dispatcher.families.values()))
+  assert f._dispatcher.compiler.scheduler.wait_idle(5)
+  assert fam.buckets[(2, 64)].tier == 0  # 1 call, not 1,000: still quick
+  f.wait()  # runs the queued tier-1 recompiles now
+  assert fam.buckets[(2, 64)].tier == 1
+
+
+def test_tier_one_replaces_the_stored_quick_executable(monkeypatch, tmp_path):
+  monkeypatch.setattr(serving_mod, "on_gpu", lambda: True)
+  p = _params()
+  f = _serving(compile_workers=1, cache_dir=str(tmp_path))
+  f(p, _x(5))
+  f.wait()
+  fam = next(iter(f._dispatcher.families.values()))
+  stored = fam.store().stored()
+  assert stored and all(t == 1 for _, t in stored), stored
+  g = _serving(compile_workers=1, cache_dir=str(tmp_path))  # a restart
+  np.testing.assert_allclose(g(p, _x(5)), EXACT(p, _x(5)), rtol=1e-6, atol=1e-6)
+  gfam = next(iter(g._dispatcher.families.values()))
+  assert all(e.tier == 1 and e.source == "stored" for e in gfam.buckets.values())
+  assert g.stats()["compiles"] == 0
 
 
 def test_no_tiers_with_explicit_compiler_options_or_off_gpu(monkeypatch):

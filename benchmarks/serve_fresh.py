@@ -1,0 +1,472 @@
+"""A served model from process start to its 1,000th answer, each mode in a FRESH process.
+
+    python -m benchmarks.serve_fresh --out DIR                      # the H100 table (fp32)
+    python -m benchmarks.serve_fresh --out DIR --dtype bfloat16     # the bf16 table
+    python -m benchmarks.serve_fresh --size tiny --requests 200 --modes torch_eager,dynjax_pow2
+
+The protocol of issue 18.  Every mode runs in its own process, started by this one; the clock
+starts when the parent spawns it, so "start to 1,000th answer" includes the interpreter, the
+imports, the backend's start, building the request list from the standard library (the same
+work in every mode), the weights (restored from host arrays) and every compile.  The model is
+the Linen BERT encoder of :mod:`examples.models` with a lengths mask (``--size base``: 12
+layers, d 768), fed 1,000 requests of batch 8 with stdlib docstring lengths; numpy in, numpy
+out in every mode.  torch is the same architecture with the same weights
+(:func:`examples.models.torch_bert`: SDPA with a padding mask; fp32 with
+``set_float32_matmul_precision("high")``, bf16 with its default SDPA).
+
+Modes (``--modes``, in order; a ``*_restart`` mode reuses the cache of the mode it names):
+
+* ``torch_eager``: PyTorch eager.
+* ``hand``: what a JAX user writes by hand: pow2 buckets padded on the host, one ``jax.jit``
+  called at each bucket shape (compiles block), JAX's persistent compilation cache in a fresh
+  directory; ``hand_restart``: a new process on that cache.
+* ``dynjax_pow2`` / ``dynjax_auto`` / ``dynjax_value``: ``dynjax.flax.jit(serving=True)`` with
+  ``pow2(16, 512)`` / ``auto(max_compiles=8)`` / ``auto(max_compiles=None)`` (value-decided)
+  buckets and a fresh ``cache_dir``; ``*_restart``: a new process on that cache_dir.
+* ``dynjax_wait``: ``dynjax_pow2`` then ``f.wait()`` (every tier-up done) and a second pass
+  over the stream (the "after tier-up" per-length row); ``dynjax_wait_restart`` restarts on it.
+* ``<mode>_prof``: ``<mode>`` with its first ``--profile_first`` calls under cProfile before
+  the timed stream (top entries in the record; its timings are not the protocol's).
+* ``lengths``: per exact length (``--lengths``): the exact-shape AOT executable, dynjax's
+  full-tier bucket executable (pow2, ``serving=False``: XLA's defaults) with ``padding="auto"``
+  (the default: the padding pass) and ``"trust"`` (the model masks itself), the auto one
+  loaded from the executable store by a second function, and torch eager, the median of
+  ``--reps`` synced calls, numpy in/out.
+* ``dynjax_trust_*``: the same modes with ``padding="trust"`` (the model masks by ``lengths``
+  itself, as this one does: the bucket executable is exactly the hand-written one).
+
+Per mode: start -> 1,000th answer (s), the stream (first request to last answer, s), the mean
+latency over the second half of the requests per length bin (the request's padded length:
+<=64, 65-128, 129-256, 257-512), the mean over all requests of that half, and the child's
+phase timestamps (imports, backend, requests built, weights, first answer).  JSON to
+``<out>/serve_fresh_<dtype>.json``, a table on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+BINS = ((1, 64), (65, 128), (129, 256), (257, 512))
+DEFAULT_MODES = ("torch_eager,hand,hand_restart,dynjax_pow2,dynjax_pow2_restart,dynjax_auto,"
+                 "dynjax_value,dynjax_value_restart,dynjax_wait,dynjax_wait_restart,lengths")
+
+
+def _parse(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--out", default=None, help="directory for serve_fresh_<dtype>.json")
+  p.add_argument("--modes", default=DEFAULT_MODES)
+  p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+  p.add_argument("--size", default="base")
+  p.add_argument("--requests", type=int, default=1000)
+  p.add_argument("--batch", type=int, default=8)
+  p.add_argument("--max_len", type=int, default=512)
+  p.add_argument("--lengths", default="37,141,300,450")
+  p.add_argument("--reps", type=int, default=30)
+  p.add_argument("--timeout", type=float, default=300.0, help="seconds per child process")
+  p.add_argument("--profile_first", type=int, default=0,
+                 help="dynjax modes: cProfile the first N calls (run before the timed stream)")
+  p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+  p.add_argument("--cache", default=None, help=argparse.SUPPRESS)
+  return p.parse_args(argv)
+
+
+# -- the child: one mode in a fresh process ----------------------------------------------------
+class _Clock:
+  """Seconds since the parent spawned this process (``SERVE_FRESH_T0``)."""
+
+  def __init__(self):
+    self.t0 = float(os.environ.get("SERVE_FRESH_T0", time.time()))
+    self.marks: dict[str, float] = {"interpreter": self.now()}
+
+  def now(self) -> float:
+    return time.time() - self.t0
+
+  def mark(self, name: str) -> None:
+    self.marks[name] = round(self.now(), 4)
+
+
+def _requests(args):
+  from examples import data
+
+  return data.request_stream(args.requests, batch=args.batch, max_len=args.max_len, seed=0,
+                             vocab=30522)
+
+
+def _model_cfg(args):
+  from examples import models
+
+  ecfg = models.ENCODER_SIZES[args.size]
+  if args.max_len > ecfg.max_len:
+    ecfg = models.EncoderConfig(**{**ecfg.__dict__, "max_len": args.max_len})
+  return ecfg
+
+
+def _jax_setup(args, clock, requests=True):
+  import jax
+  import numpy as np
+
+  from examples import models
+
+  clock.mark("imports")
+  jax.devices()
+  clock.mark("backend")
+  reqs = _requests(args) if requests else None
+  clock.mark("requests")
+  ecfg = _model_cfg(args)
+  module = models.BertEncoder(ecfg)
+  raw = models.init_encoder_params(ecfg, seed=0)
+  dt = np.dtype(args.dtype) if args.dtype != "bfloat16" else jax.numpy.bfloat16
+  variables = jax.device_put({"params": jax.tree.map(lambda a: a.astype(dt), raw)})
+  jax.block_until_ready(variables)
+  clock.mark("weights")
+  return module, variables, reqs
+
+
+def _serve(reqs, call, clock, second=None):
+  """Runs the stream; returns per-request latencies (s) and the stream's wall time."""
+  lat = []
+  t_first = time.perf_counter()
+  for i, r in enumerate(reqs):
+    t = time.perf_counter()
+    out = call(r)
+    out = out if hasattr(out, "dtype") and type(out).__module__ == "numpy" else _to_numpy(out)
+    lat.append(time.perf_counter() - t)
+    if i == 0:
+      clock.mark("first_answer")
+  stream = time.perf_counter() - t_first
+  clock.mark(f"answer_{len(reqs)}" if second is None else f"answer_{len(reqs)}_{second}")
+  return lat, stream
+
+
+def _to_numpy(out):
+  import numpy as np
+
+  if hasattr(out, "detach"):  # torch
+    return out.float().cpu().numpy()
+  return np.asarray(out)
+
+
+def _bins(reqs, lat) -> dict:
+  half = len(reqs) // 2
+  res = {}
+  for lo, hi in BINS:
+    xs = [x for r, x in zip(reqs[half:], lat[half:], strict=True) if lo <= r.tokens.shape[1] <= hi]
+    res[f"{lo}-{hi}"] = 1e3 * statistics.fmean(xs) if xs else None
+  res["all"] = 1e3 * statistics.fmean(lat[half:])
+  return res
+
+
+def _record(mode, reqs, lat, stream, clock, **extra) -> dict:
+  return {"mode": mode, "start_to_last_s": clock.marks[f"answer_{len(reqs)}"],
+          "stream_s": stream, "bins_ms": _bins(reqs, lat), "marks": clock.marks,
+          "first_ms": 1e3 * lat[0], "requests": len(reqs), **extra}
+
+
+def _child_torch(args, clock):
+  import numpy as np
+  import torch
+
+  from examples import models
+
+  clock.mark("imports")
+  dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+  torch.zeros(1, device=dev)
+  clock.mark("backend")
+  reqs = _requests(args)
+  clock.mark("requests")
+  ecfg = _model_cfg(args)
+  torch.set_float32_matmul_precision("high")
+  model = models.torch_bert(models.init_encoder_params(ecfg, seed=0), ecfg, device=str(dev))
+  if args.dtype == "bfloat16":
+    model = model.to(torch.bfloat16)
+  clock.mark("weights")
+
+  def call(r):
+    with torch.inference_mode():
+      tok = torch.from_numpy(r.tokens).to(dev, non_blocking=True)
+      lens = torch.from_numpy(r.lengths).to(dev, non_blocking=True)
+      return model(tok, lens).float().cpu().numpy()
+
+  lat, stream = _serve(reqs, call, clock)
+  rec = _record("torch_eager", reqs, lat, stream, clock, torch=torch.__version__,
+                device=str(dev))
+  del np
+  return rec
+
+
+def _enable_jax_cache(path):
+  import jax
+
+  jax.config.update("jax_compilation_cache_dir", path)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def _child_hand(args, clock, mode):
+  import jax
+  import numpy as np
+
+  import dynjax
+
+  _enable_jax_cache(args.cache)
+  module, variables, reqs = _jax_setup(args, clock)
+  pol = dynjax.buckets.pow2(16, args.max_len)
+  apply = jax.jit(module.apply)
+
+  def call(r):
+    b, t = r.tokens.shape
+    buf = np.zeros((b, pol.bucket(t)), r.tokens.dtype)
+    buf[:, :t] = r.tokens
+    return np.asarray(apply(variables, buf, r.lengths))
+
+  lat, stream = _serve(reqs, call, clock)
+  return _record(mode, reqs, lat, stream, clock, jax=jax.__version__)
+
+
+def _policy(mode, args):
+  import dynjax
+
+  if "auto" in mode:
+    return dynjax.buckets.auto(max_compiles=8, min=16, max=args.max_len)
+  if "value" in mode:
+    return dynjax.buckets.auto(max_compiles=None, min=16, max=args.max_len)
+  return dynjax.buckets.pow2(16, args.max_len)
+
+
+def _child_dynjax(args, clock, mode):
+  import jax
+
+  import dynjax
+  from dynjax import flax as dynjax_flax
+
+  module, variables, reqs = _jax_setup(args, clock)
+  f = dynjax_flax.jit(module, dims={"tokens": "b, t", "lengths": "b"},
+                      buckets={"t": _policy(mode, args)}, serving=True, cache_dir=args.cache,
+                      padding="trust" if "trust" in mode else "auto")
+
+  def call(r):
+    return f(variables, r.tokens, r.lengths)
+
+  prof = None
+  if args.profile_first:  # where the first calls spend their time (cProfile, top entries)
+    import cProfile
+    import io
+    import pstats
+
+    pr = cProfile.Profile()
+    head = reqs[: args.profile_first]
+    pr.enable()
+    for r in head:
+      call(r)
+    pr.disable()
+    buf = io.StringIO()
+    pstats.Stats(pr, stream=buf).sort_stats("cumulative").print_stats(30)
+    prof = buf.getvalue()[-6000:]
+    clock.mark("profiled_first")
+  lat, stream = _serve(reqs, call, clock)
+  st = f.stats()
+  extra = {"stats": {k: st.get(k) for k in ("compiles", "loaded_from_store", "buckets",
+                                             "served_on_larger_bucket", "waited_for_compile",
+                                             "wait_seconds", "padded_fraction")},
+           "jax": jax.__version__, "dynjax_version": getattr(dynjax, "__version__", None)}
+  if prof is not None:
+    extra["profile_first"] = prof
+  if mode.startswith("dynjax_wait") and "restart" not in mode:
+    t = time.perf_counter()
+    f.wait()
+    extra["wait_s"] = time.perf_counter() - t
+    lat2, stream2 = _serve(reqs, call, clock, second="after_wait")
+    extra["after_wait"] = {"stream_s": stream2, "bins_ms": _bins(reqs, lat2)}
+  return _record(mode, reqs, lat, stream, clock, **extra)
+
+
+def _child_lengths(args, clock):
+  import jax
+  import numpy as np
+
+  import dynjax
+  from dynjax import flax as dynjax_flax
+  from examples import models
+
+  module, variables, _ = _jax_setup(args, clock, requests=False)
+  lengths = [int(x) for x in args.lengths.split(",") if x]
+  rng = np.random.default_rng(0)
+  apply = jax.jit(module.apply)
+  def dj(padding, cache=None):
+    return dynjax_flax.jit(module, dims={"tokens": "b, t", "lengths": "b"},
+                           buckets={"t": dynjax.buckets.pow2(16, args.max_len)},
+                           padding=padding, cache_dir=cache)
+
+  store = tempfile.mkdtemp(prefix="serve_fresh_lengths_")
+  f, ft = dj("auto", store), dj("trust")
+  tmodel = None
+  if models.torch_available():
+    import torch
+
+    torch.set_float32_matmul_precision("high")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    tmodel = models.torch_bert(models.init_encoder_params(_model_cfg(args), seed=0),
+                               _model_cfg(args), device=dev)
+    if args.dtype == "bfloat16":
+      tmodel = tmodel.to(torch.bfloat16)
+
+  def med(fn):
+    for _ in range(3):
+      fn()
+    ts = []
+    for _ in range(args.reps):
+      t = time.perf_counter()
+      fn()
+      ts.append(time.perf_counter() - t)
+    return 1e3 * statistics.median(ts)
+
+  rows = {}
+  for t in lengths:
+    tok = rng.integers(1, 30522, (args.batch, t)).astype(np.int32)
+    lens = np.full((args.batch,), t, np.int32)
+    lens[0] = max(1, t // 2)
+    exe = apply.lower(variables, tok, lens).compile()
+    row = {"exact_aot": med(lambda: np.asarray(exe(variables, tok, lens))),
+           "dynjax_full": med(lambda: f(variables, tok, lens)),
+           "dynjax_full_trust": med(lambda: ft(variables, tok, lens))}
+    fl = dj("auto", store)  # a second function: its bucket executable loads from the store
+    row["dynjax_loaded"] = med(lambda: fl(variables, tok, lens))
+    row["loaded_from_store"] = fl.stats().get("loaded_from_store")
+    if tmodel is not None:
+      import torch
+
+      def tcall():
+        with torch.inference_mode():
+          return tmodel(torch.from_numpy(tok).to(dev), torch.from_numpy(lens).to(dev)).float().cpu().numpy()
+      row["torch_eager"] = med(tcall)
+    rows[str(t)] = row
+  return {"mode": "lengths", "per_length_ms": rows, "marks": clock.marks,
+          "jax": jax.__version__}
+
+
+def child(args) -> dict:
+  clock = _Clock()
+  mode = args.child
+  if mode == "torch_eager":
+    return _child_torch(args, clock)
+  if mode.startswith("hand"):
+    return _child_hand(args, clock, mode)
+  if mode.startswith("dynjax_"):
+    return _child_dynjax(args, clock, mode)
+  if mode == "lengths":
+    return _child_lengths(args, clock)
+  raise SystemExit(f"serve_fresh: unknown mode {mode!r}; modes: {DEFAULT_MODES}")
+
+
+# -- the parent ------------------------------------------------------------------------------
+def _spawn(args, mode, cache) -> dict:
+  cmd = [sys.executable, "-m", "benchmarks.serve_fresh", "--child", mode, "--dtype", args.dtype,
+         "--size", args.size, "--requests", str(args.requests), "--batch", str(args.batch),
+         "--max_len", str(args.max_len), "--lengths", args.lengths, "--reps", str(args.reps),
+         "--profile_first", str(args.profile_first if mode.endswith("_prof") else 0)]
+  if cache:
+    cmd += ["--cache", cache]
+  env = dict(os.environ, SERVE_FRESH_T0=repr(time.time()))
+  try:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
+  except subprocess.TimeoutExpired:
+    return {"mode": mode, "error": f"timed out after {args.timeout:.0f} s"}
+  lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+  if proc.returncode != 0 or not lines:
+    return {"mode": mode, "error": f"rc={proc.returncode}: {proc.stderr[-3000:]}"}
+  return json.loads(lines[-1][len("RESULT "):])
+
+
+def main(argv=None) -> dict:
+  args = _parse(argv)
+  if args.child:
+    rec = child(args)
+    print("RESULT " + json.dumps(rec), flush=True)
+    os._exit(0)  # background compile threads need not finish
+  modes = [m for m in args.modes.split(",") if m]
+  caches: dict[str, str] = {}
+  tmp = tempfile.mkdtemp(prefix="serve_fresh_")
+  results = []
+  for mode in modes:
+    restart = mode.removesuffix("_prof").endswith("_restart")
+    base = mode.removesuffix("_prof").removesuffix("_restart")
+    cache = None
+    if mode.startswith(("hand", "dynjax_")):
+      if restart and base not in caches:
+        results.append({"mode": mode, "error": f"needs {base} earlier in --modes"})
+        continue
+      cache = caches.setdefault(base, os.path.join(tmp, base))
+    rec = _spawn(args, mode, cache)
+    results.append(rec)
+    print(_line(rec), flush=True)
+  out = {"config": vars(args), "results": results, "python": sys.version.split()[0]}
+  try:
+    import jax
+
+    out["jax"] = jax.__version__
+  except Exception:  # noqa: BLE001
+    pass
+  if args.out:
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"serve_fresh_{args.dtype}.json")
+    with open(path, "w") as fh:
+      json.dump(out, fh, indent=1)
+    print("wrote", path)
+  print(table(results))
+  shutil.rmtree(tmp, ignore_errors=True)
+  return out
+
+
+def _line(rec) -> str:
+  if "error" in rec:
+    return f"{rec['mode']}: ERROR {rec['error'][-600:]}"
+  if rec["mode"] == "lengths":
+    return "lengths: " + json.dumps(rec["per_length_ms"])
+  b = rec["bins_ms"]
+  s = (f"{rec['mode']}: start->last {rec['start_to_last_s']:.2f} s, stream {rec['stream_s']:.2f} s, "
+       + ", ".join(f"{k} {v:.2f}" for k, v in b.items() if v is not None) + f" | marks {rec['marks']}")
+  if "after_wait" in rec:
+    s += f" | wait {rec['wait_s']:.1f} s, after: " + ", ".join(
+        f"{k} {v:.2f}" for k, v in rec["after_wait"]["bins_ms"].items() if v is not None)
+  if "stats" in rec:
+    s += f" | stats {rec['stats']}"
+  return s
+
+
+def table(results) -> str:
+  head = "| mode | start->last answer s | stream s | " + " | ".join(
+      f"T {lo}-{hi} ms" for lo, hi in BINS) + " | all ms |"
+  rows = [head, "|" + "---|" * (5 + len(BINS))]
+  for rec in results:
+    if "error" in rec or rec.get("mode") == "lengths":
+      continue
+    b = rec["bins_ms"]
+    cells = [f"{b[f'{lo}-{hi}']:.2f}" if b.get(f"{lo}-{hi}") is not None else "" for lo, hi in BINS]
+    rows.append(f"| {rec['mode']} | {rec['start_to_last_s']:.1f} | {rec['stream_s']:.2f} | "
+                + " | ".join(cells) + f" | {b['all']:.2f} |")
+    if "after_wait" in rec:
+      a = rec["after_wait"]["bins_ms"]
+      cells = [f"{a[f'{lo}-{hi}']:.2f}" if a.get(f"{lo}-{hi}") is not None else ""
+               for lo, hi in BINS]
+      rows.append(f"| {rec['mode']} after wait() ({rec['wait_s']:.0f} s) | | "
+                  f"{rec['after_wait']['stream_s']:.2f} | " + " | ".join(cells)
+                  + f" | {a['all']:.2f} |")
+  for rec in results:
+    if rec.get("mode") == "lengths":
+      rows.append("\n| T | " + " | ".join(next(iter(rec["per_length_ms"].values())).keys()) + " |")
+      for t, row in rec["per_length_ms"].items():
+        rows.append(f"| {t} | " + " | ".join(f"{v:.2f}" if isinstance(v, float) else str(v)
+                                             for v in row.values()) + " |")
+  return "\n".join(rows)
+
+
+if __name__ == "__main__":
+  main()
