@@ -163,8 +163,10 @@ def attention_section(p: Probe, a, ts, dtypes, reps):
               q, k, v, key_value_seq_lengths=n, implementation="xla")),
       }
       if dt != "float32":
+        # cuDNN takes a mask as a bias [B|1, N|1, T, S] (T and S in full).
         variants["cudnn_mask"] = lambda q, k, v, m, n: jax.nn.dot_product_attention(
-            q, k, v, mask=m[:, None, None, :], implementation="cudnn")
+            q, k, v, mask=jnp.broadcast_to(m[:, None, None, :], (m.shape[0], 1) + m.shape[1:2]
+                                           + m.shape[1:]), implementation="cudnn")
         variants["cudnn_lengths"] = lambda q, k, v, m, n: jax.nn.dot_product_attention(
             q, k, v, key_value_seq_lengths=n, implementation="cudnn")
       for name, fun in variants.items():

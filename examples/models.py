@@ -190,8 +190,10 @@ def attend(q, k, v, key_mask, impl: str = "einsum"):
     kv_len = jnp.sum(key_mask, axis=-1, dtype=jnp.int32)
     return jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=kv_len,
                                         implementation=base)
-  return jax.nn.dot_product_attention(q, k, v, mask=key_mask[:, None, None, :],
-                                      implementation=base)
+  # cuDNN takes a mask as a bias of shape [B|1, N|1, T, S]: T and S in full.
+  b, t, s = q.shape[0], q.shape[1], k.shape[1]
+  mask = jnp.broadcast_to(key_mask[:, None, None, :], (b, 1, t, s))
+  return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=base)
 
 
 def _attention(x, p, heads, key_mask, impl="einsum"):
