@@ -33,8 +33,10 @@ elsewhere), masks that depend on the query axis (causal, 2-D padding masks), a m
 is not very negative, explicit dot precisions, mixed q/k/v dtypes, grouped heads; with
 ``"cudnn"``: no GPU, dtypes other than float16/bfloat16, head dims cuDNN refuses.  The numerics
 change (softmax in float32, scale folded into the logits, bf16 logits computed in float32), so
-the rewrite is opt-in.  Cost of the rewrite itself (2-core CPU box, jax 0.10.2): flatten + match
-+ re-trace of a 12-layer BERT jaxpr ~0.1-0.2 s, once per family (auto) or per bucket (trust).
+the rewrite is opt-in.  Cost of the rewrite itself (2-core CPU box, jax 0.10.2, BERT-base at
+T=128: 1,001 flat equations, 12 sites): flatten + match ~5 ms, the re-trace with substitutions
+0.07-0.15 s; once per family under ``auto``, per bucket under ``trust`` (plus one
+``make_jaxpr`` of the function at the bucket shape: 0.23 s cold).
 """
 
 from __future__ import annotations
@@ -337,7 +339,8 @@ def match_site(flat: Flat, anchor: Node, impl: str) -> Match:
   v_c, v_b = (rc, rb) if wi == 0 else (lc, lb)
   v_ref = anchor.ins[1 - wi]
   if tuple(w_c) != (sm_axis,):
-    raise NoMatch("the value product does not contract the softmax axis")
+    raise NoMatch(f"softmax over axis {sm_axis}, not the key axis the value product "
+                  f"contracts ({', '.join(map(str, w_c))})")
   # Scores: peel mask, bias, scale, converts, transpose back to the q.k dot.
   ref = _through(flat, x_ref, ("convert_element_type",), chain)
   mask = bias = None
