@@ -87,6 +87,7 @@ class Family:
     self.out_dynamic: tuple = ()
     self.rewrites: tuple[str, ...] = ()
     self.attention_notes: tuple[str, ...] = ()  # attention=: sites rewritten or left, and why
+    self.attention_impl = None  # attention= of trust/exact executables (rewritten per shape)
     self.program = None  # control.ProgramRunner of a "program" family
     self.converted: set = set()  # (leaf path, host dtype, traced dtype) canonicalised inputs
     self.mode = opts.padding
@@ -204,7 +205,10 @@ class Family:
         self.fall_back(self._under_guards(
             f"symbolic tracing failed ({type(e).__name__}: {first})"))
         return
-    closed = self._rewrite_attention(closed)
+    if self.ctx.opts.attention is not None:  # auto: the symbolic jaxpr itself is rewritten
+      closed, self.attention_notes, ok = _attention.for_family(
+          closed, self.ctx.opts.attention, self.mode == "auto")
+      self.attention_impl = self.ctx.opts.attention if ok and self.mode != "auto" else None
     self.jaxpr = closed
     out_leaves = list(out_shape)
     self.out_tree = self.flat_fun.out_tree
@@ -233,38 +237,6 @@ class Family:
             f"the padding pass failed ({type(e).__name__}: {e}); please report it"))
       else:
         self.rewrites = tuple(plan.rewrites)
-
-  def _rewrite_attention(self, closed):
-    """``attention=``: under ``padding="auto"`` the symbolic jaxpr itself is rewritten (the
-    padding pass pads each ``dynjax_attention`` equation); otherwise each executable's
-    function is (:meth:`attention_fun`) and the symbolic jaxpr only gives explain() its lines."""
-    impl = self.ctx.opts.attention
-    if impl is None:
-      return closed
-    try:
-      if self.mode == "auto":
-        closed, notes = _attention.rewrite_jaxpr(closed, impl)
-      else:
-        notes = _attention.find(_attention.flatten(closed), impl).notes
-    except Exception as e:  # noqa: BLE001 - a matcher bug must never change a result
-      notes = [f"the attention rewrite failed ({type(e).__name__}: {e}): every attention "
-               "left unchanged; please report it"]
-      self._attention_failed = True
-    self.attention_notes = tuple(notes) or ("no scaled-dot-product attention found",)
-    return closed
-
-  def attention_fun(self, avals):
-    """The function an executable at ``avals`` runs: ``flat_fun``, or its attention rewrite
-    (traced at ``avals``: ``padding="trust"`` buckets and exact shapes)."""
-    impl = self.ctx.opts.attention
-    if impl is None or self.mode == "auto" or getattr(self, "_attention_failed", False):
-      return self.flat_fun
-    try:
-      return _attention.rewrite_fun(self.flat_fun, avals, impl)[0]
-    except Exception:  # noqa: BLE001 - as in _rewrite_attention: run the function as written
-      logger.warning("dynjax.jit(%s): the attention rewrite failed at %s; running the "
-                     "function as written", self.name, [a.shape for a in avals], exc_info=True)
-      return self.flat_fun
 
   # -- guards: size conditions inferred while tracing ------------------------------------
   # Where symbolic tracing needs a comparison it cannot decide (``lax.top_k(x, 3)`` asks
@@ -507,7 +479,7 @@ class Family:
       as_leaves = list
     shard = {} if self.shard is None else self.shard.jit_kwargs(self, bkey, self.mode == "auto")
     if self.mode == "trust":
-      flat_fun = self.attention_fun(avals)
+      flat_fun = _attention.fun_at(flat_fun, avals, self.attention_impl, self.name)
 
       def bucket_fun(*xs):
         return flat_fun(*as_leaves(xs))
@@ -575,7 +547,8 @@ class Family:
       avals = [jax.ShapeDtypeStruct(np.shape(x), a.dtype, weak_type=a.weak_type)
                for x, a in zip(leaves, self.avals, strict=True)]
       kw = {} if self.shard is None else self.shard.exact_kwargs(self, avals)
-      exe = jax.jit(self.attention_fun(avals), donate_argnums=self.donate_leaves(),
+      fun = _attention.fun_at(self.flat_fun, avals, self.attention_impl, self.name)
+      exe = jax.jit(fun, donate_argnums=self.donate_leaves(),
                     **kw).lower(*avals).compile()
       return exe if self.shard is None else _sharding.exact_call(exe, self, avals, self.shard)
 

@@ -274,3 +274,31 @@ def test_cudnn_bf16_within_tolerance(padding, dpa_calls):
     assert "implementation='cudnn'" in f.explain()
   finally:
     DH = old
+
+
+def test_softmax_as_custom_jvp_call(dpa_calls):
+  # jax >= 0.11 may trace jax.nn.softmax as one custom_jvp_call (jax_softmax_custom_jvp).
+  if not hasattr(jax.config, "jax_softmax_custom_jvp"):
+    pytest.skip("this jax has no jax_softmax_custom_jvp flag")
+  old = jax.config.jax_softmax_custom_jvp
+  jax.config.update("jax_softmax_custom_jvp", True)
+  try:
+    q = jnp.zeros((B, 5, H, DH))
+    closed = jax.make_jaxpr(unmasked_attention)(q, q, q)
+    assert "custom_jvp_call" in str(closed)
+    for padding in ("trust", "auto"):
+      dpa_calls.clear()
+      f = _check(flax_attention, padding, masked=True)
+      assert dpa_calls and "rewritten to" in f.explain()
+  finally:
+    jax.config.update("jax_softmax_custom_jvp", old)
+
+
+def test_gradient_left_unchanged_and_exact(dpa_calls):
+  # A training step: the softmax weights feed the backward pass too, so nothing is rewritten.
+  def loss_grad(q, k, v, lengths):
+    return jax.grad(lambda q: jnp.sum(flax_attention(q, k, v, lengths) ** 2))(q)
+
+  f = _check(loss_grad, "auto", masked=True, tol=1e-4)
+  assert not dpa_calls
+  assert "is also used elsewhere" in f.explain()
