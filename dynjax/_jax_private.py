@@ -215,3 +215,23 @@ def scan_arity(params: dict) -> tuple[int, int]:
     return int(params["num_consts"]), int(params["num_carry"])
   consts, carry, _xs = params["ft_in"].unpack()
   return len(consts), len(carry)
+
+
+def eqn_context(eqn):
+  """The context ``jax.core.eval_jaxpr`` binds an equation under: its user traceback and name
+  stack (so a re-traced equation keeps the user's source line) and its ``eqn.ctx``."""
+  import contextlib
+
+  try:
+    from jax._src import source_info_util
+
+    stack = contextlib.ExitStack()
+    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+    stack.enter_context(source_info_util.user_context(eqn.source_info.traceback,
+                                                      name_stack=name_stack))
+    manager = getattr(getattr(eqn, "ctx", None), "manager", None)
+    if manager is not None:
+      stack.enter_context(manager)
+    return stack
+  except Exception:  # pragma: no cover - private API moved: lose source lines, not results
+    return contextlib.nullcontext()

@@ -48,10 +48,18 @@ class EncoderConfig:
   ffn: int = 512
   max_len: int = 512
   eps: float = 1e-12
+  # How attention is computed (the weights are the same for every choice): "einsum" (default)
+  # is the idiom of public Flax code; "xla"/"cudnn" call jax.nn.dot_product_attention with the
+  # boolean key mask, "xla_lengths"/"cudnn_lengths" with key_value_seq_lengths instead; "none"
+  # is a cheap stand-in (the values pass through) that measures attention's share of the time.
+  attention_impl: str = "einsum"
 
   @property
   def head_dim(self) -> int:
     return self.d_model // self.heads
+
+
+ATTENTION_IMPLS = ("einsum", "xla", "cudnn", "xla_lengths", "cudnn_lengths", "none")
 
 
 ENCODER_SIZES = {
@@ -157,17 +165,43 @@ def _linear(x, p):
   return x @ p["kernel"] + p["bias"]
 
 
-def _attention(x, p, heads, key_mask):
+def attend(q, k, v, key_mask, impl: str = "einsum"):
+  """Multi-head attention core ``[b, t, h, dh] x3 -> [b, t, h, dh]`` (see ``attention_impl``).
+
+  ``impl="einsum"`` is the code of public Flax models; the others are for measuring
+  (``benchmarks/probe_attention.py``).
+  """
+  dh = q.shape[-1]
+  if impl == "einsum":
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(dh)
+    if key_mask is not None:
+      # finfo.min, not -inf: exp underflows to exactly 0, so padded keys contribute nothing.
+      scores = jnp.where(key_mask[:, None, None, :], scores, jnp.finfo(scores.dtype).min)
+    w = jax.nn.softmax(scores, axis=-1)
+    return jnp.einsum("bhqk,bkhd->bqhd", w, v)
+  if impl == "none":
+    return v
+  if impl not in ATTENTION_IMPLS:
+    raise ValueError(f"attention_impl: expected one of {ATTENTION_IMPLS}, got {impl!r}")
+  base, _, lengths = impl.partition("_")
+  if key_mask is None:
+    return jax.nn.dot_product_attention(q, k, v, implementation=base)
+  if lengths:
+    kv_len = jnp.sum(key_mask, axis=-1, dtype=jnp.int32)
+    return jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=kv_len,
+                                        implementation=base)
+  # cuDNN takes a mask as a bias of shape [B|1, N|1, T, S]: T and S in full.
+  b, t, s = q.shape[0], q.shape[1], k.shape[1]
+  mask = jnp.broadcast_to(key_mask[:, None, None, :], (b, 1, t, s))
+  return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=base)
+
+
+def _attention(x, p, heads, key_mask, impl="einsum"):
   b, t, d = x.shape
   dh = d // heads
   qkv = _linear(x, p["qkv"]).reshape(b, t, 3, heads, dh)
   q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-  scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(dh)
-  if key_mask is not None:
-    # finfo.min, not -inf: exp underflows to exactly 0, so padded keys contribute nothing.
-    scores = jnp.where(key_mask[:, None, None, :], scores, jnp.finfo(scores.dtype).min)
-  w = jax.nn.softmax(scores, axis=-1)
-  out = jnp.einsum("bhqk,bkhd->bqhd", w, v).reshape(b, t, d)
+  out = attend(q, k, v, key_mask, impl).reshape(b, t, d)
   return _linear(out, p["out"])
 
 
@@ -179,7 +213,8 @@ def encoder_sequence(params: Params, tokens, lengths, *, cfg: EncoderConfig):
   x = _layer_norm(x, params["emb_ln"], cfg.eps)
   for i in range(cfg.layers):
     p = params[f"layer_{i}"]
-    x = _layer_norm(x + _attention(x, p["attn"], cfg.heads, key_mask), p["ln1"], cfg.eps)
+    a = _attention(x, p["attn"], cfg.heads, key_mask, cfg.attention_impl)
+    x = _layer_norm(x + a, p["ln1"], cfg.eps)
     h = jax.nn.gelu(_linear(x, p["mlp_in"]), approximate=False)
     x = _layer_norm(x + _linear(h, p["mlp_out"]), p["ln2"], cfg.eps)
   return x
@@ -266,6 +301,7 @@ def _linen_classes():
   class Attention(nn.Module):
     d_model: int
     heads: int
+    impl: str = "einsum"
 
     @nn.compact
     def __call__(self, x, key_mask):
@@ -273,12 +309,15 @@ def _linen_classes():
       dh = d // self.heads
       qkv = nn.Dense(3 * d, name="qkv")(x).reshape(b, t, 3, self.heads, dh)
       q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-      scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(dh)
-      if key_mask is not None:
-        scores = jnp.where(key_mask[:, None, None, :], scores, jnp.finfo(scores.dtype).min)
-      w = jax.nn.softmax(scores, axis=-1)
-      out = jnp.einsum("bhqk,bkhd->bqhd", w, v).reshape(b, t, d)
-      return nn.Dense(d, name="out")(out)
+      if self.impl == "einsum":  # the idiom of public Flax code, written out
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(dh)
+        if key_mask is not None:
+          scores = jnp.where(key_mask[:, None, None, :], scores, jnp.finfo(scores.dtype).min)
+        w = jax.nn.softmax(scores, axis=-1)
+        out = jnp.einsum("bhqk,bkhd->bqhd", w, v)
+      else:
+        out = attend(q, k, v, key_mask, self.impl)
+      return nn.Dense(d, name="out")(out.reshape(b, t, d))
 
   class Layer(nn.Module):
     cfg: EncoderConfig
@@ -286,7 +325,7 @@ def _linen_classes():
     @nn.compact
     def __call__(self, x, key_mask):
       cfg = self.cfg
-      a = Attention(cfg.d_model, cfg.heads, name="attn")(x, key_mask)
+      a = Attention(cfg.d_model, cfg.heads, cfg.attention_impl, name="attn")(x, key_mask)
       x = nn.LayerNorm(epsilon=cfg.eps, name="ln1")(x + a)
       h = jax.nn.gelu(nn.Dense(cfg.ffn, name="mlp_in")(x), approximate=False)
       return nn.LayerNorm(epsilon=cfg.eps, name="ln2")(x + nn.Dense(cfg.d_model, name="mlp_out")(h))

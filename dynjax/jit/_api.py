@@ -55,6 +55,7 @@ def jit(
     compile_workers: int | None = None,
     compiler_options: Mapping[str, Any] | None = None,
     on_fallback: str = "warn",
+    attention: str | None = None,
 ):
   """Compiles ``fun`` into a family of bucketed, padded XLA executables.
 
@@ -107,6 +108,12 @@ def jit(
       would run unpadded (one compile per shape): ``"warn"`` (one warning; counted in
       ``stats()["fallbacks"]``) or ``"error"`` (raise :class:`dynjax.PaddingFallbackError`
       naming the primitive and source line, for servers that refuse the compile storm).
+    attention: opt-in rewrite of scaled-dot-product attention (``einsum`` q.k, scale, optional
+      key mask or bias, ``jax.nn.softmax`` over the keys, ``einsum`` with v) into
+      ``jax.nn.dot_product_attention``: ``"cudnn"`` (GPU, float16/bfloat16: cuDNN's fused
+      kernel; with ``padding="auto"`` padded keys are cut by ``key_value_seq_lengths`` = the
+      true length) or ``"xla"``.  Numerics change within the dtype's tolerance (softmax in
+      float32), hence opt-in; ``explain()`` lists every site rewritten or left unchanged, and why.
 
   Returns:
     A :class:`Wrapped` function (or a decorator, when ``fun`` is omitted).
@@ -124,7 +131,8 @@ def jit(
                 max_executables=max_executables, cache_dir=cache_dir, check=check,
                 async_compile=async_compile, in_shardings=in_shardings,
                 out_shardings=out_shardings, serving=serving, compile_workers=compile_workers,
-                compiler_options=compiler_options, on_fallback=on_fallback)
+                compiler_options=compiler_options, on_fallback=on_fallback,
+                attention=attention)
   if fun is None:
     return lambda f: Wrapped(f, **kwargs)
   if not callable(fun):

@@ -36,6 +36,7 @@ from dynjax._errors import (
   PaddingUnsupportedError,
   format_list,
 )
+from dynjax.bucketing import _attention
 from dynjax.bucketing._joint import JointPlan
 from dynjax.bucketing._padding import pad_jaxpr
 from dynjax.bucketing._policies import Auto, BucketPolicy
@@ -85,6 +86,8 @@ class Family:
     self.out_shape_fns: tuple = ()
     self.out_dynamic: tuple = ()
     self.rewrites: tuple[str, ...] = ()
+    self.attention_notes: tuple[str, ...] = ()  # attention=: sites rewritten or left, and why
+    self.attention_impl = None  # attention= of trust/exact executables (rewritten per shape)
     self.program = None  # control.ProgramRunner of a "program" family
     self.converted: set = set()  # (leaf path, host dtype, traced dtype) canonicalised inputs
     self.mode = opts.padding
@@ -202,6 +205,10 @@ class Family:
         self.fall_back(self._under_guards(
             f"symbolic tracing failed ({type(e).__name__}: {first})"))
         return
+    if self.ctx.opts.attention is not None:  # auto: the symbolic jaxpr itself is rewritten
+      closed, self.attention_notes, ok = _attention.for_family(
+          closed, self.ctx.opts.attention, self.mode == "auto")
+      self.attention_impl = self.ctx.opts.attention if ok and self.mode != "auto" else None
     self.jaxpr = closed
     out_leaves = list(out_shape)
     self.out_tree = self.flat_fun.out_tree
@@ -472,6 +479,8 @@ class Family:
       as_leaves = list
     shard = {} if self.shard is None else self.shard.jit_kwargs(self, bkey, self.mode == "auto")
     if self.mode == "trust":
+      flat_fun = _attention.fun_at(flat_fun, avals, self.attention_impl, self.name)
+
       def bucket_fun(*xs):
         return flat_fun(*as_leaves(xs))
 
@@ -538,7 +547,8 @@ class Family:
       avals = [jax.ShapeDtypeStruct(np.shape(x), a.dtype, weak_type=a.weak_type)
                for x, a in zip(leaves, self.avals, strict=True)]
       kw = {} if self.shard is None else self.shard.exact_kwargs(self, avals)
-      exe = jax.jit(self.flat_fun, donate_argnums=self.donate_leaves(),
+      fun = _attention.fun_at(self.flat_fun, avals, self.attention_impl, self.name)
+      exe = jax.jit(fun, donate_argnums=self.donate_leaves(),
                     **kw).lower(*avals).compile()
       return exe if self.shard is None else _sharding.exact_call(exe, self, avals, self.shard)
 

@@ -24,6 +24,7 @@ from dynjax.jit import _sharding
 PADDING_MODES = ("auto", "trust", "exact")
 OVERFLOW_MODES = ("error", "exact", "grow")
 ON_FALLBACK = ("warn", "error")
+ATTENTION = (None, "cudnn", "xla")
 _AUTO_VAR = re.compile(r"^d[0-9]+$")
 
 
@@ -49,12 +50,14 @@ class Options:
   store_root: str | None = None  # where serialized executables live (cache_dir)
   cache_dir: str | None = None
   on_fallback: str = "warn"
+  attention: str | None = None  # rewrite attention to jax.nn.dot_product_attention
 
 
 def check(name: str, param_names: list[str], dyn_names: tuple[str, ...], *, dims, buckets,
           padding, overflow, static_argnames, donate_argnames, return_padded, constraints,
           max_executables, cache_dir, check, async_compile, in_shardings, out_shardings,
-          serving, compile_workers, compiler_options, on_fallback) -> Options:
+          serving, compile_workers, compiler_options, on_fallback,
+          attention=None) -> Options:
   """Validates every option of ``dynjax.jit(fun, ...)``; ``SpecError`` names what is wrong."""
   static = names(static_argnames, "static_argnames")
   donate = names(donate_argnames, "donate_argnames")
@@ -88,7 +91,8 @@ def check(name: str, param_names: list[str], dyn_names: tuple[str, ...], *, dims
       cache_dir=os.fspath(cache_dir) if cache_dir else None,
       store_root=(os.path.join(os.fspath(cache_dir), "dynjax-executables") if cache_dir
                   else None),
-      on_fallback=choice(on_fallback, ON_FALLBACK, "on_fallback"))
+      on_fallback=choice(on_fallback, ON_FALLBACK, "on_fallback"),
+      attention=_check_attention(attention, padding))
 
 
 def names(value, what: str) -> tuple[str, ...]:
@@ -183,6 +187,21 @@ def _check_compiler_options(options) -> tuple:
   if bad:
     raise SpecError(f"compiler_options: {bad} are not name -> bool/int/float/str pairs")
   return tuple(sorted(options.items()))
+
+
+def _check_attention(attention, padding) -> str | None:
+  if attention not in ATTENTION:
+    raise SpecError(
+        f"attention={attention!r} is not valid; use one of {', '.join(map(repr, ATTENTION))}: "
+        "None (default) keeps the function's own attention; \"cudnn\" rewrites scaled-dot-"
+        "product attention to jax.nn.dot_product_attention(implementation=\"cudnn\") where "
+        "cuDNN takes it (GPU, float16/bfloat16) and says in explain() why elsewhere; \"xla\" "
+        "rewrites it to implementation=\"xla\" (any backend)")
+  if attention is not None and padding == "exact":
+    raise SpecError(f"attention={attention!r} needs padding=\"auto\" or \"trust\"; with "
+                    "padding=\"exact\" the function runs as written (use jax.nn."
+                    "dot_product_attention in it instead)")
+  return attention
 
 
 def default_workers() -> int:

@@ -222,6 +222,9 @@ def explain(d) -> str:
     if used:
       lines.append(f"  compiled buckets: {used}")
     lines.append(f"  padded fraction so far: {waste:.1%}")
+    if fam.attention_notes:
+      lines.append(f"  attention={opts.attention!r}:")
+      lines.extend(f"    {r}" for r in fam.attention_notes)
     if fam.rewrites:
       lines.append("  padding pass:")
       lines.extend(f"    {r}" for r in fam.rewrites)

@@ -264,6 +264,7 @@ def family_parts(fam) -> dict:
       "treedef": str(fam.treedef),
       "donate": opts.donate_argnames,
       "compiler_options": opts.compiler_options,
+      "attention": opts.attention,
       "versions": (jax.__version__, _jax_private.jaxlib_version(), dynjax_source_hash()),
       "backend": (jax.default_backend(), dev.device_kind, jax.device_count()),
       "config": _jax_private.lowering_config(),

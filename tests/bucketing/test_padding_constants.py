@@ -190,6 +190,8 @@ NOT_REACHED = {
   "sharding_constraint": "layout pass-through shared with transpose (reached)",
   "device_put": "layout pass-through shared with transpose (reached)",
   "closed_call": "the call rule shared with jit (reached)",
+  "dynjax_attention": "only in jaxprs jit(attention=) rewrites; its operands are transposes of "
+                      "traced values, never literals (tests/bucketing/test_attention.py)",
 }
 
 

@@ -83,3 +83,22 @@ def test_torch_absent_is_reported():
     assert not models.torch_available()
   else:
     assert models.torch_available()
+
+
+@pytest.mark.parametrize("impl", ["xla", "xla_lengths"])
+def test_attention_impl_same_weights_same_result(impl):
+  import dataclasses
+
+  import jax
+
+  params = models.init_encoder_params(CFG)
+  tok, lens = _batch()
+  want = np.asarray(models.BertEncoder(CFG).apply({"params": params}, tok, lens))
+  cfg = dataclasses.replace(CFG, attention_impl=impl)
+  module = models.BertEncoder(cfg)
+  variables = module.init(jax.random.key(0), tok, lens)
+  assert jax.tree.structure(variables["params"]) == jax.tree.structure(params)
+  got = np.asarray(module.apply({"params": params}, tok, lens))
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  got_jnp = np.asarray(models.encoder_apply(params, tok, lens, cfg=cfg))
+  np.testing.assert_allclose(got_jnp, want, rtol=1e-5, atol=1e-5)
