@@ -33,7 +33,8 @@ Modes (``--modes``, in order; a ``*_restart`` mode reuses the cache of the mode 
   loaded from the executable store by a second function, and torch eager, the median of
   ``--reps`` synced calls, numpy in/out.
 * ``dynjax_trust_*``: the same modes with ``padding="trust"`` (the model masks by ``lengths``
-  itself, as this one does: the bucket executable is exactly the hand-written one).
+  itself, as this one does: the bucket executable is exactly the hand-written one);
+  ``*cudnn*``: with ``attention="cudnn"`` (the opt-in rewrite to cuDNN's fused attention; bf16).
 
 Per mode: start -> 1,000th answer (s), the stream (first request to last answer, s), the mean
 latency over the second half of the requests per length bin (the request's padded length:
@@ -250,7 +251,8 @@ def _child_dynjax(args, clock, mode):
   module, variables, reqs = _jax_setup(args, clock)
   f = dynjax_flax.jit(module, dims={"tokens": "b, t", "lengths": "b"},
                       buckets={"t": _policy(mode, args)}, serving=True, cache_dir=args.cache,
-                      padding="trust" if "trust" in mode else "auto")
+                      padding="trust" if "trust" in mode else "auto",
+                      attention="cudnn" if "cudnn" in mode else None)
 
   def call(r):
     return f(variables, r.tokens, r.lengths)
@@ -300,10 +302,10 @@ def _child_lengths(args, clock):
   lengths = [int(x) for x in args.lengths.split(",") if x]
   rng = np.random.default_rng(0)
   apply = jax.jit(module.apply)
-  def dj(padding, cache=None):
+  def dj(padding, cache=None, attention=None):
     return dynjax_flax.jit(module, dims={"tokens": "b, t", "lengths": "b"},
                            buckets={"t": dynjax.buckets.pow2(16, args.max_len)},
-                           padding=padding, cache_dir=cache)
+                           padding=padding, cache_dir=cache, attention=attention)
 
   store = tempfile.mkdtemp(prefix="serve_fresh_lengths_")
   f, ft = dj("auto", store), dj("trust")
@@ -340,6 +342,10 @@ def _child_lengths(args, clock):
     fl = dj("auto", store)  # a second function: its bucket executable loads from the store
     row["dynjax_loaded"] = med(lambda: fl(variables, tok, lens))
     row["loaded_from_store"] = fl.stats().get("loaded_from_store")
+    if args.dtype == "bfloat16":  # the opt-in cuDNN attention rewrite (true lengths under auto)
+      fa, fat = dj("auto", attention="cudnn"), dj("trust", attention="cudnn")
+      row["dynjax_full_cudnn"] = med(lambda: fa(variables, tok, lens))
+      row["dynjax_full_trust_cudnn"] = med(lambda: fat(variables, tok, lens))
     if tmodel is not None:
       import torch
 
