@@ -5,11 +5,10 @@ padded, bucketed XLA executables and dispatches each call to the right one, retu
 of the exact unpadded shapes.
 """
 
+import importlib
+
 from dynjax import buckets as buckets
-from dynjax import control as control
 from dynjax import flax as flax
-from dynjax import route as route
-from dynjax import runtime as runtime
 from dynjax._errors import ControlFlowError as ControlFlowError
 from dynjax._errors import DtypeMismatchError as DtypeMismatchError
 from dynjax._errors import DynjaxError as DynjaxError
@@ -22,10 +21,6 @@ from dynjax._errors import ShapeMismatchError as ShapeMismatchError
 from dynjax._errors import ShardingError as ShardingError
 from dynjax._errors import SpecError as SpecError
 from dynjax._padded import Padded as Padded
-from dynjax.control import cell as cell
-from dynjax.control import cond as cond
-from dynjax.control import recursive as recursive
-from dynjax.control import while_loop as while_loop
 from dynjax.jit import Compiled as Compiled
 from dynjax.jit import Lowered as Lowered
 from dynjax.jit import Traced as Traced
@@ -33,6 +28,27 @@ from dynjax.jit import Wrapped as Wrapped
 from dynjax.jit import jit as jit
 
 __version__ = "0.1.0"
+
+# Imported on first use (PEP 562): the control-flow VM and the routers are ~0.13 s of imports
+# (Pallas among them) that a server using only dynjax.jit does not need at start-up.
+_LAZY_MODULES = ("control", "route", "runtime")
+_LAZY_NAMES = {"cell": "control", "cond": "control", "recursive": "control",
+               "while_loop": "control"}
+
+
+def __getattr__(name: str):
+  if name in _LAZY_MODULES:
+    mod = importlib.import_module(f"dynjax.{name}")
+  elif name in _LAZY_NAMES:
+    mod = getattr(importlib.import_module(f"dynjax.{_LAZY_NAMES[name]}"), name)
+  else:
+    raise AttributeError(f"module 'dynjax' has no attribute {name!r}")
+  globals()[name] = mod
+  return mod
+
+
+def __dir__():
+  return sorted(set(globals()) | set(__all__))
 
 __all__ = [
     "Compiled",
