@@ -22,9 +22,10 @@ shrinks, and a value-decided plan stops at the first bucket not worth its penalt
 Above :data:`MAX_CANDIDATES` the candidates are thinned first: a candidate whose cost is within
 ``eps`` of the next kept one above goes (its calls pay at most ``eps`` more), ``eps`` the
 smallest that leaves few enough (512 candidates of a quadratic from 1x to 80x: ~3.5%).  Where the cost is flat (short lengths, dominated by the
-fixed part) candidates merge; where it is steep they stay fine.  Measured (2-core CPU box,
-numpy): 512 candidates, budget 64 -> thinned to <= 128: ~3 ms for all 64 rows, ~0.5 ms for the
-~8 rows a value-decided plan usually computes (``benchmarks/sim_buckets.py --time-replan``).
+fixed part) candidates merge; where it is steep they stay fine.  Measured whole re-plans (fit,
+thinning, DP, hysteresis; 2-core shared CPU box): max=512 (64 candidates), budget 8: 0.5-0.9
+ms; max=4096 (512 candidates -> 128), budget 64: 3.2-3.4 ms (~2.5 ms of it the 65 DP rows);
+unthinned 512 candidates: ~18 ms.  Re-plans run at 8, 16, 32, ... calls: ~20 in a million.
 """
 
 from __future__ import annotations
@@ -87,32 +88,18 @@ def plan_table(counts: np.ndarray, cost: np.ndarray, forced: np.ndarray, end: in
   new_j = np.flatnonzero(~forced)
   forced_j = np.flatnonzero(forced)
   Wn = W[:, new_j]
-  rows, args = [], []
+  buf = np.empty_like(Wn)
+  rows = []
   best = None  # (objective, k)
   for k in range(k_max + 1):
     row = np.full(m, inf)
-    arg = np.full(m, -2, np.int64)  # -2: unreachable, -1: starts here, i: predecessor
     if k >= 1 and len(new_j):
-      tot = rows[-1][:, None] + Wn
-      a = np.argmin(tot, axis=0)
-      v = tot[a, np.arange(len(new_j))]
-      if k == 1:
-        st = start[new_j]
-        use_st = st <= v
-        v = np.where(use_st, st, v)
-        a = np.where(use_st, -1, a)
-      row[new_j] = v
-      arg[new_j] = np.where(np.isfinite(v), a, -2)
+      v = np.add(rows[-1][:, None], Wn, out=buf).min(axis=0)  # argmins: only when backtracking
+      row[new_j] = np.minimum(v, start[new_j]) if k == 1 else v
     for j in forced_j:  # forced: from this row (no new bucket), in increasing order
-      tot = row + W[:, j]
-      i = int(np.argmin(tot))
-      v, a = float(tot[i]), i
-      if k == 0 and start[j] <= v:
-        v, a = float(start[j]), -1
-      row[j] = v
-      arg[j] = a if np.isfinite(v) else -2
+      v = float((row + W[:, j]).min())
+      row[j] = min(v, float(start[j])) if k == 0 else v
     rows.append(row)
-    args.append(arg)
     obj = row[end] + (penalty or 0.0) * k
     if np.isfinite(obj) and (best is None or obj < best[0]):
       best = (obj, k)
@@ -123,10 +110,12 @@ def plan_table(counts: np.ndarray, cost: np.ndarray, forced: np.ndarray, end: in
     return None
   k = best[1]
   j, chosen = end, []
-  while j >= 0:
+  while j >= 0:  # back along the path: each step one argmin over the row it came from
     chosen.append(int(j))
-    i = int(args[k][j])
-    if not forced[j]:
-      k -= 1
-    j = i
+    src = k if forced[j] else k - 1
+    first = k == (0 if forced[j] else 1)
+    if first and start[j] <= rows[k][j] * (1 + 1e-12):
+      break  # j is the smallest bucket
+    j = int(np.argmin(rows[src] + W[:, j]))
+    k = src
   return chosen[::-1], float(rows[best[1]][end]), best[1]

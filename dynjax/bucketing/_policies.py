@@ -572,8 +572,9 @@ def auto(max_compiles: int | None = 8, min: int = 1, max: int | None = None) -> 
       64 and at most the function's ``max_executables``.
     min, max: the range of sizes; ``max`` is always a bucket when given.
 
-  A re-plan (at 8, 16, 32, ... calls) costs ~0.2 ms for the 64 candidates of ``max=512``
-  (2-core CPU box); see ``Auto`` for the cost model and the plan.
+  A re-plan (at 8, 16, 32, ... calls, on the calling thread) costs 0.5-0.9 ms for the 64
+  candidates of ``max=512``, ~3 ms for 512 candidates and a budget of 64 (2-core CPU box);
+  see ``Auto`` for the cost model and the plan.
 
   Example:
     >>> p = dynjax.buckets.auto(max_compiles=4, max=512)
