@@ -53,8 +53,8 @@ def early_budget(budget: int, observations: int) -> int:
 
 
 EARLY_OBSERVATIONS = 256
-# Value-decided auto (``max_compiles=None``): the most buckets a plan holds (memory: each is an
-# executable; BERT-base on the H100 ~10-60 MB of code and scratch a bucket), and the seconds a
+# Value-decided auto (``max_compiles=None``): the most buckets a plan holds (each is an
+# executable kept in memory; their size was not measured for this bound), and the seconds a
 # compile is assumed to take before one was measured (CPU tests 0.1-1 s; H100 BERT-base 2.2-3 s
 # quick tier, ~5 s full).
 MAX_BUCKETS = 64
