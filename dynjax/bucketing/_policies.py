@@ -14,12 +14,14 @@ from __future__ import annotations
 import bisect
 import math
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
 import numpy as np
 
 from dynjax._errors import PolicyError
+from dynjax.bucketing import _cost, _plan
 
 
 def _check_int(name: str, value, minimum: int, policy: str) -> int:
@@ -51,6 +53,14 @@ def early_budget(budget: int, observations: int) -> int:
 
 
 EARLY_OBSERVATIONS = 256
+# Value-decided auto (``max_compiles=None``): the most buckets a plan holds (each is an
+# executable kept in memory; their size was not measured for this bound), and the seconds a
+# compile is assumed to take before one was measured (CPU tests 0.1-1 s; H100 BERT-base 2.2-3 s
+# quick tier, ~5 s full).
+MAX_BUCKETS = 64
+DEFAULT_COMPILE_SECONDS = 1.0
+# The tuple budget joint planning (``_joint.py``) uses for value-decided policies.
+JOINT_BUDGET = 8
 
 
 class BucketPolicy:
@@ -134,6 +144,11 @@ class BucketPolicy:
 
   def record_time(self, bucket: int, seconds: float) -> None:
     """Records a measured run time of ``bucket`` (used by profile-guided policies)."""
+
+  def record_compile(self, bucket: int, seconds: float,
+                     max_executables: int | None = None) -> None:
+    """Records that ``bucket`` took ``seconds`` to build, in a function that keeps at most
+    ``max_executables`` executables (used by value-decided policies)."""
 
   def aligned(self, multiple: int) -> BucketPolicy:
     """This policy with every bucket a multiple of ``multiple`` (e.g. a mesh axis size)."""
@@ -236,31 +251,64 @@ class Explicit(BucketPolicy):
 
 
 class Auto(BucketPolicy):
-  """Profile-guided buckets under a compile budget, re-planned from the observed histogram.
+  """Profile-guided buckets re-planned from the observed histogram and measured costs.
 
   Cold start: a single bucket at ``max`` (or the next power of two above the first size when
-  unbounded).  After 8, 16, 32, ... observations it re-plans: it picks at most
-  ``max_compiles`` bucket sizes in total, counting those already used as sunk (free), that
-  minimise the expected cost ``sum_n count(n) * cost(bucket(n))`` over the histogram.  ``cost``
-  is the measured run time of a bucket when the dispatcher has reported one (fitted linearly
-  across buckets), else the padded size.  Hysteresis: a new plan is adopted only when it cuts
-  the expected cost by more than ``hysteresis`` (default 5%), so the plan does not thrash.
+  unbounded).  After 8, 16, 32, ... observations it re-plans (:func:`~dynjax.bucketing.
+  _plan.plan_table`, an exact DP over the observed sizes rounded up to ``align``): the table
+  minimising the expected cost ``sum_n count(n) * cost(bucket(n))``, buckets already used
+  being sunk (free, kept).  ``cost`` is :mod:`~dynjax.bucketing._cost`'s model fitted to the
+  run times the dispatcher reports (``record_time``), ``a + b*T + c*T**2``.
+
+  How many buckets:
+
+  - ``max_compiles`` an integer: at most that many in total.
+  - ``max_compiles=None`` (value-decided): a new bucket is planned when the serving seconds it
+    saves over the horizon exceed ``threshold`` times the seconds a compile takes (measured
+    for this policy's buckets, ``record_compile``; else :data:`DEFAULT_COMPILE_SECONDS`), up
+    to :data:`MAX_BUCKETS` in total (and the function's ``max_executables``).  The horizon is
+    ``horizon`` (default 2) times the calls seen so far.  Why: with nothing else known, a
+    server that has answered N calls answers N more with probability 1/2 (Lindy: the median
+    of what is left is N), but a bucket is paid once and keeps serving past the median in
+    the heavy tail (its mean is unbounded).  On the docstring stream under the H100 cost
+    curve (``benchmarks/sim_buckets.py``), serving seconds above exact shapes plus compile
+    seconds were, for horizons 1 / 2 / 4: 8.9 / 9.1 / 7.9 s at 1e3 calls, 28.0 / 22.5 / 26.8
+    at 1e4, 74.8 / 69.2 / 69.7 at 1e5, 231 / 203 / 188 at 1e6: 2 is never worse than 1 by
+    more than 0.2 s and is within 8% of the best from 1e4 calls on.  ``threshold=1``: a
+    compile costs serving about its own seconds (blocking; or in the background: GPU
+    contention while it runs and the tier-1 recompile that follows it, H100 figures in
+    ``jit/_serving.py``).
+
+  While fewer than 256 calls were seen a plan adds at most half of what is left
+  (:func:`early_budget`).  Hysteresis: a new plan is adopted only when it cuts the objective
+  (expected cost above the exact-shape cost, plus the penalty of its new buckets when
+  value-decided) by more than ``hysteresis`` (default 5%), so the plan does not thrash.
   """
 
   name = "auto"
 
-  def __init__(self, max_compiles: int = 8, min: int = 1, max: int | None = None,
-               multiple: int = 1, align: int = 8, hysteresis: float = 0.05):
-    self.max_compiles = max_compiles
+  def __init__(self, max_compiles: int | None = 8, min: int = 1, max: int | None = None,
+               multiple: int = 1, align: int = 8, hysteresis: float = 0.05,
+               threshold: float = 1.0, horizon: float = 2.0):
+    self.value_decided = max_compiles is None
+    # Joint planning (several auto dims, ``_joint.py``) reads ``max_compiles`` as its tuple
+    # budget; value-decided policies give it the former default there.
+    self.max_compiles = JOINT_BUDGET if max_compiles is None else max_compiles
     self.align = align
     self.hysteresis = hysteresis
+    self.threshold = threshold
+    self.horizon = horizon
     self._lock = threading.Lock()
     self._hist: Counter[int] = Counter()
     self._n_obs = 0
     self._next_plan_at = 8
     self._used: set[int] = set()  # buckets handed out (compiled or being compiled): sunk cost
-    self._times: dict[int, float] = {}
+    self._times: dict[int, list] = {}  # bucket -> [seconds (average), samples]
+    self._compiles: dict[int, float] = {}  # bucket -> seconds its compile took
+    self._max_executables: int | None = None
     self.replans = 0
+    self.last_plan_seconds = 0.0  # how long the last re-plan took (explain, benchmarks)
+    self._model: _cost.CostModel | None = None  # set while re-planning
     super().__init__(min, max, multiple)
 
   def _quantum(self) -> int:
@@ -324,104 +372,134 @@ class Auto(BucketPolicy):
       self._table = tuple(sorted(set(self._table or ()) | {b}))
 
   def record_time(self, bucket: int, seconds: float) -> None:
-    old = self._times.get(bucket)
-    self._times[bucket] = seconds if old is None else 0.8 * old + 0.2 * seconds
+    # The first run of an executable carries one-off costs (allocation, first launch): the
+    # second sample replaces it, later ones average in (0.8 / 0.2).
+    rec = self._times.get(bucket)
+    if rec is None:
+      self._times[bucket] = [seconds, 1]
+    else:
+      rec[0] = seconds if rec[1] == 1 else 0.8 * rec[0] + 0.2 * seconds
+      rec[1] += 1
+
+  def record_compile(self, bucket: int, seconds: float,
+                     max_executables: int | None = None) -> None:
+    self._compiles[bucket] = seconds
+    self._max_executables = max_executables
 
   # -- planning ----------------------------------------------------------------------------
-  def _cost_fn(self):
-    known = sorted(self._times.items())
-    if len(known) >= 2:
-      xs = np.array([k for k, _ in known], float)
-      ys = np.array([v for _, v in known], float)
-      slope, intercept = np.polyfit(xs, ys, 1)
-      if slope > 0:
-        return lambda b: intercept + slope * np.asarray(b, float)
-    return lambda b: np.asarray(b, float)
+  def cost_model(self) -> _cost.CostModel:
+    """The fitted cost per call of a bucket (seconds; a prior scaled at ``max`` when nothing
+    was measured)."""
+    ref = self.max or (max(self._hist) if self._hist else self.min)
+    return _cost.fit([(b, t, n) for b, (t, n) in list(self._times.items())], t_ref=ref)
+
+  def _cost_fn(self) -> _cost.CostModel:
+    return self._model or self.cost_model()  # one fit per re-plan (~0.2 ms)
+
+  def compile_seconds(self) -> float:
+    """Seconds a new bucket's compile is expected to take: the mean of this policy's."""
+    ts = list(self._compiles.values())
+    return float(np.mean(ts)) if ts else DEFAULT_COMPILE_SECONDS
+
+  def penalty(self) -> float:
+    """Value-decided plans: the serving seconds, over the observed histogram, a new bucket
+    must save (``threshold * compile seconds``, scaled from the horizon to the calls seen)."""
+    return self.threshold * self.compile_seconds() / self.horizon
 
   def expected_cost(self, table: Sequence[int] | None = None) -> float:
     table = tuple(sorted(table if table is not None else (self._table or ())))
-    cost = self._cost_fn()
-    total = 0.0
-    for n, c in self._hist.items():
-      i = bisect.bisect_left(table, n)
-      b = table[i] if i < len(table) else _round_up(self._rule(n), self.multiple)
-      total += c * float(cost(b))
-    return total
+    if not self._hist:
+      return 0.0
+    ns = np.fromiter(self._hist.keys(), np.int64, len(self._hist))
+    cs = np.fromiter(self._hist.values(), float, len(self._hist))
+    t = np.array(table, np.int64)
+    i = np.searchsorted(t, ns)
+    grown = np.array([_round_up(self._rule(int(n)), self.multiple) for n in ns[i >= len(t)]],
+                     np.int64)
+    b = np.empty(len(ns), np.int64)
+    b[i < len(t)] = t[i[i < len(t)]]
+    b[i >= len(t)] = grown
+    return float((cs * self._cost_fn()(b)).sum())
+
+  def exact_cost(self) -> float:
+    """The expected cost of the histogram at exact shapes (no plan does better)."""
+    if not self._hist:
+      return 0.0
+    ns = np.fromiter(self._hist.keys(), np.int64, len(self._hist))
+    cs = np.fromiter(self._hist.values(), float, len(self._hist))
+    return float((cs * self._cost_fn()(np.maximum(ns, self.min))).sum())
+
+  def _objective(self, table, floor: float = 0.0) -> float:
+    # Above ``floor`` (the exact-shape cost): the hysteresis compares what a plan can change.
+    # With padded elements as the cost the floor was 0; with a fixed part per call, a 5% cut
+    # of the whole would ask a plan to remove most of the padding at once.
+    cost = self.expected_cost(table) - floor
+    if self.value_decided:
+      cost += self.penalty() * len(set(table) - self._used)
+    return cost
+
+  def bucket_cap(self) -> int:
+    """The most buckets a plan may hold in total."""
+    if not self.value_decided:
+      return self.max_compiles
+    cap = MAX_BUCKETS
+    return cap if self._max_executables is None else min(cap, self._max_executables)
 
   def plan(self) -> tuple[int, ...]:
     """The best table for the histogram so far (does not adopt it)."""
     q = self._quantum()
     sunk = sorted(self._used)
-    budget = self.max_compiles - len(sunk)
-    budget = early_budget(budget, self._n_obs)
-    top_needed = max(self._hist) if self._hist else self.min
-    cands = {_round_up(max(n, self.min), q) for n in self._hist}
+    budget = early_budget(self.bucket_cap() - len(sunk), self._n_obs)
+    if not self._hist:
+      return tuple(sunk)
+    ns = np.fromiter(self._hist.keys(), np.int64, len(self._hist))
+    ws = np.fromiter(self._hist.values(), float, len(self._hist))
+    cands = -(-np.maximum(ns, self.min) // q) * q
+    extra = list(sunk)
     if self.max is not None:
       top = _round_up(self.max, self.multiple)
-      cands = {min(c, top) for c in cands} | {top}
-    cands |= set(sunk)
-    cands = sorted(c for c in cands if c >= self.min)
-    if not cands:
+      cands = np.minimum(cands, top)
+      extra.append(top)
+    cands = np.unique(np.concatenate([cands, np.array(extra, np.int64)]))
+    cands = cands[cands >= self.min]
+    if not len(cands):
       return tuple(sunk)
-    m = len(cands)
-    is_new = np.array([c not in self._used for c in cands])
-    counts = np.zeros(m + 1)
-    for n, c in self._hist.items():
-      j = bisect.bisect_left(cands, n)
-      counts[min(j, m - 1) + 1] += c
-    cum = np.cumsum(counts)  # cum[j+1] = observations with bucket index <= j
-    cost = self._cost_fn()(np.array(cands))
-    inf = float("inf")
-    # dp[k][j]: best cost of covering sizes <= cands[j] with cands[j] as a bucket and k new ones.
-    kmax = max(budget, 0)
-    dp = np.full((kmax + 1, m), inf)
-    choice = np.full((kmax + 1, m), -1, dtype=np.int64)
-    for j in range(m):
-      for k in range(kmax + 1):
-        k_prev = k - int(is_new[j])
-        if k_prev < 0:
-          continue
-        base = cost[j] * (cum[j + 1] - cum[0])
-        best, arg = base, -1  # j is the first bucket
-        if j > 0:
-          prev = dp[k_prev, :j] + cost[j] * (cum[j + 1] - cum[1:j + 1])
-          i = int(np.argmin(prev))
-          if prev[i] < best:
-            best, arg = prev[i], i
-        dp[k, j] = best
-        choice[k, j] = arg
-    # The last bucket must cover the largest observation (and max, when declared).
-    need = max(top_needed, self.max or 0)
-    finals = [j for j in range(m) if cands[j] >= need]
-    best = (inf, -1, -1)
-    for j in finals:
-      for k in range(kmax + 1):
-        if dp[k, j] < best[0]:
-          best = (dp[k, j], k, j)
-    if best[2] < 0:
-      return tuple(sorted(set(sunk) | ({cands[-1]} if budget > 0 else set())))
-    _, k, j = best
-    chosen = []
-    while j >= 0:
-      chosen.append(cands[j])
-      nk = k - int(is_new[j])
-      j, k = int(choice[k, j]), nk
-    return tuple(sorted(set(chosen) | set(sunk)))
+    need = max(int(ns.max()), self.max or 0)
+    end = min(int(np.searchsorted(cands, need)), len(cands) - 1)
+    cands = cands[:end + 1]
+    forced = np.isin(cands, np.array(sunk, np.int64))
+    cost = np.asarray(self._cost_fn()(cands), float)
+    keep = _plan.thin(cost, forced)
+    sel = cands[keep]
+    j = np.minimum(np.searchsorted(sel, ns), len(sel) - 1)
+    counts = np.bincount(j, weights=ws, minlength=len(sel))
+    res = _plan.plan_table(counts, cost[keep], forced[keep], len(sel) - 1, max(budget, 0),
+                           self.penalty() if self.value_decided else None)
+    if res is None:
+      return tuple(sorted(set(sunk) | ({int(cands[end])} if budget > 0 else set())))
+    return tuple(sorted({int(sel[i]) for i in res[0]} | set(sunk)))
 
   def _replan(self) -> None:
-    new = self.plan()
-    old_cost = self.expected_cost(self._table)
-    new_cost = self.expected_cost(new)
-    if self._table is None or new_cost < (1.0 - self.hysteresis) * old_cost:
-      self._table = new
-      self.replans += 1
+    t0 = time.perf_counter()
+    self._model = self.cost_model()
+    try:
+      new = self.plan()
+      floor = self.exact_cost()
+      if self._table is None or self._objective(new, floor) < (
+          1.0 - self.hysteresis) * self._objective(self._table, floor):
+        self._table = new
+        self.replans += 1
+    finally:
+      self._model = None
+    self.last_plan_seconds = time.perf_counter() - t0
 
   def _args(self) -> str:
-    return f"max_compiles={self.max_compiles}, min={self.min}, max={self.max}"
+    k = None if self.value_decided else self.max_compiles
+    return f"max_compiles={k}, min={self.min}, max={self.max}"
 
   def _clone(self, multiple):
-    return Auto(self.max_compiles, self.min, self.max, multiple, self.align, self.hysteresis)
-
+    return Auto(None if self.value_decided else self.max_compiles, self.min, self.max,
+                multiple, self.align, self.hysteresis, self.threshold, self.horizon)
 
 # -- public constructors ---------------------------------------------------------------------
 def pow2(min: int = 1, max: int | None = None) -> BucketPolicy:
@@ -484,8 +562,19 @@ def explicit(sizes: Iterable[int]) -> BucketPolicy:
   return Explicit(checked)
 
 
-def auto(max_compiles: int = 8, min: int = 1, max: int | None = None) -> BucketPolicy:
-  """Profile-guided buckets: at most ``max_compiles`` sizes, re-planned from observed sizes.
+def auto(max_compiles: int | None = 8, min: int = 1, max: int | None = None) -> BucketPolicy:
+  """Profile-guided buckets, re-planned from the observed sizes and measured run times.
+
+  Args:
+    max_compiles: at most this many bucket sizes; ``None``: as many as are worth their
+      compile (a bucket is added when the serving seconds it saves over the coming calls,
+      estimated as many as were seen so far, exceed the seconds its compile takes), at most
+      64 and at most the function's ``max_executables``.
+    min, max: the range of sizes; ``max`` is always a bucket when given.
+
+  A re-plan (at 8, 16, 32, ... calls, on the calling thread) costs 0.5-0.9 ms for the 64
+  candidates of ``max=512``, ~3 ms for 512 candidates and a budget of 64 (2-core CPU box);
+  see ``Auto`` for the cost model and the plan.
 
   Example:
     >>> p = dynjax.buckets.auto(max_compiles=4, max=512)
@@ -493,7 +582,7 @@ def auto(max_compiles: int = 8, min: int = 1, max: int | None = None) -> BucketP
     >>> len(p.sizes()) <= 4
     True
   """
-  k = _check_int("max_compiles", max_compiles, 1, "auto")
+  k = None if max_compiles is None else _check_int("max_compiles", max_compiles, 1, "auto")
   lo = _check_int("min", min, 1, "auto")
   hi = None if max is None else _check_int("max", max, 1, "auto")
   _check_range(lo, hi, "auto")

@@ -440,10 +440,17 @@ class Family:
 
   def record_time(self, bkey, seconds: float) -> None:
     """One served call's seconds on bucket ``bkey``: the policies' and the compiler's cost
-    model (an exponential average per bucket)."""
+    model (an exponential average per bucket).  The first time of a bucket also tells the
+    policies what its compile took (value-decided ``auto`` weighs new buckets by it)."""
+    old = self.bucket_time.get(bkey)
+    if old is None:
+      key = (self.fid, bkey)
+      built = next((dt for k, dt in reversed(self.ctx.cache.compile_log) if k == key), None)
+      if built is not None:
+        for p, b in zip(self.policies, bkey, strict=True):
+          p.record_compile(b, built, self.ctx.opts.max_executables)
     for p, b in zip(self.policies, bkey, strict=True):
       p.record_time(b, seconds)
-    old = self.bucket_time.get(bkey)
     self.bucket_time[bkey] = seconds if old is None else 0.8 * old + 0.2 * seconds
 
   # -- lowering and compiling --------------------------------------------------------------

@@ -38,6 +38,7 @@ import jax
 import numpy as np
 
 from dynjax._config import config
+from dynjax.bucketing import _cost
 from dynjax.jit._family import BucketEntry, Family
 from dynjax.jit._scheduler import CompileScheduler
 
@@ -315,17 +316,14 @@ class Compiler:
     return gain / self._compile_estimate(fam)
 
   def _cost_model(self, fam: Family):
-    """Seconds per call of a bucket: a line through the measured buckets, else padded
-    elements (a relative cost is all the scheduler needs)."""
-    known = [(math.prod(b), t) for b, t in list(fam.bucket_time.items())]
-    if len(known) >= 2:
-      xs, ys = np.array(known, float).T
-      if np.ptp(xs) > 0:
-        slope, icpt = np.polyfit(xs, ys, 1)
-        if slope > 0:
-          return lambda b: float(icpt + slope * math.prod(b))
-    scale = known[0][1] / known[0][0] if known else 1.0
-    return lambda b: float(scale * math.prod(b))
+    """Seconds per call of a bucket: :func:`dynjax.bucketing._cost.fit` (``a + b*x + c*x**2``,
+    nonnegative, with a fixed part) over the measured buckets, ``x`` the product of the bucket
+    tuple (one varying dim: its size times the fixed ones), each weighted by its calls."""
+    known = [(math.prod(b), t, max(1, self.counters.bucket_uses((fam.fid, b))))
+             for b, t in list(fam.bucket_time.items())]
+    ref = max((math.prod(b) for b in fam.buckets), default=1)
+    model = _cost.fit(known, t_ref=ref)
+    return lambda b: float(model(math.prod(b)))
 
   def _compile_estimate(self, fam: Family) -> float:
     ts = [dt for key, dt in self.cache.compile_log if key[0] == fam.fid]

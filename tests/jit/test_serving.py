@@ -489,3 +489,29 @@ def test_gpu_quick_tier_compiles_the_first_calls_own_bucket_alongside(monkeypatc
   assert not _serving(compile_workers=2)._dispatcher.compiler._co_compile_own()
   monkeypatch.setattr(serving_mod, "on_gpu", lambda: False)
   assert not _serving(compile_workers=4)._dispatcher.compiler._co_compile_own()
+
+
+def test_background_compiles_are_ordered_by_the_fitted_cost_with_a_fixed_part():
+  # Measured: 2.5 ms fixed plus a square (t=4: 2.53 ms, t=32: 4.38, t=64: 10.0).  200 calls
+  # at t=3 and 100 at t=30 wait on t=64; t=32 would serve both.  Padded elements would compile
+  # t=4 first (200 * 60 > 300 * 32 elements saved); seconds saved say t=32 (300 * 5.6 ms >
+  # 200 * 7.5 ms).
+  p = _params()
+  f = _serving(compile_workers=1)
+  f(p, _x(40))  # the top bucket (t=64) compiles and serves
+  fam = next(iter(f._dispatcher.families.values()))
+  comp = f._dispatcher.compiler
+  fam.bucket_time.clear()
+  fam.bucket_time.update({(2, 4): 2.53e-3, (2, 16): 2.97e-3, (2, 32): 4.375e-3,
+                          (2, 64): 10e-3})
+  fam.tuple_hist.clear()
+  fam.tuple_hist.update({(2, 3): 200, (2, 30): 100})
+  model = comp._cost_model(fam)
+  assert model((2, 4)) == pytest.approx(2.53e-3, rel=0.02)  # not 1/16 of t=64
+  assert model((2, 64)) == pytest.approx(10e-3, rel=0.02)
+  v4, v32 = comp._tier0_value(fam, (2, 4)), comp._tier0_value(fam, (2, 32))
+  assert v32 > v4 > 0
+  # The same histogram under a padded-elements model orders them the other way round.
+  comp._cost_model = lambda fam: (lambda b: float(np.prod(b)))
+  assert comp._tier0_value(fam, (2, 4)) > comp._tier0_value(fam, (2, 32))
+  f.wait()
