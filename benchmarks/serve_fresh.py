@@ -281,7 +281,7 @@ def _child_dynjax(args, clock, mode):
            "jax": jax.__version__, "dynjax_version": getattr(dynjax, "__version__", None)}
   if prof is not None:
     extra["profile_first"] = prof
-  if mode.startswith("dynjax_wait") and "restart" not in mode:
+  if "_wait" in mode and "restart" not in mode:
     t = time.perf_counter()
     f.wait()
     extra["wait_s"] = time.perf_counter() - t
@@ -330,6 +330,9 @@ def _child_lengths(args, clock):
       ts.append(time.perf_counter() - t)
     return 1e3 * statistics.median(ts)
 
+  ref_vars = None
+  if args.dtype == "bfloat16":
+    ref_vars = jax.device_put({"params": models.init_encoder_params(_model_cfg(args), seed=0)})
   rows = {}
   for t in lengths:
     tok = rng.integers(1, 30522, (args.batch, t)).astype(np.int32)
@@ -346,6 +349,14 @@ def _child_lengths(args, clock):
       fa, fat = dj("auto", attention="cudnn"), dj("trust", attention="cudnn")
       row["dynjax_full_cudnn"] = med(lambda: fa(variables, tok, lens))
       row["dynjax_full_trust_cudnn"] = med(lambda: fat(variables, tok, lens))
+      # Exactness within bf16: each against the fp32 model at the exact shape (valid rows).
+      ref = np.asarray(jax.jit(module.apply)(ref_vars, tok, lens), np.float64)
+      scale = float(np.abs(ref).max())
+      for name, fn in (("bf16_as_written", lambda: exe(variables, tok, lens)),
+                       ("bf16_cudnn_auto", lambda: fa(variables, tok, lens)),
+                       ("bf16_cudnn_trust", lambda: fat(variables, tok, lens))):
+        got = np.asarray(np.asarray(fn()).astype(np.float32), np.float64)
+        row[f"maxerr_{name}"] = float(np.abs(got - ref).max() / scale)
     if tmodel is not None:
       import torch
 
