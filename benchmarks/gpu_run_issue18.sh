@@ -12,10 +12,10 @@ BF16=${BF16:-torch_eager,dynjax_trust_auto,dynjax_trust_auto_restart,dynjax_cudn
   python3 -c "import sys, jax, torch, flax; print('python', sys.version.split()[0], 'jax', jax.__version__, 'torch', torch.__version__, 'flax', flax.__version__)"
 } > "$OUT/versions.txt" 2>&1
 cat "$OUT/versions.txt"
-timeout "${T32:-330}" python3 -m benchmarks.serve_fresh --out "$OUT" --modes "$FP32" --timeout 110 --reps 20 \
+timeout "${T32:-360}" python3 -m benchmarks.serve_fresh --out "$OUT" --modes "$FP32" --timeout 110 --reps 20 \
   > "$OUT/fp32.log" 2>&1
 echo "fp32 rc=$?"
-[ -n "$BF16" ] && timeout "${T16:-200}" python3 -m benchmarks.serve_fresh --out "$OUT" \
+[ -n "$BF16" ] && timeout "${T16:-190}" python3 -m benchmarks.serve_fresh --out "$OUT" \
   --dtype bfloat16 --modes "$BF16" --timeout 110 --lengths 141,450 --reps 20 > "$OUT/bf16.log" 2>&1
 echo "bf16 rc=$?"
 for f in fp32 bf16; do grep -A40 "^| mode" "$OUT/$f.log" 2>/dev/null; grep "ERROR" "$OUT/$f.log" | cut -c1-400; done

@@ -412,6 +412,7 @@ def main(argv=None) -> dict:
   caches: dict[str, str] = {}
   tmp = tempfile.mkdtemp(prefix="serve_fresh_")
   results = []
+  out = _write(args, results)
   for mode in modes:
     restart = mode.removesuffix("_prof").endswith("_restart")
     base = mode.removesuffix("_prof").removesuffix("_restart")
@@ -424,21 +425,24 @@ def main(argv=None) -> dict:
     rec = _spawn(args, mode, cache)
     results.append(rec)
     print(_line(rec), flush=True)
-  out = {"config": vars(args), "results": results, "python": sys.version.split()[0]}
-  try:
-    import jax
+    out = _write(args, results)  # after every mode: a run cut short keeps what it measured
+  print(table(results))
+  shutil.rmtree(tmp, ignore_errors=True)
+  return out
 
-    out["jax"] = jax.__version__
-  except Exception:  # noqa: BLE001
-    pass
+
+def _write(args, results) -> dict:
+  out = {"config": vars(args), "results": results, "python": sys.version.split()[0]}
+  for name in ("jax", "torch"):
+    try:
+      out[name] = __import__(name).__version__
+    except Exception:  # noqa: BLE001 - not installed
+      pass
   if args.out:
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"serve_fresh_{args.dtype}.json")
     with open(path, "w") as fh:
       json.dump(out, fh, indent=1)
-    print("wrote", path)
-  print(table(results))
-  shutil.rmtree(tmp, ignore_errors=True)
   return out
 
 
