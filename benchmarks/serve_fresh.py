@@ -392,14 +392,32 @@ def _spawn(args, mode, cache) -> dict:
   if cache:
     cmd += ["--cache", cache]
   env = dict(os.environ, SERVE_FRESH_T0=repr(time.time()))
+  proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+  _CHILD[0] = proc
   try:
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
+    stdout, stderr = proc.communicate(timeout=args.timeout)
   except subprocess.TimeoutExpired:
+    proc.kill()
+    proc.communicate()
     return {"mode": mode, "error": f"timed out after {args.timeout:.0f} s"}
-  lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+  finally:
+    _CHILD[0] = None
+  lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
   if proc.returncode != 0 or not lines:
-    return {"mode": mode, "error": f"rc={proc.returncode}: {proc.stderr[-3000:]}"}
+    return {"mode": mode, "error": f"rc={proc.returncode}: {stderr[-3000:]}"}
   return json.loads(lines[-1][len("RESULT "):])
+
+
+_CHILD: list = [None]  # the mode's process now running (killed with this one)
+
+
+def _kill_child(signum, frame):
+  # A parent stopped by `timeout` must not leave its child on the GPU: an orphaned child
+  # contended with the next modes of the run and made their figures void (H100, issue 18).
+  proc = _CHILD[0]
+  if proc is not None and proc.poll() is None:
+    proc.kill()
+  raise SystemExit(128 + signum)
 
 
 def main(argv=None) -> dict:
@@ -408,6 +426,10 @@ def main(argv=None) -> dict:
     rec = child(args)
     print("RESULT " + json.dumps(rec), flush=True)
     os._exit(0)  # background compile threads need not finish
+  import signal
+
+  signal.signal(signal.SIGTERM, _kill_child)
+  signal.signal(signal.SIGINT, _kill_child)
   modes = [m for m in args.modes.split(",") if m]
   caches: dict[str, str] = {}
   tmp = tempfile.mkdtemp(prefix="serve_fresh_")

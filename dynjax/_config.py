@@ -7,7 +7,7 @@
 | DYNJAX_CHECK          | 0 / 1                  | ``check=True`` on every ``dynjax.jit`` function |
 | DYNJAX_CHECK_EVERY    | integer >= 1           | with check: compare one call in N against the exact function (default 1) |
 | DYNJAX_PROGRESS       | 0 / 1                  | progress bar in ``warmup`` (default 1 when stderr is a terminal) |
-| DYNJAX_TIER_UP_AFTER  | integer >= 0           | serving on GPU: full-option recompiles wait for N calls after the last quick compile (default 0: as soon as the compile queue is idle) |
+| DYNJAX_TIER_UP_AFTER  | integer >= 0           | serving on GPU: full-option recompiles start after N calls since the last quick compile, or at the first 1-second gap in traffic (default 1000) |
 
 Nothing here changes compiled output, so none of it is part of the executable cache key.
 """
@@ -56,7 +56,7 @@ class Config:
   check: bool
   check_every: int
   progress: bool
-  tier_up_after: int = 0
+  tier_up_after: int = 1000
 
   @classmethod
   def from_env(cls) -> Config:
@@ -66,7 +66,7 @@ class Config:
         check=_bool("DYNJAX_CHECK", False),
         check_every=_int("DYNJAX_CHECK_EVERY", 1, 1),
         progress=_bool("DYNJAX_PROGRESS", sys.stderr.isatty()),
-        tier_up_after=_int("DYNJAX_TIER_UP_AFTER", 0, 0),
+        tier_up_after=_int("DYNJAX_TIER_UP_AFTER", 1000, 0),
     )
 
 

@@ -14,8 +14,9 @@ it while its own bucket compiles in the background (progressive serving):
   seconds saved per second of compiling (:meth:`Compiler.job_value`); buckets an ``auto``
   policy re-planned away are worth 0.
 - Tiers on GPU: tier 0 compiles without autotuning (``QUICK_GPU_OPTIONS``), tier 1
-  recompiles with XLA's defaults as soon as the compile queue is idle (no tier-0 compile
-  running or wanted), one at a time, the most used bucket first; ``wait()`` forces them.
+  recompiles with XLA's defaults when the compile queue is idle (no tier-0 compile running or
+  wanted) and traffic has a gap or is steady, one at a time, the most used bucket first;
+  ``wait()`` forces them.
   A tier-1 executable replaces its tier-0 file in ``cache_dir`` the moment it is stored.
 - Lowering holds the GIL, so it runs on one lane thread with a 0.5 ms switch interval
   (:func:`quick_switches`); the plan's buckets are lowered while the first one compiles.
@@ -53,13 +54,15 @@ from dynjax.jit._scheduler import CompileScheduler
 QUICK_GPU_OPTIONS = {"xla_gpu_enable_triton_gemm": False, "xla_gpu_autotune_level": 0}
 # Buckets lowered in the background during the first wait (serving).
 PRELOWER_MAX = 12
-# Tier-1 recompiles (serving on GPU) wait for this many calls after the last tier-0 compile
-# (``DYNJAX_TIER_UP_AFTER``; default 0: as soon as the queue is idle).  One autotuning compile
-# at a time slows the requests served meanwhile (GPU autotuning; four at once made requests
-# ~110 ms), but a server that waited for 1,000 calls (the old default) restarted on quick-tier
-# executables 1.2-1.6x slower than full-tier ones (H100, BERT-base, issue 18); wait() runs
-# them at once.
+# Tier-1 recompiles (serving on GPU) start when the compile queue is idle AND either the
+# function has had no call for ``TIER_UP_IDLE_S`` (a gap in traffic: the autotuning stalls no
+# one) or ``TIER_UP_AFTER`` calls (``DYNJAX_TIER_UP_AFTER``, default 1,000) have passed since
+# the last tier-0 compile.  Measured on the H100 (BERT-base, issue 18): autotuning compiles slow
+# the requests served meanwhile by ~40% (four at once: ~110 ms requests), and starting them as
+# soon as the queue was idle made a cold 1,000-request stream 15.5 s instead of ~10.9 s while
+# only 1-2 of them finished before the process ended.  wait() runs them at once.
 TIER_UP_AFTER = config.tier_up_after
+TIER_UP_IDLE_S = 1.0
 
 
 class Compiler:
@@ -76,6 +79,7 @@ class Compiler:
     self._lock = threading.Lock()
     self.force_tier_up = False
     self.calls_at_compile = 0  # calls so far when the last tier-0 compile finished
+    self._gap_probe = (-1, 0.0)  # (calls, since when) for _traffic_gap
 
   # -- a call's entry ----------------------------------------------------------------------
   def ready(self, fam: Family, bkey) -> BucketEntry | None:
@@ -275,9 +279,10 @@ class Compiler:
     fam, bkey, tier = job.info
     sched = self.scheduler
     if tier > 0:
-      if (TIER_UP_AFTER and not self.force_tier_up
-          and self.counters.calls_so_far() - self.calls_at_compile < TIER_UP_AFTER):
-        return 0.0  # asked to wait for steady traffic
+      calls = self.counters.calls_so_far()
+      if (not self.force_tier_up and calls - self.calls_at_compile < TIER_UP_AFTER
+          and not self._traffic_gap(calls)):
+        return 0.0  # busy and not yet steady: autotuning now would stall the requests
       if sched.running_jobs():
         return 0.0
       for other in sched.pending_jobs():
@@ -289,6 +294,16 @@ class Compiler:
           return 0.0
       return 1e-9 * (1 + self.counters.bucket_uses((fam.fid, bkey)))
     return self._tier0_value(fam, bkey)
+
+  def _traffic_gap(self, calls: int) -> bool:
+    """Whether no call has arrived for ``TIER_UP_IDLE_S`` (asked by the scheduler's workers,
+    which look again at least once a second; free on the hot path: it compares call counts)."""
+    now = time.perf_counter()
+    seen_calls, since = self._gap_probe
+    if calls != seen_calls:
+      self._gap_probe = (calls, now)
+      return False
+    return now - since >= TIER_UP_IDLE_S
 
   def _tier0_value(self, fam: Family, bkey) -> float:
     if (fam.fid, bkey) in self.cache or not fam.tuple_hist:

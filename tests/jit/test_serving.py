@@ -159,9 +159,13 @@ def test_gpu_tiers_quick_compile_first_then_full_options_replace_it(monkeypatch)
   assert fam.buckets[(2, 64)].tier == 0
   quick = {"xla_gpu_enable_triton_gemm": False, "xla_gpu_autotune_level": 0}
   assert seen and all(o == quick for o in seen)
-  # Tier 1 starts by itself once the queue is idle (no wait() and no traffic needed); one
-  # at a time, after every tier-0 compile.
+  # Tier 1 starts by itself once the queue is idle and traffic pauses (here: no more calls),
+  # one at a time, after every tier-0 compile.
   sched = f._dispatcher.compiler.scheduler
+  deadline = time.time() + 30
+  while time.time() < deadline and not (fam.buckets[(2, 64)].tier == 1
+                                        and fam.buckets[(2, 8)].tier == 1):
+    time.sleep(0.05)
   assert sched.wait_idle(30)
   assert fam.buckets[(2, 64)].tier == 1 and fam.buckets[(2, 8)].tier == 1
   first_full = seen.index({})
@@ -171,8 +175,28 @@ def test_gpu_tiers_quick_compile_first_then_full_options_replace_it(monkeypatch)
   np.testing.assert_allclose(f(p, _x(5)), EXACT(p, _x(5)), rtol=1e-6, atol=1e-6)
 
 
-def test_tier_up_waits_for_traffic_when_asked(monkeypatch):
+def test_tier_up_waits_while_requests_keep_coming(monkeypatch):
   monkeypatch.setattr(serving_mod, "on_gpu", lambda: True)
+  monkeypatch.setattr(serving_mod, "TIER_UP_IDLE_S", 0.5)
+  p = _params()
+  f = _serving(compile_workers=1)
+  f(p, _x(5))
+  fam = next(iter(f._dispatcher.families.values()))
+  t_end = time.time() + 3.0
+  while time.time() < t_end:  # busy traffic from the first call on: a call every few ms
+    f(p, _x(5))
+    time.sleep(0.005)
+  assert (2, 8) in fam.buckets  # its tier-0 compile ran meanwhile
+  assert fam.buckets[(2, 64)].tier == 0 and fam.buckets[(2, 8)].tier == 0
+  deadline = time.time() + 30  # traffic stops: the gap lets tier 1 run
+  while time.time() < deadline and fam.buckets[(2, 8)].tier == 0:
+    time.sleep(0.05)
+  assert fam.buckets[(2, 8)].tier == 1
+
+
+def test_tier_up_after_steady_traffic_or_wait(monkeypatch):
+  monkeypatch.setattr(serving_mod, "on_gpu", lambda: True)
+  monkeypatch.setattr(serving_mod, "TIER_UP_IDLE_S", 1e9)  # never a gap
   monkeypatch.setattr(serving_mod, "TIER_UP_AFTER", 1000)
   p = _params()
   f = _serving(compile_workers=1)
