@@ -31,6 +31,7 @@ import threading
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from dynjax._errors import RoutingError
@@ -46,14 +47,14 @@ from dynjax.route._dispatch import (
   group_buckets,
   make_plan,
 )
-from dynjax.route._gmm import Tiling
+from dynjax.route._gmm import Tiling, resolve_backend
 from dynjax.route._grouped import ffn_spec, grouped_ffn
 from dynjax.route._paths import Branches, Experts
 from dynjax.route._profile import Profile
 from dynjax.route._router import Router, Routing
 
 MODES = ("exact-sync", "profiled", "grouped")
-KERNELS = ("auto", "pallas", "xla", "batched")
+KERNELS = ("auto", "pallas", "mgpu", "xla", "batched")
 
 
 def _is_tracer(x) -> bool:
@@ -98,9 +99,10 @@ class Routed:
     overflow_chunk: rows per step of the overflow path.
     record: record loads into the profile on every ``"exact-sync"`` call.
     kernel: ``"grouped"`` mode: ``"pallas"`` (grouped-GEMM kernel: Triton on GPU, megablox on
-      TPU, interpret mode on CPU), ``"xla"`` (``lax.ragged_dot`` on the same layout),
-      ``"batched"`` (the ``"profiled"`` path) or ``"auto"`` (``"pallas"`` on GPU/TPU when the
-      widths divide by the tiling, else ``"batched"``).
+      TPU, interpret mode on CPU), ``"mgpu"`` (Hopper: JAX's Mosaic GPU ragged dot, paths packed
+      with no tile padding), ``"xla"`` (``lax.ragged_dot`` on the same layout), ``"batched"``
+      (the ``"profiled"`` path) or ``"auto"`` (on GPU/TPU when the widths divide by the
+      tiling: ``"mgpu"`` on Hopper in bf16/f16, else ``"pallas"``; else ``"batched"``).
     tiling: ``"grouped"`` mode: the grouped GEMM's :class:`Tiling`; default: per call shape,
       128-row tiles when few paths share many cells, else 64-row tiles.
 
@@ -342,17 +344,19 @@ class Routed:
                          f"expected num_paths={self.router.num_paths}")
     return apply(self.paths, params, x, routing, self._plan(capacities, overflow))
 
-  def grouped_kernel(self, params) -> str:
-    """The kernel ``mode="grouped"`` runs for these parameters: ``"pallas"``, ``"xla"`` or
-    ``"batched"`` (``kernel="auto"`` resolved for the default device and the widths)."""
+  def grouped_kernel(self, params, dtype=None) -> str:
+    """The kernel ``mode="grouped"`` runs for these parameters and cells of ``dtype`` (default:
+    the weights'): ``"pallas"``, ``"mgpu"``, ``"xla"`` or ``"batched"`` (``kernel="auto"``
+    resolved for the default device, the dtype and the widths)."""
     if self.kernel != "auto":
       return self.kernel
     if ffn_spec(self.paths) is None or jax.default_backend() == "cpu":
       return "batched"
-    t = self.tiling or Tiling(tm=64)  # both auto tilings use tk, tn <= 128
+    t = self.tiling or Tiling(tm=64)  # every auto tiling uses tk, tn <= 128
     d, f = np.shape(params["w1"])[1:]
-    return "pallas" if d % t.tk == 0 and d % t.tn == 0 and f % t.tk == 0 and f % t.tn == 0 \
-        else "batched"
+    if not all(v % t.tk == 0 and v % t.tn == 0 for v in (d, f)):
+      return "batched"
+    return resolve_backend("auto", jnp.result_type(params["w1"]) if dtype is None else dtype)
 
   def grouped(self, params, x, routing: Routing) -> jax.Array:
     """The ``"grouped"`` layer for a given routing (traceable, differentiable, dropless).
@@ -360,12 +364,12 @@ class Routed:
     Example:
       >>> y = jax.jit(lambda p, x, lg: moe.grouped(p, x, moe.route(lg)))(params, x, logits)
     """
-    kernel = self.grouped_kernel(params)
+    kernel = self.grouped_kernel(params, x.dtype)
     if kernel == "batched":
       return self.apply(params, x, routing)
     activation, _ = ffn_spec(self.paths)
     n, k = routing.paths.shape
-    tiling = self.tiling or Tiling.auto(int(n) * int(k), self.router.num_paths)
+    tiling = self.tiling or Tiling.auto(int(n) * int(k), self.router.num_paths, kernel)
     return grouped_ffn(params, x, routing, activation=activation, tiling=tiling,
                        backend=kernel)
 
