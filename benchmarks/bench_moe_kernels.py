@@ -16,8 +16,9 @@ Parts (``--parts``, in the order given):
           rotating inputs, time / 4: no dispatch in the figure.
   pieces  the layer split: router, layout + row gather, GEMM 1 (+ GELU), GEMM 2, combine, and the
           whole layer in one executable (same x4 timing) and per call (block_until_ready each).
-  layer   the whole layer per call (as bench_moe_gmm.py times it): grouped mgpu (default and
-          --mgpu-layer tilings), grouped pallas (Triton, Tiling.auto), capacity 1.25 (drops),
+  layer   the whole layer per call (as bench_moe_gmm.py times it): grouped kernel="auto", and
+          beside it each --layer-kernels kernel auto did not pick (mgpu, pallas = Triton) and
+          --mgpu-layer tilings, capacity 1.25 (drops),
           optionally lax.ragged_dot and dense (--layer-extra), per setting and k; a training step
           (loss + grads) on --train settings.
 
@@ -172,7 +173,7 @@ def run_check(args) -> dict:
       return jnp.sum(fn(p, x, lg).astype(jnp.float32) * ctl)
 
     def ours(p, x, lg, moe=moe):
-      pb = jax.tree.map(lambda a: a.astype(jnp.bfloat16), p)
+      pb = {key: val.astype(jnp.bfloat16) for key, val in p.items()}
       return moe(pb, x.astype(jnp.bfloat16), lg, mask=mask)
 
     def dense_k(p, x, lg, k=k):
@@ -234,7 +235,7 @@ def run_sweep(args) -> dict:
   w = (jax.random.normal(key, (d, f)) / math.sqrt(d)).astype(jnp.bfloat16)
   cublas = {}
   timed("cuBLAS dense [N,d]x[d,ffn]", cublas,
-        jax.jit(lambda *a: [jnp.dot(x[:n], w) for x in a]), [xs], args.iters, REPS)
+        jax.jit(lambda *a: [jnp.dot(x, w) for x in a]), [[x[:n] for x in xs]], args.iters, REPS)
   out["cublas"] = cublas
   for setting in args.sweep_settings.split(","):
     if elapsed() > args.budget:
@@ -250,10 +251,10 @@ def run_sweep(args) -> dict:
         break
       rows = _gmm.buffer_rows(n, s.e, t, backend)
       for gi, (src, wt) in enumerate(((xs, s.params["w1"]), (hs, s.params["w2"]))):
-        fn = jax.jit(lambda *a, wt=wt, t=t, backend=backend, rows=rows: [
-            route.gmm(x[:rows], wt, loads, tiling=t, backend=backend) for x in a])
-        timed(f"gemm{gi + 1} {backend} {name(t)} ({rows} rows)", res, fn, [src], args.iters,
-              REPS)
+        fn = jax.jit(lambda *a, wt=wt, t=t, backend=backend, loads=loads: [
+            route.gmm(x, wt, loads, tiling=t, backend=backend) for x in a])
+        timed(f"gemm{gi + 1} {backend} {name(t)} ({rows} rows)", res, fn,
+              [[x[:rows] for x in src]], args.iters, REPS)
     out[setting] = res
   return out
 
@@ -300,38 +301,42 @@ def run_pieces(args) -> dict:
         break
       label = f"{setting} k={s.k} {kernel}"
       print(f"\n== pieces {label}  [{elapsed():.0f} s]", flush=True)
-      res = {}
-      routing, gather, gemm1, gemm2, combine, t = layer_pieces(s, kernel, None)
-      res["tiling"] = name(t)
-      try:
-        r0 = [jax.jit(routing)(x, b) for x, b in s.inputs[:REPS]]
-        g0 = [jax.jit(gather)(x, r) for (x, _), r in zip(s.inputs, r0, strict=False)]
-        h0 = [jax.jit(gemm1)(xs, lay.group_sizes) for xs, lay in g0]
-        y0 = [jax.jit(gemm2)(h, lay.group_sizes) for h, (_, lay) in zip(h0, g0, strict=True)]
-      except Exception as e:
-        out[label] = {"error": f"{type(e).__name__}: {str(e)[:800]}"}
-        print(f"  FAILED {out[label]['error'][:400]}", flush=True)
-        continue
-      xb = [a for a in s.inputs[:REPS]]
-      timed("router (logits, top-k, positions)", res,
-            jax.jit(lambda *a: [routing(x, b) for x, b in a]), [xb], args.iters, REPS)
-      timed("layout + row gather", res, jax.jit(lambda *a: [gather(x, r) for x, r in a]),
-            [[(x, r) for (x, _), r in zip(xb, r0, strict=True)]], args.iters, REPS)
-      timed("gemm 1 + gelu", res, jax.jit(lambda *a: [gemm1(xs, lay.group_sizes)
-                                                      for xs, lay in a]), [g0], args.iters, REPS)
-      timed("gemm 2", res, jax.jit(lambda *a: [gemm2(h, lay.group_sizes) for h, (_, lay) in a]),
-            [list(zip(h0, g0, strict=True))], args.iters, REPS)
-      timed("combine (gather k rows x gates)", res,
-            jax.jit(lambda *a: [combine(y, r, lay.slots) for y, r, (_, lay) in a]),
-            [list(zip(y0, r0, g0, strict=True))], args.iters, REPS)
-      moe = s.routed(kernel)
-      timed("whole layer, x4 in one executable", res,
-            jax.jit(lambda *a, moe=moe: [moe(s.params, x, s.logits(x, b)) for x, b in a]),
-            [xb], args.iters, REPS)
-      timed("whole layer, per call", res, jax.jit(lambda x, b, moe=moe: moe(
-          s.params, x, s.logits(x, b))), s.inputs, args.iters)
-      out[label] = res
+      out[label] = pieces_one(s, kernel, args)
   return out
+
+
+def pieces_one(s: Setting, kernel: str, args) -> dict:
+  res = {}
+  routing, gather, gemm1, gemm2, combine, t = layer_pieces(s, kernel, None)
+  res["tiling"] = name(t)
+  try:
+    r0 = [jax.jit(routing)(x, b) for x, b in s.inputs[:REPS]]
+    g0 = [jax.jit(gather)(x, r) for (x, _), r in zip(s.inputs, r0, strict=False)]
+    h0 = [jax.jit(gemm1)(xs, lay.group_sizes) for xs, lay in g0]
+    y0 = [jax.jit(gemm2)(h, lay.group_sizes) for h, (_, lay) in zip(h0, g0, strict=True)]
+  except Exception as e:
+    res["error"] = f"{type(e).__name__}: {str(e)[:800]}"
+    print(f"  FAILED {res['error'][:400]}", flush=True)
+    return res
+  xb = list(s.inputs[:REPS])
+  timed("router (logits, top-k, positions)", res,
+        jax.jit(lambda *a: [routing(x, b) for x, b in a]), [xb], args.iters, REPS)
+  timed("layout + row gather", res, jax.jit(lambda *a: [gather(x, r) for x, r in a]),
+        [[(x, r) for (x, _), r in zip(xb, r0, strict=True)]], args.iters, REPS)
+  timed("gemm 1 + gelu", res, jax.jit(lambda *a: [gemm1(xs, lay.group_sizes) for xs, lay in a]),
+        [g0], args.iters, REPS)
+  timed("gemm 2", res, jax.jit(lambda *a: [gemm2(h, lay.group_sizes) for h, (_, lay) in a]),
+        [list(zip(h0, g0, strict=True))], args.iters, REPS)
+  timed("combine (gather k rows x gates)", res,
+        jax.jit(lambda *a: [combine(y, r, lay.slots) for y, r, (_, lay) in a]),
+        [list(zip(y0, r0, g0, strict=True))], args.iters, REPS)
+  moe = s.routed(kernel)
+  timed("whole layer, x4 in one executable", res,
+        jax.jit(lambda *a: [moe(s.params, x, s.logits(x, b)) for x, b in a]), [xb], args.iters,
+        REPS)
+  timed("whole layer, per call", res, jax.jit(lambda x, b: moe(s.params, x, s.logits(x, b))),
+        s.inputs, args.iters)
+  return res
 
 
 def run_layer(args) -> dict:
@@ -340,62 +345,65 @@ def run_layer(args) -> dict:
     for setting in args.settings.split(","):
       if elapsed() > args.budget:
         break
-      s = Setting(setting, k, args)
-      n, d, f, e = args.tokens, args.d, args.ffn, s.e
       print(f"\n== layer {setting} k={k}  [{elapsed():.0f} s]", flush=True)
-      x0, b0 = s.inputs[0]
-      ref = jax.jit(lambda p, x, b: ragged_dot_ffn(x, s.logits(x, b), p["w1"], p["w2"], k))(
-          s.params, x0, b0)
-      loads = np.asarray(s.router(s.logits(x0, b0)).loads)
-      res: dict = {}
-      variants = {f"grouped mgpu default {name(route.Tiling.auto(n * k, e, 'mgpu'))}":
-                  s.routed("mgpu")}
-      for tt in filter(None, args.mgpu_layer.split(",")):
-        variants[f"grouped mgpu {tt}"] = s.routed("mgpu", parse(tt))
-      variants[f"grouped pallas (Triton) {name(route.Tiling.auto(n * k, e))}"] = \
-          s.routed("pallas")
-      cap = math.ceil(1.25 * n * k / e)
-      plan = route.make_plan((cap,) * e)
-      fns = {label: (lambda p, x, b, m=m: m(p, x, s.logits(x, b)))
-             for label, m in variants.items()}
-      fns["capacity 1.25 (drops tokens)"] = lambda p, x, b: route.apply(
-          s.experts, p, x, s.router(s.logits(x, b)), plan)
-      if "ragged_dot" in args.layer_extra:
-        fns["lax.ragged_dot (sort)"] = lambda p, x, b: ragged_dot_ffn(
-            x, s.logits(x, b), p["w1"], p["w2"], k)
-      if "dense" in args.layer_extra:
-        fns["dense (every expert)"] = lambda p, x, b: dense_ffn(x, s.logits(x, b), p["w1"],
-                                                                p["w2"], k)
-      for label, fn in fns.items():
-        if elapsed() > args.budget:
-          break
-        jf = jax.jit(fn)
-        extra = {}
-        if label.startswith("capacity"):
-          extra["dropped_fraction"] = float(np.maximum(loads - cap, 0).sum() / (n * k))
-        try:
-          extra["rel_err_vs_ragged_dot"] = rel_err(jf(s.params, x0, b0), ref)
-        except Exception:
-          pass
-        timed(label, res, lambda x, b, jf=jf: jf(s.params, x, b), s.inputs, args.iters, **extra)
-      flops = 4.0 * n * k * d * f
-      nbytes = 2.0 * (int((loads > 0).sum()) * 2 * d * f + 2 * n * d)
-      roof = max(flops / 800e12, nbytes / 3.3e12) * 1e3
-      entry = {"setting": setting, "k": k, "loads": loads.tolist(), "roofline_ms": roof,
-               "methods": res}
-      if setting in args.train.split(",") and elapsed() < args.budget:
-        ct = jnp.ones((n, d), jnp.float32) / n
-        train = {}
-        for label in [lb for lb in fns if lb.startswith("grouped")][:1] + \
-            [lb for lb in fns if lb.startswith("grouped pallas")]:
-          g = jax.jit(jax.value_and_grad(
-              lambda p, x, b, fn=fns[label]: jnp.sum(fn(p, x, b).astype(jnp.float32) * ct),
-              (0, 1)))
-          timed(f"train {label}", train, lambda x, b, g=g: g(s.params, x, b), s.inputs,
-                args.iters)
-        entry["train"] = train
-      out[f"{setting} k={k}"] = entry
+      out[f"{setting} k={k}"] = layer_one(Setting(setting, k, args), args)
   return out
+
+
+def layer_one(s: Setting, args) -> dict:
+  n, d, f, e, k = args.tokens, args.d, args.ffn, s.e, s.k
+  x0, b0 = s.inputs[0]
+  ref = jax.jit(lambda p, x, b: ragged_dot_ffn(x, s.logits(x, b), p["w1"], p["w2"], k))(
+      s.params, x0, b0)
+  loads = np.asarray(s.router(s.logits(x0, b0)).loads)
+  res: dict = {}
+  auto = s.routed("auto").grouped_kernel(s.params, jnp.bfloat16, n * k)
+  variants = {f"grouped auto={auto} {name(route.Tiling.auto(n * k, e, auto))}":
+              s.routed("auto")}
+  if auto != "mgpu" and "mgpu" in args.layer_kernels:
+    variants[f"grouped mgpu {name(route.Tiling.auto(n * k, e, 'mgpu'))}"] = s.routed("mgpu")
+  for tt in filter(None, args.mgpu_layer.split(",")):
+    variants[f"grouped mgpu {tt}"] = s.routed("mgpu", parse(tt))
+  if auto != "pallas" and "pallas" in args.layer_kernels:
+    variants[f"grouped pallas (Triton) {name(route.Tiling.auto(n * k, e))}"] = \
+        s.routed("pallas")
+  cap = math.ceil(1.25 * n * k / e)
+  plan = route.make_plan((cap,) * e)
+  fns = {label: (lambda p, x, b, m=m: m(p, x, s.logits(x, b))) for label, m in variants.items()}
+  fns["capacity 1.25 (drops tokens)"] = lambda p, x, b: route.apply(
+      s.experts, p, x, s.router(s.logits(x, b)), plan)
+  if "ragged_dot" in args.layer_extra:
+    fns["lax.ragged_dot (sort)"] = lambda p, x, b: ragged_dot_ffn(
+        x, s.logits(x, b), p["w1"], p["w2"], k)
+  if "dense" in args.layer_extra:
+    fns["dense (every expert)"] = lambda p, x, b: dense_ffn(x, s.logits(x, b), p["w1"],
+                                                            p["w2"], k)
+  for label, fn in fns.items():
+    if elapsed() > args.budget:
+      break
+    jf = jax.jit(fn)
+    extra = {}
+    if label.startswith("capacity"):
+      extra["dropped_fraction"] = float(np.maximum(loads - cap, 0).sum() / (n * k))
+    try:
+      extra["rel_err_vs_ragged_dot"] = rel_err(jf(s.params, x0, b0), ref)
+    except Exception:
+      pass
+    timed(label, res, lambda x, b, jf=jf: jf(s.params, x, b), s.inputs, args.iters, **extra)
+  flops = 4.0 * n * k * d * f
+  nbytes = 2.0 * (int((loads > 0).sum()) * 2 * d * f + 2 * n * d)
+  roof = max(flops / 800e12, nbytes / 3.3e12) * 1e3
+  entry = {"setting": s.name, "k": k, "loads": loads.tolist(), "roofline_ms": roof,
+           "auto_kernel": auto, "methods": res}
+  if s.name in args.train.split(",") and elapsed() < args.budget:
+    ct = jnp.ones((n, d), jnp.float32) / n
+    train = {}
+    for label in [lb for lb in fns if lb.startswith("grouped")]:
+      g = jax.jit(jax.value_and_grad(
+          lambda p, x, b, fn=fns[label]: jnp.sum(fn(p, x, b).astype(jnp.float32) * ct), (0, 1)))
+      timed(f"train {label}", train, lambda x, b, g=g: g(s.params, x, b), s.inputs, args.iters)
+    entry["train"] = train
+  return entry
 
 
 def main(argv=None) -> dict:
@@ -416,6 +424,8 @@ def main(argv=None) -> dict:
   ap.add_argument("--k", default="1,2")
   ap.add_argument("--mgpu-layer", default="", help="extra mgpu tilings in the layer part")
   ap.add_argument("--layer-extra", default="", help="ragged_dot,dense")
+  ap.add_argument("--layer-kernels", default="mgpu,pallas",
+                  help="kernels timed beside the auto choice in the layer part")
   ap.add_argument("--train", default="uniform8")
   ap.add_argument("--iters", type=int, default=20)
   ap.add_argument("--rotate", type=int, default=3)

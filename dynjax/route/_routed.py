@@ -344,10 +344,11 @@ class Routed:
                          f"expected num_paths={self.router.num_paths}")
     return apply(self.paths, params, x, routing, self._plan(capacities, overflow))
 
-  def grouped_kernel(self, params, dtype=None) -> str:
-    """The kernel ``mode="grouped"`` runs for these parameters and cells of ``dtype`` (default:
-    the weights'): ``"pallas"``, ``"mgpu"``, ``"xla"`` or ``"batched"`` (``kernel="auto"``
-    resolved for the default device, the dtype and the widths)."""
+  def grouped_kernel(self, params, dtype=None, rows: int | None = None) -> str:
+    """The kernel ``mode="grouped"`` runs for these parameters, cells of ``dtype`` (default: the
+    weights') and ``rows`` routed rows (cells x k; None: many): ``"pallas"``, ``"mgpu"``,
+    ``"xla"`` or ``"batched"`` (``kernel="auto"`` resolved for the default device, the dtype,
+    the widths and the rows per path: see :func:`dynjax.route._gmm.resolve_backend`)."""
     if self.kernel != "auto":
       return self.kernel
     if ffn_spec(self.paths) is None or jax.default_backend() == "cpu":
@@ -356,7 +357,8 @@ class Routed:
     d, f = np.shape(params["w1"])[1:]
     if not all(v % t.tk == 0 and v % t.tn == 0 for v in (d, f)):
       return "batched"
-    return resolve_backend("auto", jnp.result_type(params["w1"]) if dtype is None else dtype)
+    return resolve_backend("auto", jnp.result_type(params["w1"]) if dtype is None else dtype,
+                           rows, self.router.num_paths)
 
   def grouped(self, params, x, routing: Routing) -> jax.Array:
     """The ``"grouped"`` layer for a given routing (traceable, differentiable, dropless).
@@ -364,11 +366,11 @@ class Routed:
     Example:
       >>> y = jax.jit(lambda p, x, lg: moe.grouped(p, x, moe.route(lg)))(params, x, logits)
     """
-    kernel = self.grouped_kernel(params, x.dtype)
+    n, k = routing.paths.shape
+    kernel = self.grouped_kernel(params, x.dtype, None if is_symbolic(n) else int(n) * int(k))
     if kernel == "batched":
       return self.apply(params, x, routing)
     activation, _ = ffn_spec(self.paths)
-    n, k = routing.paths.shape
     tiling = self.tiling or Tiling.auto(int(n) * int(k), self.router.num_paths, kernel)
     return grouped_ffn(params, x, routing, activation=activation, tiling=tiling,
                        backend=kernel)
