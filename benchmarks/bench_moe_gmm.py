@@ -427,9 +427,10 @@ def run_e2e(args) -> dict:
   grouped = next((r for d, r in variants.values() if d == "grouped"), None)
   init_tok, init_len = stream[0]
   w1 = {"w1": jnp.zeros((1, cfg["d"], cfg["ffn"]))}
-  out = {"setting": cfg, "methods": {}, "kernels": {
-      label: r.grouped_kernel(w1, jnp.bfloat16) for label, (d, r) in variants.items()
-      if d == "grouped"}}
+  ts = [16 << i for i in range(8) if 16 << i <= cfg["max_len"]]
+  out = {"setting": cfg, "methods": {}, "kernels": {  # per length bucket t (rows = batch t k)
+      label: {t: r.grouped_kernel(w1, jnp.bfloat16, cfg["batch"] * t * cfg["k"]) for t in ts}
+      for label, (d, r) in variants.items() if d == "grouped"}}
   variables = jax.jit(build_flax_model(cfg, "dense", None).init)(
       jax.random.PRNGKey(0), jnp.asarray(init_tok), jnp.asarray(init_len))
   # Process warm-up, untimed: the model without experts over every length bucket of the stream,

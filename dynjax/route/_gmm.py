@@ -123,10 +123,11 @@ def buffer_rows(rows: int, num_groups: int, tiling: Tiling, backend: str) -> int
 # computes a row tile that holds the end of one group and the start of the next once per group,
 # so ``num_groups - 1`` tiles more than the rows need (tile-aligned groups do not avoid it: the
 # kernel then spends those grid steps on no group).  Measured (H100, jax 0.11.2, bf16, d=1024,
-# ffn=4096, 8,192 tokens, k=1, the whole layer, one run side by side): 8 experts uniform: mgpu
-# 0.589 ms, Triton 0.664; Zipf(1.2) 0.596 / 0.624; training step 1.62 / 1.81; but 64 experts
-# (63 extra tiles on 64): mgpu 1.19 ms, Triton 0.93 (earlier run).  Each Mosaic GPU kernel also
-# compiles in ~7 s (Triton ~1 s).
+# ffn=4096, 8,192 tokens, the whole layer, side by side): 8 experts uniform k=1: mgpu 0.589 ms,
+# Triton 0.664 (a second run: 0.662 / 0.816); Zipf(1.2) 0.596 / 0.624 (0.594 / 0.712); k=2
+# 0.983 / 1.117; training step k=1 1.62 / 1.81; but 64 experts (63 extra tiles on 64): mgpu
+# 1.19 ms, Triton 0.93 (an earlier run).  Each Mosaic GPU kernel also compiles in ~7 s (Triton
+# ~1 s).
 MGPU_MAX_EXTRA_TILES = 1 / 8
 
 

@@ -150,3 +150,14 @@ def test_mgpu_backend_says_why_it_cannot_run_here():
               jnp.array([3, 4]), tiling=TILING, backend="mgpu")
   assert route.gmm(jnp.zeros((16, K_DIM)), jnp.zeros((2, K_DIM, N_DIM)), jnp.array([3, 4]),
                    tiling=TILING).shape == (16, N_DIM)  # "auto" on CPU: XLA
+
+
+def test_auto_takes_mgpu_only_where_its_boundary_tiles_are_few(kernels, monkeypatch):
+  from dynjax.route import _gmm
+
+  monkeypatch.setattr(_gmm, "_platform", lambda: "gpu")
+  # (G - 1) * 128 <= rows / 8: 8 experts from 7,168 rows; 64 experts from 64,512.
+  assert _gmm.resolve_backend("auto", jnp.bfloat16, 8192, 8) == "mgpu"
+  assert _gmm.resolve_backend("auto", jnp.bfloat16, 4096, 8) == "pallas"
+  assert _gmm.resolve_backend("auto", jnp.bfloat16, 16384, 64) == "pallas"
+  assert _gmm.resolve_backend("pallas", jnp.bfloat16, 8192, 8) == "pallas"
