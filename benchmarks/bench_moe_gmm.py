@@ -411,17 +411,26 @@ def run_e2e(args) -> dict:
   t_policy = dynjax.buckets.pow2(min=16, max=cfg["max_len"])
   experts = route.Experts(route.ffn())
   router = route.Router(cfg["experts"], k=cfg["k"], renormalize=True)
-  kernel = "pallas" if jax.default_backend() != "cpu" else "auto"
-  grouped = route.Routed(experts, router, mode="grouped", kernel=kernel)
-  profiled = route.Routed(experts, router, mode="profiled",
-                          buckets=dynjax.buckets.geometric(1.25, min=64).aligned(64))
-  variants = {"dynjax grouped (gmm kernel)": ("grouped", grouped),
-              "lax.ragged_dot": ("ragged_dot", None),
-              "dense MoE": ("dense", None),
-              "dynjax profiled": ("profiled", profiled)}
+  on_gpu = jax.default_backend() != "cpu"
+  variants = {}
+  for v in args.e2e_variants.split(","):
+    if v.startswith("grouped"):  # grouped (auto kernel), grouped-pallas, grouped-mgpu
+      kernel = v.partition("-")[2] or ("auto" if on_gpu else "xla")
+      variants[f"dynjax {v} (gmm kernel)"] = ("grouped", route.Routed(
+          experts, router, mode="grouped", kernel=kernel))
+    elif v == "profiled":
+      variants["dynjax profiled"] = ("profiled", route.Routed(
+          experts, router, mode="profiled",
+          buckets=dynjax.buckets.geometric(1.25, min=64).aligned(64)))
+    else:
+      variants[{"ragged_dot": "lax.ragged_dot", "dense": "dense MoE"}[v]] = (v, None)
+  grouped = next((r for d, r in variants.values() if d == "grouped"), None)
   init_tok, init_len = stream[0]
-  out = {"setting": cfg, "kernel": grouped.grouped_kernel(
-      {"w1": jnp.zeros((1, cfg["d"], cfg["ffn"]))}), "methods": {}}
+  w1 = {"w1": jnp.zeros((1, cfg["d"], cfg["ffn"]))}
+  ts = [16 << i for i in range(8) if 16 << i <= cfg["max_len"]]
+  out = {"setting": cfg, "methods": {}, "kernels": {  # per length bucket t (rows = batch t k)
+      label: {t: r.grouped_kernel(w1, jnp.bfloat16, cfg["batch"] * t * cfg["k"]) for t in ts}
+      for label, (d, r) in variants.items() if d == "grouped"}}
   variables = jax.jit(build_flax_model(cfg, "dense", None).init)(
       jax.random.PRNGKey(0), jnp.asarray(init_tok), jnp.asarray(init_len))
   # Process warm-up, untimed: the model without experts over every length bucket of the stream,
@@ -451,7 +460,12 @@ def run_e2e(args) -> dict:
                          buckets={"t": t_policy, "b": dynjax.buckets.explicit([cfg["batch"]])},
                          padding="trust")
     t0 = time.perf_counter()
-    ys = [np.asarray(fn(variables, tok, lens)) for tok, lens in stream]
+    try:
+      ys = [np.asarray(fn(variables, tok, lens)) for tok, lens in stream]
+    except Exception as e:  # one failing variant must not lose the others' figures
+      out["methods"][label] = {"error": f"{type(e).__name__}: {str(e)[:1500]}"}
+      print(f"  {label:32s} FAILED {out['methods'][label]['error'][:600]}", flush=True)
+      continue
     cold = time.perf_counter() - t0
     ts = []
     for tok, lens in stream:
@@ -466,10 +480,10 @@ def run_e2e(args) -> dict:
           flush=True)
   ref = outputs.get("dense MoE")
   for label, m in out["methods"].items():
-    if ref is not None:
+    if ref is not None and label in outputs:
       m["rel_err_vs_dense"] = max(rel_err(a, b) for a, b in zip(outputs[label], ref, strict=True))
   # A training step at one length bucket: loss and grads of the grouped model.
-  if elapsed() < args.budget:
+  if elapsed() < args.budget and grouped is not None:
     model = build_flax_model(cfg, "grouped", grouped)
     tok, lens = stream[0]
     tgt = jnp.ones((cfg["batch"], cfg["d"]), jnp.float32)
@@ -505,8 +519,11 @@ def print_table(report: dict) -> None:
     for label, r in s.get("train", {}).items():
       print(f"{'':>13s} {label}: {r.get('median_ms', float('nan')):.3f} ms")
   if report.get("e2e"):
-    print(f"  e2e kernel: {report['e2e'].get('kernel')}")
+    print(f"  e2e kernels: {report['e2e'].get('kernels')}")
     for label, r in report["e2e"]["methods"].items():
+      if "error" in r:
+        print(f"  e2e {label:32s} FAILED")
+        continue
       print(f"  e2e {label:32s} mean {r['mean_ms']:.3f} ms  cold {r['cold_s']:.1f} s  err "
             f"{r.get('rel_err_vs_dense', float('nan')):.1e}")
     if "train_step" in report["e2e"]:
@@ -531,6 +548,9 @@ def main(argv=None) -> dict:
   ap.add_argument("--profile-draws", type=int, default=16)
   ap.add_argument("--zipf", type=float, default=1.2)
   ap.add_argument("--e2e-requests", type=int, default=200)
+  ap.add_argument("--e2e-variants", default="grouped,ragged_dot,dense,profiled",
+                  help="grouped (kernel auto), grouped-pallas, grouped-mgpu, ragged_dot, dense, "
+                       "profiled; the first grouped one also times the training step")
   ap.add_argument("--budget", type=float, default=1e9, help="seconds; later rows are skipped")
   ap.add_argument("--seed", type=int, default=0)
   args = ap.parse_args(argv)

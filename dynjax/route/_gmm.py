@@ -13,6 +13,8 @@ Kernels, chosen by ``backend``:
   zeros.  On CPU the same kernel runs in Pallas interpret mode (slow: for tests).
 - ``"pallas"`` on TPU: ``jax.experimental.pallas.ops.tpu.megablox.gmm`` on the same layout
   (group sizes = the tile-padded sizes).
+- ``"mgpu"`` on Hopper GPUs: JAX's Mosaic GPU ragged-dot kernels (wgmma + TMA; see
+  ``_mgpu.py``), on *packed* groups (row alignment 1: no tile padding at all).
 - ``"xla"``: ``lax.ragged_dot`` on the same layout (portable; rows past the last group are 0).
 
 Backward (``jax.custom_vjp``, Pallas kernels): ``dlhs = gmm(dy, rhs^T)`` (the same kernel,
@@ -32,7 +34,7 @@ from jax.experimental import pallas as pl
 
 from dynjax._errors import RoutingError
 
-BACKENDS = ("auto", "pallas", "xla")
+BACKENDS = ("auto", "pallas", "mgpu", "xla")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,8 +45,11 @@ class Tiling:
     tm: row tile; also the alignment of every group (at most ``tm - 1`` padding rows a group).
     tk: contraction block of the inner loop.
     tn: column tile.
-    num_warps: Triton warps per program (GPU).
-    num_stages: Triton software-pipelining depth (GPU).
+    num_warps: Triton warps per program (GPU; unused by ``"mgpu"``: one warpgroup).
+    num_stages: Triton software-pipelining depth (GPU); ``"mgpu"``: the kernel's
+      ``max_concurrent_steps`` (copies in flight).
+    grid_block_n: ``"mgpu"`` only: column tiles a program sweeps before the next row tile
+      (the kernel's ``grid_block_n``; clamped to divide the column tiles).
     fuse_activation: in the ``"grouped"`` layer, apply the FFN activation in the first GEMM's
       epilogue (float32, before the bf16 store) when the layer is not differentiated: one
       write and one read of the ``[rows, ffn]`` hidden less.  Under ``jax.grad`` the forward
@@ -60,6 +65,7 @@ class Tiling:
   num_warps: int = 8
   num_stages: int = 3
   fuse_activation: bool = True
+  grid_block_n: int = 1
 
   def __post_init__(self):
     bad = [f"{name}={getattr(self, name)!r}" for name in ("tm", "tk", "tn")
@@ -70,8 +76,10 @@ class Tiling:
                          f"{', '.join(bad)}")
 
   @classmethod
-  def auto(cls, rows: int, num_groups: int) -> Tiling:
+  def auto(cls, rows: int, num_groups: int, backend: str = "pallas") -> Tiling:
     """The default tiling for ``rows`` routed rows (cells x k) over ``num_groups`` groups.
+
+    ``backend="mgpu"``: 128x64x128 blocks, 4 copies in flight, 4 column tiles per row tile.
 
     Tile alignment pads each group by ``tm / 2`` rows on average: 128-row tiles while that is
     at most 1/8 of the rows (8 experts, 8,192 rows: 6%), else 64-row tiles (64 experts, 8,192
@@ -81,6 +89,8 @@ class Tiling:
       >>> dynjax.route.Tiling.auto(8192, 64).tm
       64
     """
+    if backend == "mgpu":
+      return MGPU_TILING
     # Measured (H100, jax 0.11.2, bf16, d=1024, ffn=4096, 8,192 tokens, k=1, the whole
     # grouped layer): 8 experts: 128x64x128 w8 s3 0.556 ms (128x64x256 0.656, 64-row tiles
     # 0.77); 64 experts uniform: 64x64x128 w4 s4 0.926 ms (128x64x128 1.244); but 64 experts
@@ -88,6 +98,62 @@ class Tiling:
     if num_groups * 128 / 2 <= rows / 8:
       return cls()
     return cls(tm=64, tk=64, tn=128, num_warps=4, num_stages=4)
+
+
+# Measured (H100, jax 0.11.2, bf16, 8 experts, 8,192 rows; GEMM 1 / GEMM 2 ms, min of 20): s4 g1
+# 0.210 / 0.234, s6 g1 0.205 / 0.209, s4 g4 0.197 / 0.210 (a slice copy included in each).
+MGPU_TILING = Tiling(tm=128, tk=64, tn=128, num_warps=4, num_stages=4, grid_block_n=4)
+
+
+def row_alignment(tiling: Tiling, backend: str) -> int:
+  """Rows a group is aligned to in :func:`gmm`'s layout: ``tiling.tm``, or 1 for ``"mgpu"``."""
+  return 1 if backend == "mgpu" else tiling.tm
+
+
+def buffer_rows(rows: int, num_groups: int, tiling: Tiling, backend: str) -> int:
+  """Static row count of the grouped buffer that holds ``rows`` rows in ``num_groups`` groups
+  (a multiple of ``tiling.tm``; any routing fits)."""
+  if backend == "mgpu":
+    unit = max(tiling.tm, tiling.tk)
+    return max(unit, -(-rows // unit) * unit)
+  return num_tiles(rows, num_groups, tiling.tm) * tiling.tm
+
+
+# "auto" takes the Mosaic GPU kernel on Hopper only where its extra row tiles cost little: it
+# computes a row tile that holds the end of one group and the start of the next once per group,
+# so ``num_groups - 1`` tiles more than the rows need (tile-aligned groups do not avoid it: the
+# kernel then spends those grid steps on no group).  Measured (H100, jax 0.11.2, bf16, d=1024,
+# ffn=4096, 8,192 tokens, the whole layer, side by side): 8 experts uniform k=1: mgpu 0.589 ms,
+# Triton 0.664 (a second run: 0.662 / 0.816); Zipf(1.2) 0.596 / 0.624 (0.594 / 0.712); k=2
+# 0.983 / 1.117; training step k=1 1.62 / 1.81; but 64 experts (63 extra tiles on 64): mgpu
+# 1.19 ms, Triton 0.93 (an earlier run).  Each Mosaic GPU kernel also compiles in ~7 s (Triton
+# ~1 s).
+MGPU_MAX_EXTRA_TILES = 1 / 8
+
+
+def resolve_backend(backend: str, dtype, rows: int | None = None,
+                    num_groups: int | None = None) -> str:
+  """``"auto"`` -> ``"xla"`` on CPU, ``"pallas"`` on TPU; on GPU ``"mgpu"`` where the Mosaic GPU
+  kernel runs (Hopper, bf16/f16) and its ``num_groups - 1`` extra row tiles are at most
+  ``MGPU_MAX_EXTRA_TILES`` of the ``rows`` (unknown ``rows``: assumed many), else ``"pallas"``.
+  Other names unchanged.
+
+  Example:
+    >>> resolve_backend("auto", jnp.bfloat16, rows=8192, num_groups=8)   # H100: "mgpu"
+  """
+  if backend != "auto":
+    return backend
+  platform = _platform()
+  if platform == "cpu":
+    return "xla"
+  if platform == "gpu":
+    from dynjax.route import _mgpu
+
+    few = rows is None or num_groups is None or (
+        (num_groups - 1) * MGPU_TILING.tm <= MGPU_MAX_EXTRA_TILES * rows)
+    if few and _mgpu.unavailable_reason(dtype) is None:
+      return "mgpu"
+  return "pallas"
 
 
 def num_tiles(rows: int, num_groups: int, tm: int) -> int:
@@ -257,10 +323,11 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, tiling: Tilin
         backend: str = "auto", activation=None) -> jax.Array:
   """Grouped matmul over tile-aligned groups: ``out[rows of g] = lhs[rows of g] @ rhs[g]``.
 
-  Group ``g`` holds ``group_sizes[g]`` rows starting at row ``tm * sum_{h<g} ceil(
-  group_sizes[h] / tm)``; the rows between a group's end and the next tile boundary are padding
-  (computed, their values are whatever ``lhs`` holds there), rows after the last group's tiles
-  come out 0.  Differentiable in ``lhs`` and ``rhs``.
+  Group ``g`` holds ``group_sizes[g]`` rows starting at row ``a * sum_{h<g} ceil(
+  group_sizes[h] / a)``, ``a = row_alignment(tiling, backend)`` (``tm``; 1 for ``"mgpu"``); the
+  rows between a group's end and the next tile boundary are padding (computed, their values are
+  whatever ``lhs`` holds there), rows after the last group's tiles come out 0 (``"mgpu"``: they
+  are computed with the last group's ``rhs``).  Differentiable in ``lhs`` and ``rhs``.
 
   Args:
     lhs: ``[M, K]``, ``M`` a multiple of ``tiling.tm``.
@@ -268,8 +335,9 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, tiling: Tilin
     group_sizes: int32 ``[G]`` (traced is fine).
     tiling: block sizes (:class:`Tiling`).
     backend: ``"pallas"`` (Triton on GPU, megablox on TPU, interpret mode on CPU: slow, for
-      tests), ``"xla"`` (``lax.ragged_dot`` on the tile-padded sizes) or ``"auto"`` (``"xla"``
-      on CPU, else ``"pallas"``).
+      tests), ``"mgpu"`` (Hopper: JAX's Mosaic GPU ragged dot, packed groups), ``"xla"``
+      (``lax.ragged_dot`` on the tile-padded sizes) or ``"auto"`` (see
+      :func:`resolve_backend`).
     activation: optional elementwise function applied to the output, ``activation(lhs @ rhs)``
       (fused into the Pallas GPU kernel's epilogue when not differentiated and
       ``tiling.fuse_activation``; rows past the last group's tiles hold 0 or ``activation(0)``).
@@ -281,14 +349,18 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, tiling: Tilin
   if backend not in BACKENDS:
     raise RoutingError(f"dynjax.route.gmm: backend must be one of "
                        f"{', '.join(map(repr, BACKENDS))}, got {backend!r}")
-  if backend == "auto":
-    backend = "xla" if _platform() == "cpu" else "pallas"
+  backend = resolve_backend(backend, lhs.dtype)
   m = lhs.shape[0]
   tm = tiling.tm
   if m % tm:
     raise RoutingError(f"dynjax.route.gmm: lhs has {m} rows, expected a multiple of the row "
                        f"tile tm={tm}; pad the rows (see dynjax.route.grouped_layout)")
   sizes = group_sizes.astype(jnp.int32)
+  if backend == "mgpu":
+    from dynjax.route._mgpu import gmm_mgpu
+
+    out = gmm_mgpu(lhs, rhs.astype(lhs.dtype), sizes, tiling)
+    return out if activation is None else activation(out).astype(out.dtype)
   padded = ((sizes + tm - 1) // tm) * tm
   unfused = activation is not None and (backend == "xla" or not tiling.fuse_activation or
                                         _platform() == "tpu")

@@ -3,7 +3,8 @@
 No capacities: path ``p``'s cells take rows ``[base_p, base_p + load_p)`` of one buffer, where
 ``base_p`` is ``tm`` times the row tiles of the paths before it, so a path is padded by at most
 ``tm - 1`` rows and the buffer has a static ``num_tiles(N*k, P, tm) * tm`` rows (the bound over
-every routing).  As in the capacity modes, the router's positions place the cells (one int32
+every routing).  The ``"mgpu"`` kernel takes ragged groups, so there paths are packed
+(``base_p`` = the loads before it) into ``N*k`` rows rounded up to a tile.  As in the capacity modes, the router's positions place the cells (one int32
 scatter of cell ids, one row gather; no sort).  The expert FFN then runs as two grouped GEMMs
 (:func:`dynjax.route.gmm`) with the activation between them, and the combine gathers each
 cell's ``k`` rows times its gates.  Dropless, one traceable function, no host sync.
@@ -17,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from dynjax._errors import RoutingError
-from dynjax.route._gmm import Tiling, gmm, num_tiles
+from dynjax.route._gmm import Tiling, buffer_rows, gmm, num_tiles, resolve_backend, row_alignment
 from dynjax.route._router import Routing
 
 
@@ -35,15 +36,20 @@ class GroupedLayout(NamedTuple):
   group_sizes: jax.Array
 
 
-def grouped_layout(routing: Routing, num_paths: int, tm: int) -> GroupedLayout:
-  """The tile-aligned grouped layout of a routing (traceable).
+def grouped_layout(routing: Routing, num_paths: int, tm: int,
+                   rows: int | None = None) -> GroupedLayout:
+  """The grouped layout of a routing (traceable): path ``p`` starts at ``tm`` times the
+  ``tm``-row tiles of the paths before it (``tm=1``: packed, as the ``"mgpu"`` kernel takes).
+
+  ``rows``: the buffer's static row count (default: the tile bound of :func:`num_tiles`).
 
   Example:
     >>> r = dynjax.route.Router(4, k=2)(logits)
     >>> lay = grouped_layout(r, 4, 128)     # lay.table: [rows] cell ids, N = padding
   """
   n, k = routing.paths.shape
-  rows = num_tiles(n * k, num_paths, tm) * tm
+  if rows is None:
+    rows = num_tiles(n * k, num_paths, tm) * tm
   paths = routing.paths.reshape(-1)
   valid = paths < num_paths
   safe = jnp.where(valid, paths, 0)
@@ -71,7 +77,7 @@ def grouped_ffn(params, x: jax.Array, routing: Routing, *, activation, tiling: T
     routing: the :class:`Routing`.
     activation: the FFN activation.
     tiling: the grouped GEMM's :class:`Tiling`.
-    backend: ``"pallas"`` or ``"xla"`` (see :func:`dynjax.route.gmm`).
+    backend: ``"pallas"``, ``"mgpu"``, ``"xla"`` or ``"auto"`` (see :func:`dynjax.route.gmm`).
 
   Returns:
     ``[N, d]`` in ``x``'s dtype (the weighted sum over the ``k`` choices runs in float32).
@@ -84,7 +90,9 @@ def grouped_ffn(params, x: jax.Array, routing: Routing, *, activation, tiling: T
                        f"{tuple(x.shape)}; flatten the leading axes")
   if not n:
     return jnp.zeros((0, w2.shape[2]), x.dtype)
-  lay = grouped_layout(routing, num_paths, tiling.tm)
+  backend = resolve_backend(backend, x.dtype, n * routing.paths.shape[1], num_paths)
+  rows = buffer_rows(n * routing.paths.shape[1], num_paths, tiling, backend)
+  lay = grouped_layout(routing, num_paths, row_alignment(tiling, backend), rows)
   xs = jnp.take(x, lay.table, axis=0, mode="fill", fill_value=0)
   h = gmm(xs, w1.astype(x.dtype), lay.group_sizes, tiling=tiling, backend=backend,
           activation=activation)

@@ -12,15 +12,17 @@ Modes (what each costs is in WORKSPACE.md, "Routing"):
   (no host sync: use it under ``jax.jit``/``jax.grad``); cells past capacity take the chunked
   overflow path, computed exactly.
 - ``"grouped"``: no capacities at all.  Cells are laid out by path, each path's rows padded to a
-  multiple of the row tile only, and the expert FFN runs as two grouped GEMMs
-  (:func:`dynjax.route.gmm`: a Pallas kernel on GPU/TPU).  One traceable function, no host
+  multiple of the row tile only (packed, no padding, for the Hopper ``"mgpu"`` kernel), and the
+  expert FFN runs as two grouped GEMMs (:func:`dynjax.route.gmm`: JAX's Mosaic GPU ragged dot
+  or our Pallas/Triton kernel on GPU, megablox on TPU).  One traceable function, no host
   sync, no profile, no overflow path.  Needs ``Experts(ffn(...))``; ``kernel="auto"`` falls back
   to the ``"profiled"`` batched path on CPU (where the Pallas kernel only interprets).
 
 Measured (H100, jax 0.11.2, bf16 FFN layer d=1024, ffn=4096, 8,192 tokens; benchmarks/
-bench_moe_gmm.py): k=1, 8 experts: grouped 0.556 ms, profiled 0.665, exact-sync 1.379;
-64 experts: 0.926 / 0.948 / 1.627; k=2, 8 experts: 0.975 / 0.813 / 1.260.  Training step (k=1,
-8 experts): grouped 1.86 ms, profiled 2.41.
+bench_moe_kernels.py, one run side by side): k=1, 8 experts: grouped (auto = Mosaic GPU) 0.662 ms,
+grouped Triton 0.816, capacity 1.25 0.556; 64 experts (auto = Triton): 0.923 / capacity 0.739;
+k=2, 8 experts: 0.983 / 1.117 / 0.799.  An earlier run (bench_moe_gmm.py, Triton only): k=1,
+8 experts: grouped 0.556, profiled 0.665, exact-sync 1.379; 64 experts: 0.926 / 0.948 / 1.627.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import threading
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from dynjax._errors import RoutingError
@@ -46,14 +49,14 @@ from dynjax.route._dispatch import (
   group_buckets,
   make_plan,
 )
-from dynjax.route._gmm import Tiling
+from dynjax.route._gmm import Tiling, resolve_backend
 from dynjax.route._grouped import ffn_spec, grouped_ffn
 from dynjax.route._paths import Branches, Experts
 from dynjax.route._profile import Profile
 from dynjax.route._router import Router, Routing
 
 MODES = ("exact-sync", "profiled", "grouped")
-KERNELS = ("auto", "pallas", "xla", "batched")
+KERNELS = ("auto", "pallas", "mgpu", "xla", "batched")
 
 
 def _is_tracer(x) -> bool:
@@ -98,9 +101,10 @@ class Routed:
     overflow_chunk: rows per step of the overflow path.
     record: record loads into the profile on every ``"exact-sync"`` call.
     kernel: ``"grouped"`` mode: ``"pallas"`` (grouped-GEMM kernel: Triton on GPU, megablox on
-      TPU, interpret mode on CPU), ``"xla"`` (``lax.ragged_dot`` on the same layout),
-      ``"batched"`` (the ``"profiled"`` path) or ``"auto"`` (``"pallas"`` on GPU/TPU when the
-      widths divide by the tiling, else ``"batched"``).
+      TPU, interpret mode on CPU), ``"mgpu"`` (Hopper: JAX's Mosaic GPU ragged dot, paths packed
+      with no tile padding), ``"xla"`` (``lax.ragged_dot`` on the same layout), ``"batched"``
+      (the ``"profiled"`` path) or ``"auto"`` (on GPU/TPU when the widths divide by the
+      tiling: ``"mgpu"`` on Hopper in bf16/f16, else ``"pallas"``; else ``"batched"``).
     tiling: ``"grouped"`` mode: the grouped GEMM's :class:`Tiling`; default: per call shape,
       128-row tiles when few paths share many cells, else 64-row tiles.
 
@@ -342,17 +346,21 @@ class Routed:
                          f"expected num_paths={self.router.num_paths}")
     return apply(self.paths, params, x, routing, self._plan(capacities, overflow))
 
-  def grouped_kernel(self, params) -> str:
-    """The kernel ``mode="grouped"`` runs for these parameters: ``"pallas"``, ``"xla"`` or
-    ``"batched"`` (``kernel="auto"`` resolved for the default device and the widths)."""
+  def grouped_kernel(self, params, dtype=None, rows: int | None = None) -> str:
+    """The kernel ``mode="grouped"`` runs for these parameters, cells of ``dtype`` (default: the
+    weights') and ``rows`` routed rows (cells x k; None: many): ``"pallas"``, ``"mgpu"``,
+    ``"xla"`` or ``"batched"`` (``kernel="auto"`` resolved for the default device, the dtype,
+    the widths and the rows per path: see :func:`dynjax.route._gmm.resolve_backend`)."""
     if self.kernel != "auto":
       return self.kernel
     if ffn_spec(self.paths) is None or jax.default_backend() == "cpu":
       return "batched"
-    t = self.tiling or Tiling(tm=64)  # both auto tilings use tk, tn <= 128
+    t = self.tiling or Tiling(tm=64)  # every auto tiling uses tk, tn <= 128
     d, f = np.shape(params["w1"])[1:]
-    return "pallas" if d % t.tk == 0 and d % t.tn == 0 and f % t.tk == 0 and f % t.tn == 0 \
-        else "batched"
+    if not all(v % t.tk == 0 and v % t.tn == 0 for v in (d, f)):
+      return "batched"
+    return resolve_backend("auto", jnp.result_type(params["w1"]) if dtype is None else dtype,
+                           rows, self.router.num_paths)
 
   def grouped(self, params, x, routing: Routing) -> jax.Array:
     """The ``"grouped"`` layer for a given routing (traceable, differentiable, dropless).
@@ -360,12 +368,12 @@ class Routed:
     Example:
       >>> y = jax.jit(lambda p, x, lg: moe.grouped(p, x, moe.route(lg)))(params, x, logits)
     """
-    kernel = self.grouped_kernel(params)
+    n, k = routing.paths.shape
+    kernel = self.grouped_kernel(params, x.dtype, None if is_symbolic(n) else int(n) * int(k))
     if kernel == "batched":
       return self.apply(params, x, routing)
     activation, _ = ffn_spec(self.paths)
-    n, k = routing.paths.shape
-    tiling = self.tiling or Tiling.auto(int(n) * int(k), self.router.num_paths)
+    tiling = self.tiling or Tiling.auto(int(n) * int(k), self.router.num_paths, kernel)
     return grouped_ffn(params, x, routing, activation=activation, tiling=tiling,
                        backend=kernel)
 

@@ -1,0 +1,470 @@
+"""The grouped layer's kernels on Hopper: JAX's Mosaic GPU ragged dot ("mgpu") against our Triton
+kernel ("pallas"), kernel by kernel, piece by piece, and layer by layer.
+
+    python benchmarks/bench_moe_kernels.py --out DIR                       # H100, every part
+    python benchmarks/bench_moe_kernels.py --small --fake-mgpu             # CPU smoke run
+
+Parts (``--parts``, in the order given):
+  env     jax version, device, whether the Mosaic GPU kernels import (their source files are
+          copied to DIR so that their signatures can be read back).
+  check   route.gmm(backend="mgpu") forward and grads against float32 lax.ragged_dot on awkward
+          packed group sizes, and the grouped layer (k=1, 2; forward + grads) in bf16 against the
+          float32 dense reference.
+  sweep   each of the FFN's two GEMMs alone ([8192, 1024] x [E, 1024, 4096] and [8192, 4096] x
+          [E, 4096, 1024], bf16, the routing's loads), per --mgpu / --triton tiling, and cuBLAS'
+          dense [8192, 1024] x [1024, 4096] for scale.  Four calls inside one executable on
+          rotating inputs, time / 4: no dispatch in the figure.
+  pieces  the layer split: router, layout + row gather, GEMM 1 (+ GELU), GEMM 2, combine, and the
+          whole layer in one executable (same x4 timing) and per call (block_until_ready each).
+  layer   the whole layer per call (as bench_moe_gmm.py times it): grouped kernel="auto", and
+          beside it each --layer-kernels kernel auto did not pick (mgpu, pallas = Triton) and
+          --mgpu-layer tilings, capacity 1.25 (drops),
+          optionally lax.ragged_dot and dense (--layer-extra), per setting and k; a training step
+          (loss + grads) on --train settings.
+
+Writes DIR/bench_moe_kernels.json after every part.  Every figure: median of --iters calls
+after a warm-up over every rotating input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import os
+import shutil
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.bench_moe_gmm import (  # noqa: E402
+  dense_ffn,
+  ragged_dot_ffn,
+  rel_err,
+  timeit,
+  zipf_probs,
+)
+from dynjax import route  # noqa: E402
+from dynjax.route import _gmm, _mgpu  # noqa: E402
+
+T0 = time.perf_counter()
+REPS = 4
+
+
+def elapsed() -> float:
+  return time.perf_counter() - T0
+
+
+def parse(s: str) -> route.Tiling:
+  """``tm x tk x tn x warps x stages [g grid_block_n]``."""
+  s, _, g = s.partition("g")
+  tm, tk, tn, w, st = (int(v) for v in s.split("x"))
+  return route.Tiling(tm=tm, tk=tk, tn=tn, num_warps=w, num_stages=st,
+                      grid_block_n=int(g) if g else 1)
+
+
+def name(t: route.Tiling) -> str:
+  return f"{t.tm}x{t.tk}x{t.tn}x{t.num_warps}x{t.num_stages}g{t.grid_block_n}"
+
+
+def fake_mgpu() -> None:
+  """CPU smoke runs: lax.ragged_dot stand-ins for the Mosaic GPU kernels."""
+  def rd(lhs, rhs, *, group_sizes, transpose_rhs=False, **_):
+    return jax.lax.ragged_dot(lhs, jnp.swapaxes(rhs, 1, 2) if transpose_rhs else rhs,
+                              group_sizes).astype(lhs.dtype)
+
+  def tr(lhs, rhs, *, group_sizes, **_):
+    dims = jax.lax.RaggedDotDimensionNumbers((((0,), (0,)), ((), ())), [0], [])
+    return jax.lax.ragged_dot_general(lhs, rhs, group_sizes, dims).astype(lhs.dtype)
+
+  _mgpu.TEST_KERNELS = {"ragged_dot": rd, "transposed_ragged_dot": tr, "transpose_rhs": True,
+                        "error": None}
+
+
+def timed(label: str, results: dict, fn, args_list, iters: int, per: int = 1, **extra) -> None:
+  """Times ``fn(*a)`` over the rotating ``args_list``; stores ms / ``per`` or the error."""
+  try:
+    r = timeit([lambda a=a: fn(*a) for a in args_list], iters)
+    r = {key: v / per for key, v in r.items()}
+  except Exception as e:  # one failing variant must not lose the others' figures
+    results[label] = {"error": f"{type(e).__name__}: {str(e)[:800]}"}
+    print(f"  {label:52s} FAILED {results[label]['error'][:400]}", flush=True)
+    return
+  r.update(extra)
+  results[label] = r
+  print(f"  {label:52s} {r['median_ms']:8.4f} ms  (min {r['min_ms']:.4f})", flush=True)
+
+
+# -----------------------------------------------------------------------------------------------
+def run_env(args) -> dict:
+  k = _mgpu.kernels()
+  dev = jax.devices()[0]
+  out = {"jax": jax.__version__, "device": dev.device_kind,
+         "compute_capability": str(getattr(dev, "compute_capability", "")),
+         "mgpu_import_error": k["error"], "mgpu_transpose_rhs": k["transpose_rhs"],
+         "mgpu_transposed_kernel": k["transposed_ragged_dot"] is not None,
+         "mgpu_unavailable_reason": _mgpu.unavailable_reason(jnp.bfloat16),
+         "auto_backend_bf16": _gmm.resolve_backend("auto", jnp.bfloat16)}
+  for fn in (k["ragged_dot"], k["transposed_ragged_dot"]):
+    if fn is not None and args.out:
+      import inspect
+
+      try:
+        src = inspect.getsourcefile(fn)
+        shutil.copy(src, os.path.join(args.out, os.path.basename(src)))
+        out.setdefault("signatures", {})[fn.__name__] = str(inspect.signature(fn))
+      except (OSError, TypeError) as e:
+        out["copy_error"] = str(e)
+  for key, v in out.items():
+    print(f"  {key}: {v}", flush=True)
+  return out
+
+
+def run_check(args) -> dict:
+  res = {}
+  rng = np.random.default_rng(0)
+  d, f = args.d, args.ffn
+  sizes = np.array([0, 389, 1, 0, 128, 700, 0, 17], np.int32)
+  rows = -(-int(sizes.sum()) // 128) * 128 + 128  # 128 rows past the last group
+  lhs = jnp.asarray(rng.standard_normal((rows, d)), jnp.bfloat16)
+  rhs = jnp.asarray(rng.standard_normal((len(sizes), d, f)) / math.sqrt(d), jnp.bfloat16)
+  ct = jnp.asarray(rng.standard_normal((rows, f)), jnp.float32)
+  full = sizes.copy()
+  full[-1] += rows - sizes.sum()  # the mgpu backend gives the rows past the end to the last group
+  gs, gfull = jnp.asarray(sizes), jnp.asarray(full)
+  t = _gmm.MGPU_TILING
+
+  def ref(a, b):
+    return jax.lax.ragged_dot(a.astype(jnp.float32), b.astype(jnp.float32), gfull)
+
+  def mg(a, b):
+    return route.gmm(a, b, gs, tiling=t, backend="mgpu")
+
+  try:
+    y = jax.jit(mg)(lhs, rhs)
+    res["gmm_fwd_rel_err"] = rel_err(y, jax.jit(ref)(lhs, rhs))
+    res["gmm_fwd_all_finite"] = bool(jnp.all(jnp.isfinite(y.astype(jnp.float32))))
+    got = jax.jit(jax.grad(lambda a, b: jnp.sum(mg(a, b).astype(jnp.float32) * ct), (0, 1)))(
+        lhs, rhs)
+    want = jax.jit(jax.grad(lambda a, b: jnp.sum(ref(a, b) * ct), (0, 1)))(lhs, rhs)
+    res["gmm_dlhs_rel_err"] = rel_err(got[0], want[0])
+    res["gmm_drhs_rel_err"] = rel_err(got[1], want[1])
+  except Exception as e:
+    res["gmm_error"] = f"{type(e).__name__}: {str(e)[:1500]}"
+  e, n, dm, fm = (8, 200, 128, 256) if args.small else (8, 1000, 256, 512)
+  ks = jax.random.split(jax.random.PRNGKey(1), 5)
+  params = {"w1": jax.random.normal(ks[0], (e, dm, fm)) / math.sqrt(dm),
+            "w2": jax.random.normal(ks[1], (e, fm, dm)) / math.sqrt(fm)}
+  x = jax.random.normal(ks[2], (n, dm))
+  logits = jax.random.normal(ks[3], (n, e)) + jnp.asarray(np.log(zipf_probs(e, 1.2)))
+  ctl = jax.random.normal(ks[4], (n, dm))
+  mask = jnp.arange(n) < n - 37
+  for k in (1, 2):
+    moe = route.Routed(route.Experts(route.ffn()), route.Router(e, k=k, renormalize=k > 1),
+                       mode="grouped", kernel="mgpu")
+
+    def loss(p, x, lg, fn):
+      return jnp.sum(fn(p, x, lg).astype(jnp.float32) * ctl)
+
+    def ours(p, x, lg, moe=moe):
+      pb = {key: val.astype(jnp.bfloat16) for key, val in p.items()}
+      return moe(pb, x.astype(jnp.bfloat16), lg, mask=mask)
+
+    def dense_k(p, x, lg, k=k):
+      return dense_ffn(x, lg, p["w1"], p["w2"], k, mask)
+
+    try:
+      got = jax.jit(jax.value_and_grad(functools.partial(loss, fn=ours), (0, 1, 2)))(
+          params, x, logits)
+      want = jax.jit(jax.value_and_grad(functools.partial(loss, fn=dense_k), (0, 1, 2)))(
+          params, x, logits)
+      errs = [rel_err(a, b) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want),
+                                            strict=True)]
+      res[f"layer_k{k}_bf16_max_rel_err(loss,dW1,dW2,dx,dlogits)"] = max(errs)
+      res[f"layer_k{k}_bf16_rel_errs"] = [float(v) for v in errs]
+    except Exception as ex:
+      res[f"layer_k{k}_error"] = f"{type(ex).__name__}: {str(ex)[:1500]}"
+  for key, v in res.items():
+    print(f"  {key:52s} {v:.2e}" if isinstance(v, float) else f"  {key:52s} {v}", flush=True)
+  return res
+
+
+# -----------------------------------------------------------------------------------------------
+class Setting:
+  """Inputs of one routing setting: weights, rotating inputs, router, logits."""
+
+  def __init__(self, setting: str, k: int, args):
+    kind = "zipf" if setting.startswith("zipf") else "uniform"
+    self.name, self.k, self.e = setting, k, int(setting[len(kind):])
+    d, f, n = args.d, args.ffn, args.tokens
+    rng = np.random.default_rng(args.seed)
+    probs = zipf_probs(self.e, args.zipf) if kind == "zipf" else np.full(self.e, 1.0 / self.e)
+    ks = jax.random.split(jax.random.PRNGKey(args.seed), 4)
+    self.wr = (jax.random.normal(ks[1], (d, self.e)) * (0.01 / math.sqrt(d))).astype(jnp.bfloat16)
+    self.params = {
+        "w1": (jax.random.normal(ks[2], (self.e, d, f)) / math.sqrt(d)).astype(jnp.bfloat16),
+        "w2": (jax.random.normal(ks[3], (self.e, f, d)) / math.sqrt(f)).astype(jnp.bfloat16)}
+    self.inputs = [
+        (jax.random.normal(jax.random.fold_in(ks[0], i), (n, d)).astype(jnp.bfloat16),
+         jnp.asarray(np.log(probs)[None, :] + rng.gumbel(size=(n, self.e)), jnp.float32))
+        for i in range(args.rotate)]
+    self.router = route.Router(self.e, k=k, renormalize=k > 1)
+    self.experts = route.Experts(route.ffn())
+
+  def logits(self, x, b):
+    return jnp.dot(x, self.wr, preferred_element_type=jnp.float32) + b
+
+  def routed(self, kernel: str, tiling=None) -> route.Routed:
+    return route.Routed(self.experts, self.router, mode="grouped", kernel=kernel, tiling=tiling)
+
+
+def run_sweep(args) -> dict:
+  out = {}
+  d, f, n = args.d, args.ffn, args.tokens
+  key = jax.random.PRNGKey(3)
+  xs = [jax.random.normal(jax.random.fold_in(key, i), (n + 1024, d)).astype(jnp.bfloat16)
+        for i in range(REPS)]
+  hs = [jax.random.normal(jax.random.fold_in(key, 10 + i), (n + 1024, f)).astype(jnp.bfloat16)
+        for i in range(REPS)]
+  w = (jax.random.normal(key, (d, f)) / math.sqrt(d)).astype(jnp.bfloat16)
+  cublas = {}
+  timed("cuBLAS dense [N,d]x[d,ffn]", cublas,
+        jax.jit(lambda *a: [jnp.dot(x, w) for x in a]), [[x[:n] for x in xs]], args.iters, REPS)
+  out["cublas"] = cublas
+  for setting in args.sweep_settings.split(","):
+    if elapsed() > args.budget:
+      break
+    s = Setting(setting, 1, args)
+    loads = jnp.asarray(s.router(s.logits(*s.inputs[0])).loads, jnp.int32)
+    res = {"loads": np.asarray(loads).tolist()}
+    print(f"\n== sweep {setting} (k=1)  [{elapsed():.0f} s]", flush=True)
+    cands = [("mgpu", parse(t)) for t in args.mgpu.split(",")] + \
+            [("pallas", parse(t)) for t in args.triton.split(",")]
+    for backend, t in cands:
+      if elapsed() > args.budget:
+        break
+      rows = _gmm.buffer_rows(n, s.e, t, backend)
+      for gi, (src, wt) in enumerate(((xs, s.params["w1"]), (hs, s.params["w2"]))):
+        fn = jax.jit(lambda *a, wt=wt, t=t, backend=backend, loads=loads: [
+            route.gmm(x, wt, loads, tiling=t, backend=backend) for x in a])
+        timed(f"gemm{gi + 1} {backend} {name(t)} ({rows} rows)", res, fn,
+              [[x[:rows] for x in src]], args.iters, REPS)
+    out[setting] = res
+  return out
+
+
+def layer_pieces(s: Setting, kernel: str, tiling: route.Tiling | None):
+  """The grouped layer's pieces as separate functions (mirrors grouped_ffn)."""
+  from dynjax.route._grouped import grouped_layout
+
+  n = s.inputs[0][0].shape[0]
+  t = tiling or route.Tiling.auto(n * s.k, s.e, kernel)
+  rows = _gmm.buffer_rows(n * s.k, s.e, t, kernel)
+  align = _gmm.row_alignment(t, kernel)
+
+  def routing(x, b):
+    return s.router(s.logits(x, b))
+
+  def gather(x, r):
+    lay = grouped_layout(r, s.e, align, rows)
+    return jnp.take(x, lay.table, axis=0, mode="fill", fill_value=0), lay
+
+  def gemm1(xs, sizes):
+    return route.gmm(xs, s.params["w1"], sizes, tiling=t, backend=kernel,
+                     activation=jax.nn.gelu)
+
+  def gemm2(h, sizes):
+    return route.gmm(h, s.params["w2"], sizes, tiling=t, backend=kernel)
+
+  def combine(ys, r, slots):
+    gates = r.gates.astype(jnp.float32)
+    picked = jnp.take(ys, slots.reshape(-1), axis=0, mode="fill", fill_value=0)
+    picked = picked.astype(jnp.float32).reshape(n, -1, ys.shape[1]) * gates[..., None]
+    return jnp.sum(picked, axis=1).astype(ys.dtype)
+
+  return routing, gather, gemm1, gemm2, combine, t
+
+
+def run_pieces(args) -> dict:
+  out = {}
+  for spec in args.pieces.split(","):
+    setting, _, k = spec.partition(":")
+    s = Setting(setting, int(k or 1), args)
+    for kernel in args.kernels.split(","):
+      if elapsed() > args.budget:
+        break
+      label = f"{setting} k={s.k} {kernel}"
+      print(f"\n== pieces {label}  [{elapsed():.0f} s]", flush=True)
+      out[label] = pieces_one(s, kernel, args)
+  return out
+
+
+def pieces_one(s: Setting, kernel: str, args) -> dict:
+  res = {}
+  routing, gather, gemm1, gemm2, combine, t = layer_pieces(s, kernel, None)
+  res["tiling"] = name(t)
+  try:
+    r0 = [jax.jit(routing)(x, b) for x, b in s.inputs[:REPS]]
+    g0 = [jax.jit(gather)(x, r) for (x, _), r in zip(s.inputs, r0, strict=False)]
+    h0 = [jax.jit(gemm1)(xs, lay.group_sizes) for xs, lay in g0]
+    y0 = [jax.jit(gemm2)(h, lay.group_sizes) for h, (_, lay) in zip(h0, g0, strict=True)]
+  except Exception as e:
+    res["error"] = f"{type(e).__name__}: {str(e)[:800]}"
+    print(f"  FAILED {res['error'][:400]}", flush=True)
+    return res
+  xb = list(s.inputs[:REPS])
+  timed("router (logits, top-k, positions)", res,
+        jax.jit(lambda *a: [routing(x, b) for x, b in a]), [xb], args.iters, REPS)
+  timed("layout + row gather", res, jax.jit(lambda *a: [gather(x, r) for x, r in a]),
+        [[(x, r) for (x, _), r in zip(xb, r0, strict=True)]], args.iters, REPS)
+  timed("gemm 1 + gelu", res, jax.jit(lambda *a: [gemm1(xs, lay.group_sizes) for xs, lay in a]),
+        [g0], args.iters, REPS)
+  timed("gemm 2", res, jax.jit(lambda *a: [gemm2(h, lay.group_sizes) for h, (_, lay) in a]),
+        [list(zip(h0, g0, strict=True))], args.iters, REPS)
+  timed("combine (gather k rows x gates)", res,
+        jax.jit(lambda *a: [combine(y, r, lay.slots) for y, r, (_, lay) in a]),
+        [list(zip(y0, r0, g0, strict=True))], args.iters, REPS)
+  moe = s.routed(kernel)
+  timed("whole layer, x4 in one executable", res,
+        jax.jit(lambda *a: [moe(s.params, x, s.logits(x, b)) for x, b in a]), [xb], args.iters,
+        REPS)
+  timed("whole layer, per call", res, jax.jit(lambda x, b: moe(s.params, x, s.logits(x, b))),
+        s.inputs, args.iters)
+  return res
+
+
+def run_layer(args) -> dict:
+  out = {}
+  for k in (int(v) for v in args.k.split(",")):
+    for setting in args.settings.split(","):
+      if elapsed() > args.budget:
+        break
+      print(f"\n== layer {setting} k={k}  [{elapsed():.0f} s]", flush=True)
+      out[f"{setting} k={k}"] = layer_one(Setting(setting, k, args), args)
+  return out
+
+
+def layer_one(s: Setting, args) -> dict:
+  n, d, f, e, k = args.tokens, args.d, args.ffn, s.e, s.k
+  x0, b0 = s.inputs[0]
+  ref = jax.jit(lambda p, x, b: ragged_dot_ffn(x, s.logits(x, b), p["w1"], p["w2"], k))(
+      s.params, x0, b0)
+  loads = np.asarray(s.router(s.logits(x0, b0)).loads)
+  res: dict = {}
+  auto = s.routed("auto").grouped_kernel(s.params, jnp.bfloat16, n * k)
+  variants = {f"grouped auto={auto} {name(route.Tiling.auto(n * k, e, auto))}":
+              s.routed("auto")}
+  if auto != "mgpu" and "mgpu" in args.layer_kernels:
+    variants[f"grouped mgpu {name(route.Tiling.auto(n * k, e, 'mgpu'))}"] = s.routed("mgpu")
+  for tt in filter(None, args.mgpu_layer.split(",")):
+    variants[f"grouped mgpu {tt}"] = s.routed("mgpu", parse(tt))
+  if auto != "pallas" and "pallas" in args.layer_kernels:
+    variants[f"grouped pallas (Triton) {name(route.Tiling.auto(n * k, e))}"] = \
+        s.routed("pallas")
+  cap = math.ceil(1.25 * n * k / e)
+  plan = route.make_plan((cap,) * e)
+  fns = {label: (lambda p, x, b, m=m: m(p, x, s.logits(x, b))) for label, m in variants.items()}
+  fns["capacity 1.25 (drops tokens)"] = lambda p, x, b: route.apply(
+      s.experts, p, x, s.router(s.logits(x, b)), plan)
+  if "ragged_dot" in args.layer_extra:
+    fns["lax.ragged_dot (sort)"] = lambda p, x, b: ragged_dot_ffn(
+        x, s.logits(x, b), p["w1"], p["w2"], k)
+  if "dense" in args.layer_extra:
+    fns["dense (every expert)"] = lambda p, x, b: dense_ffn(x, s.logits(x, b), p["w1"],
+                                                            p["w2"], k)
+  for label, fn in fns.items():
+    if elapsed() > args.budget:
+      break
+    jf = jax.jit(fn)
+    extra = {}
+    if label.startswith("capacity"):
+      extra["dropped_fraction"] = float(np.maximum(loads - cap, 0).sum() / (n * k))
+    try:
+      extra["rel_err_vs_ragged_dot"] = rel_err(jf(s.params, x0, b0), ref)
+    except Exception:
+      pass
+    timed(label, res, lambda x, b, jf=jf: jf(s.params, x, b), s.inputs, args.iters, **extra)
+  flops = 4.0 * n * k * d * f
+  nbytes = 2.0 * (int((loads > 0).sum()) * 2 * d * f + 2 * n * d)
+  roof = max(flops / 800e12, nbytes / 3.3e12) * 1e3
+  entry = {"setting": s.name, "k": k, "loads": loads.tolist(), "roofline_ms": roof,
+           "auto_kernel": auto, "methods": res}
+  if s.name in args.train.split(",") and elapsed() < args.budget:
+    ct = jnp.ones((n, d), jnp.float32) / n
+    train = {}
+    for label in [lb for lb in fns if lb.startswith("grouped")]:
+      g = jax.jit(jax.value_and_grad(
+          lambda p, x, b, fn=fns[label]: jnp.sum(fn(p, x, b).astype(jnp.float32) * ct), (0, 1)))
+      timed(f"train {label}", train, lambda x, b, g=g: g(s.params, x, b), s.inputs, args.iters)
+    entry["train"] = train
+  return entry
+
+
+def main(argv=None) -> dict:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap.add_argument("--out", default=None)
+  ap.add_argument("--small", action="store_true")
+  ap.add_argument("--fake-mgpu", action="store_true", help="CPU smoke: lax.ragged_dot stand-ins")
+  ap.add_argument("--parts", default="env,check,sweep,pieces,layer")
+  ap.add_argument("--mgpu", default="128x64x128x4x4g1,128x64x128x4x6g1,128x64x128x4x4g4,"
+                  "64x64x256x4x4g1,64x64x128x4x4g1,128x128x128x4x3g1",
+                  help="mgpu tilings for the sweep: tm x tk x tn x warps x stages g grid_block_n")
+  ap.add_argument("--triton", default="128x64x128x8x3,128x64x128x8x4,128x128x128x8x3,"
+                  "64x64x128x4x4")
+  ap.add_argument("--sweep-settings", default="uniform8,uniform64")
+  ap.add_argument("--pieces", default="uniform8:1,uniform8:2")
+  ap.add_argument("--kernels", default="mgpu,pallas")
+  ap.add_argument("--settings", default="uniform8,zipf8,uniform64,zipf64")
+  ap.add_argument("--k", default="1,2")
+  ap.add_argument("--mgpu-layer", default="", help="extra mgpu tilings in the layer part")
+  ap.add_argument("--layer-extra", default="", help="ragged_dot,dense")
+  ap.add_argument("--layer-kernels", default="mgpu,pallas",
+                  help="kernels timed beside the auto choice in the layer part")
+  ap.add_argument("--train", default="uniform8")
+  ap.add_argument("--iters", type=int, default=20)
+  ap.add_argument("--rotate", type=int, default=3)
+  ap.add_argument("--zipf", type=float, default=1.2)
+  ap.add_argument("--budget", type=float, default=1e9)
+  ap.add_argument("--seed", type=int, default=0)
+  args = ap.parse_args(argv)
+  if args.small:
+    args.d, args.ffn, args.tokens = 128, 256, 512
+    args.iters, args.rotate = 2, 2
+    args.mgpu, args.triton = "32x32x64x4x2g2", "32x32x64x4x2"
+  else:
+    args.d, args.ffn, args.tokens = 1024, 4096, 8192
+  args.rotate = max(args.rotate, REPS) if "pieces" in args.parts else args.rotate
+  if args.fake_mgpu:
+    fake_mgpu()
+  if args.out:
+    os.makedirs(args.out, exist_ok=True)
+  report = {"jax": jax.__version__, "device": jax.devices()[0].device_kind,
+            "argv": sys.argv[1:] if argv is None else argv}
+  print(f"device {report['device']}, jax {report['jax']}", flush=True)
+  for part in args.parts.split(","):
+    if elapsed() > args.budget:
+      print(f"skipped {part} (budget)", flush=True)
+      continue
+    print(f"\n==== {part}  [{elapsed():.0f} s]", flush=True)
+    fn = {"env": run_env, "check": run_check, "sweep": run_sweep, "pieces": run_pieces,
+          "layer": run_layer}[part]
+    try:
+      report[part] = fn(args)
+    except Exception as e:
+      report[part] = {"error": f"{type(e).__name__}: {str(e)[:2000]}"}
+      print(f"  {part} FAILED {report[part]['error'][:600]}", flush=True)
+    report["elapsed_s"] = elapsed()
+    if args.out:
+      with open(os.path.join(args.out, "bench_moe_kernels.json"), "w") as fh:
+        json.dump(report, fh, indent=1, default=str)
+  return report
+
+
+if __name__ == "__main__":
+  main()
