@@ -333,8 +333,7 @@ def _child_lengths(args, clock):
   ref_vars = None
   if args.dtype == "bfloat16":
     ref_vars = jax.device_put({"params": models.init_encoder_params(_model_cfg(args), seed=0)})
-  rows = {}
-  for t in lengths:
+  def row_at(t):
     tok = rng.integers(1, 30522, (args.batch, t)).astype(np.int32)
     lens = np.full((args.batch,), t, np.int32)
     lens[0] = max(1, t // 2)
@@ -362,9 +361,12 @@ def _child_lengths(args, clock):
 
       def tcall():
         with torch.inference_mode():
-          return tmodel(torch.from_numpy(tok).to(dev), torch.from_numpy(lens).to(dev)).float().cpu().numpy()
+          out = tmodel(torch.from_numpy(tok).to(dev), torch.from_numpy(lens).to(dev))
+          return out.float().cpu().numpy()
       row["torch_eager"] = med(tcall)
-    rows[str(t)] = row
+    return row
+
+  rows = {str(t): row_at(t) for t in lengths}
   return {"mode": "lengths", "per_length_ms": rows, "marks": clock.marks,
           "jax": jax.__version__}
 

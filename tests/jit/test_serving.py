@@ -171,7 +171,7 @@ def test_gpu_tiers_quick_compile_first_then_full_options_replace_it(monkeypatch)
   first_full = seen.index({})
   assert all(o == quick for o in seen[:first_full]) and all(o == {} for o in seen[first_full:])
   starts = sorted((start, start + dt) for key, start, dt in sched.log if key[2] == 1)
-  assert all(b[0] >= a[1] - 1e-6 for a, b in zip(starts, starts[1:]))  # never two at once
+  assert all(b[0] >= a[1] - 1e-6 for a, b in zip(starts, starts[1:], strict=False))  # never two at once
   np.testing.assert_allclose(f(p, _x(5)), EXACT(p, _x(5)), rtol=1e-6, atol=1e-6)
 
 
