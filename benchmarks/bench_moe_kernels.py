@@ -261,8 +261,6 @@ def run_sweep(args) -> dict:
 
 def layer_pieces(s: Setting, kernel: str, tiling: route.Tiling | None):
   """The grouped layer's pieces as separate functions (mirrors grouped_ffn)."""
-  from dynjax.route._grouped import grouped_layout
-
   n = s.inputs[0][0].shape[0]
   t = tiling or route.Tiling.auto(n * s.k, s.e, kernel)
   rows = _gmm.buffer_rows(n * s.k, s.e, t, kernel)
@@ -272,7 +270,7 @@ def layer_pieces(s: Setting, kernel: str, tiling: route.Tiling | None):
     return s.router(s.logits(x, b))
 
   def gather(x, r):
-    lay = grouped_layout(r, s.e, align, rows)
+    lay = route.grouped_layout(r, s.e, align, rows)
     return jnp.take(x, lay.table, axis=0, mode="fill", fill_value=0), lay
 
   def gemm1(xs, sizes):

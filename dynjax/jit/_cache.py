@@ -46,6 +46,10 @@ class ExecutableCache:
     self.evictions = 0
     self.compile_log: list[tuple[Hashable, float]] = []
 
+  def built_seconds(self, key: Hashable) -> float | None:
+    """Seconds the latest build of ``key`` took (compile or load), or None."""
+    return next((dt for k, dt in reversed(self.compile_log) if k == key), None)
+
   def get(self, key: Hashable):
     """The executable for ``key`` or None (hot path: one dict lookup, ~0.1 us)."""
     return self._entries.get(key)

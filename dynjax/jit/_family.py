@@ -5,9 +5,7 @@ and rank.  It holds the symbolic signature (one ``jax.export.SymbolicScope`` for
 argument), the symbolic jaxpr traced ONCE, the output shape functions, its mode, the bucket
 plan (which bucket a tuple of true sizes runs on), and its bucket entries.  It lowers and
 compiles one bucket on request (:meth:`Family.lower_bucket`, :meth:`Family.compile_bucket`);
-*when* buckets compile is the compiler's business (``jit/_serving.py``).
-
-Modes: ``trust`` (jit of the function at the bucket shape), ``auto`` (jit of the padding
+*when* buckets compile is the compiler's business (``jit/_serving.py``).  Modes: ``trust`` (jit of the function at the bucket shape), ``auto`` (jit of the padding
 pass's function of ``(sizes, *padded)``: one executable serves every size of a bucket),
 ``exact`` (one AOT compile per exact shape: ``padding="exact"``, nothing dynamic, or a
 fallback), ``program`` (the function uses ``dynjax.while_loop``/``cond``/``recursive``: a
@@ -86,7 +84,7 @@ class Family:
     self.out_shape_fns: tuple = ()
     self.out_dynamic: tuple = ()
     self.rewrites: tuple[str, ...] = ()
-    self.attention_notes: tuple[str, ...] = ()  # attention=: sites rewritten or left, and why
+    self.attention_notes: tuple[str, ...] = ()  # attention=: sites rewritten or left, why
     self.attention_impl = None  # attention= of trust/exact executables (rewritten per shape)
     self.program = None  # control.ProgramRunner of a "program" family
     self.converted: set = set()  # (leaf path, host dtype, traced dtype) canonicalised inputs
@@ -440,16 +438,13 @@ class Family:
 
   def record_time(self, bkey, seconds: float) -> None:
     """One served call's seconds on bucket ``bkey``: the policies' and the compiler's cost
-    model (an exponential average per bucket).  The first time of a bucket also tells the
-    policies what its compile took (value-decided ``auto`` weighs new buckets by it)."""
+    model (an exponential average per bucket); a bucket's first time also gives the policies
+    its compile seconds (value-decided ``auto`` weighs new buckets by them)."""
     old = self.bucket_time.get(bkey)
-    if old is None:
-      key = (self.fid, bkey)
-      built = next((dt for k, dt in reversed(self.ctx.cache.compile_log) if k == key), None)
-      if built is not None:
-        for p, b in zip(self.policies, bkey, strict=True):
-          p.record_compile(b, built, self.ctx.opts.max_executables)
+    built = None if old is not None else self.ctx.cache.built_seconds((self.fid, bkey))
     for p, b in zip(self.policies, bkey, strict=True):
+      if built is not None:
+        p.record_compile(b, built, self.ctx.opts.max_executables)
       p.record_time(b, seconds)
     self.bucket_time[bkey] = seconds if old is None else 0.8 * old + 0.2 * seconds
 
@@ -487,7 +482,6 @@ class Family:
     shard = {} if self.shard is None else self.shard.jit_kwargs(self, bkey, self.mode == "auto")
     if self.mode == "trust":
       flat_fun = _attention.fun_at(flat_fun, avals, self.attention_impl, self.name)
-
       def bucket_fun(*xs):
         return flat_fun(*as_leaves(xs))
 
