@@ -179,15 +179,22 @@ def run_check(args) -> dict:
   return res
 
 
-def check_layer(args, t) -> dict:
-  res = {}
-  # The layer, f32: forward and grads against the dense reference (every expert, every token).
-  e, n, dm, fm = (8, 200, 64, 128) if args.small else (8, 1000, 256, 512)
-  ks = jax.random.split(jax.random.PRNGKey(1), 4)
+def layer_inputs(e, n, dm, fm, n_keys=4):
+  """f32 expert weights, tokens and Zipf(1.2)-skewed router logits for a layer check, and the
+  PRNG keys they came from (``n_keys`` >= 4)."""
+  ks = jax.random.split(jax.random.PRNGKey(1), n_keys)
   params = {"w1": jax.random.normal(ks[0], (e, dm, fm)) / math.sqrt(dm),
             "w2": jax.random.normal(ks[1], (e, fm, dm)) / math.sqrt(fm)}
   x = jax.random.normal(ks[2], (n, dm))
   logits = jax.random.normal(ks[3], (n, e)) + jnp.asarray(np.log(zipf_probs(e, 1.2)))
+  return params, x, logits, ks
+
+
+def check_layer(args, t) -> dict:
+  res = {}
+  # The layer, f32: forward and grads against the dense reference (every expert, every token).
+  e, n, dm, fm = (8, 200, 64, 128) if args.small else (8, 1000, 256, 512)
+  params, x, logits, ks = layer_inputs(e, n, dm, fm)
   ct = jax.random.normal(ks[0], (n, dm))
   for k in (1, 2):
     moe = route.Routed(route.Experts(route.ffn()), route.Router(e, k=k, renormalize=k > 1),

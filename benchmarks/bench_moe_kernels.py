@@ -45,6 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_moe_gmm import (  # noqa: E402
   dense_ffn,
+  layer_inputs,
   ragged_dot_ffn,
   rel_err,
   timeit,
@@ -158,11 +159,7 @@ def run_check(args) -> dict:
   except Exception as e:
     res["gmm_error"] = f"{type(e).__name__}: {str(e)[:1500]}"
   e, n, dm, fm = (8, 200, 128, 256) if args.small else (8, 1000, 256, 512)
-  ks = jax.random.split(jax.random.PRNGKey(1), 5)
-  params = {"w1": jax.random.normal(ks[0], (e, dm, fm)) / math.sqrt(dm),
-            "w2": jax.random.normal(ks[1], (e, fm, dm)) / math.sqrt(fm)}
-  x = jax.random.normal(ks[2], (n, dm))
-  logits = jax.random.normal(ks[3], (n, e)) + jnp.asarray(np.log(zipf_probs(e, 1.2)))
+  params, x, logits, ks = layer_inputs(e, n, dm, fm, n_keys=5)
   ctl = jax.random.normal(ks[4], (n, dm))
   mask = jnp.arange(n) < n - 37
   for k in (1, 2):

@@ -16,6 +16,7 @@ import pytest
 from dynjax import route
 from dynjax._errors import RoutingError
 from dynjax.route import _mgpu
+from tests.route.test_gmm import dense  # the independent dense reference
 
 TILING = route.Tiling(tm=16, tk=16, tn=32, num_stages=2, grid_block_n=4)
 K_DIM, N_DIM = 32, 64
@@ -94,17 +95,6 @@ def test_gmm_mgpu_packed_groups_forward_backward(kernels):
 E, D, F, N = 4, 32, 64, 40
 
 
-def dense(params, x, logits, k, mask=None):
-  probs = jax.nn.softmax(logits, -1)
-  _, idx = jax.lax.top_k(logits, k)
-  gates = jnp.take_along_axis(probs, idx, -1)
-  if k > 1:
-    gates = gates / gates.sum(-1, keepdims=True)
-  w = jnp.zeros_like(probs).at[jnp.arange(x.shape[0])[:, None], idx].set(gates)
-  if mask is not None:
-    w = w * mask[:, None]
-  ys = jax.vmap(lambda p, x: jax.nn.gelu(x @ p["w1"]) @ p["w2"], in_axes=(0, None))(params, x)
-  return jnp.einsum("ne,end->nd", w, ys)
 
 
 @pytest.mark.parametrize("k", [1, 2])
