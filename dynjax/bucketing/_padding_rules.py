@@ -27,6 +27,7 @@ from jax.extend import core as jex_core
 
 from dynjax import _jax_private as jp
 from dynjax.bucketing._padding_core import (
+  FUSED,
   WHY_NO_RULE,
   Context,
   PaddedValue,
@@ -1270,3 +1271,81 @@ WHY_NO_RULE.update(
     "io_callback": "a host callback sees the padded buffer, not the unpadded one",
   }
 )
+
+
+# --------------------------------------------------------------------------------------------
+# fused rules (superinstructions)
+
+
+# jax.nn.softmax over one axis, as jax 0.10 and 0.11 trace it (inlined, not a custom_jvp):
+#   b = reduce_max[axes=(k,)] a; c = max(-inf, b); d = broadcast_in_dim c; [e = stop_gradient d]
+#   f = sub a e; g = exp f; h = reduce_sum[axes=(k,)] g; i = broadcast_in_dim h; j = div g i
+_SOFTMAX = ("reduce_max", "max", "broadcast_in_dim", "stop_gradient", "sub", "exp",
+            "reduce_sum", "broadcast_in_dim", "div")
+
+
+def fused_softmax(ctx, eqns, i: int, uses: dict, read):
+  """``(index after the chain, output var, PaddedValue)`` when ``eqns[i:]`` is a softmax over
+  one dynamic axis, else None.
+
+  The per-equation rules mask the max's operand (-inf), the sum's operand (0) and then any
+  contraction of the result over the axis (0): three selects over a ``[b, h, q, k]`` tensor
+  per attention layer.  Here the input is masked once with -inf; the padded positions of the
+  result are then exactly ``exp(-inf - max) = 0`` on every row whose max is finite, and a row
+  whose max is -inf/NaN is NaN in its valid part too (as in the unpadded softmax), so the
+  result carries ``axis_fill = 0`` and a later sum or contraction over the axis needs no mask.
+  (2-core CPU box, a BERT-style encoder at T=500 under ``padding="auto"``: see WORKSPACE.)
+  """
+  names = [e.primitive.name for e in eqns[i:i + len(_SOFTMAX)]]
+  if names == list(_SOFTMAX):
+    chain = eqns[i:i + len(_SOFTMAX)]
+  elif names[:3] + names[3:8] == list(_SOFTMAX[:3] + _SOFTMAX[4:]) and len(names) >= 8:
+    chain = eqns[i:i + 8]  # no stop_gradient
+  else:
+    return None
+  by = {e.primitive.name: e for e in chain}
+  red, mx, sub, ex, sm, dv = (by["reduce_max"], by["max"], by["sub"], by["exp"],
+                              by["reduce_sum"], by["div"])
+  bcasts = [e for e in chain if e.primitive.name == "broadcast_in_dim"]
+  a = red.invars[0]
+  if isinstance(a, jex_core.Literal) or len(red.params["axes"]) != 1:
+    return None
+  (k,) = red.params["axes"]
+  aval = a.aval
+  if not is_dynamic_dim(aval.shape[k]) or not jnp.issubdtype(aval.dtype, jnp.floating):
+    return None
+  # The data flow must be exactly the softmax's, every intermediate used only inside it.
+  sg = by.get("stop_gradient")
+  m_b = bcasts[0].outvars[0]
+  m_used = sg.outvars[0] if sg is not None else m_b
+  lit = [v for v in mx.invars if isinstance(v, jex_core.Literal)]
+  ok = (
+    len(lit) == 1 and float(np.asarray(lit[0].val)) == -np.inf
+    and red.outvars[0] in mx.invars
+    and bcasts[0].invars[0] is mx.outvars[0]
+    and (sg is None or sg.invars[0] is m_b)
+    and sub.invars[0] is a and sub.invars[1] is m_used
+    and ex.invars[0] is sub.outvars[0]
+    and sm.invars[0] is ex.outvars[0] and tuple(sm.params["axes"]) == (k,)
+    and bcasts[1].invars[0] is sm.outvars[0]
+    and dv.invars[0] is ex.outvars[0] and dv.invars[1] is bcasts[1].outvars[0]
+    and all(v.aval.shape[k] == 1 for v in (m_b, bcasts[1].outvars[0]))
+    and all(tuple(b.params["broadcast_dimensions"]) == tuple(d for d in range(aval.ndim) if d != k)
+            for b in bcasts)
+  )
+  inner = [e.outvars[0] for e in chain[:-1]]
+  if not ok or any(uses.get(v, 0) != (2 if v is ex.outvars[0] else 1) for v in inner):
+    return None
+  x = read(a)
+  xm = ctx.mask(x, aval, [k], -np.inf, red, "softmax input")
+  m = jnp.maximum(jnp.max(xm, axis=k, keepdims=True), -jnp.inf)
+  if sg is not None:
+    m = lax.stop_gradient(m)
+  u = jnp.exp(xm - m)
+  out = u / jnp.sum(u, axis=k, keepdims=True)
+  ctx.note(dv, f"softmax over axis {k}:{aval.shape[k]} fused: one -inf mask, padded "
+           "probabilities are 0 (no mask needed on sums over the axis)")
+  return i + len(chain), dv.outvars[0], PaddedValue(out, axis_fill=((k, np.float32(0)),))
+
+
+FUSED[P.reduce_max_p] = fused_softmax
