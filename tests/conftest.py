@@ -14,6 +14,7 @@ tests/jit/test_jit.py -k trust_matches: 41 vs 36 user-seconds).
 from __future__ import annotations
 
 import os
+import tempfile
 
 
 def _xla_flags() -> str:
@@ -37,6 +38,10 @@ def _xla_flags() -> str:
 
 
 os.environ.setdefault("XLA_FLAGS", _xla_flags())
+# The stdlib corpus (examples/data.py) parsed once for the whole run, not once per worker and
+# per benchmark child process (~10 s each on 2 cores).
+os.environ.setdefault("DYNJAX_BENCH_STREAM_CACHE", os.path.join(
+    tempfile.gettempdir(), f"dynjax-test-corpus-{os.getuid() if hasattr(os, 'getuid') else 0}"))
 
 import jax  # noqa: E402
 import jax.monitoring  # noqa: E402

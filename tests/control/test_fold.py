@@ -52,6 +52,9 @@ def test_fold_warmup_then_no_compiles_and_reference(compiles):
   # numpy params mutated in place between batches: re-read by the next batch
   p = {k: v.copy() for k, v in P_NP.items()}
   out1 = f.fold.batch(forests[1], p)
+  # Results first: on CPU jax may alias a numpy argument, and mutating it while the batch
+  # still runs is a data race (this test once compared out1 computed with the new weights).
+  jax.block_until_ready(out1)
   p["Wf"] *= -1.0
   out2 = f.fold.batch(forests[1], p)
   for (h2, _), t in zip(out2, forests[1], strict=True):
