@@ -6,9 +6,10 @@ and, on jaxlib 0.10, XLA:CPU uses its elemental emitters (``_xla_flags``: ~4x fa
 compiles again).  Every exactness test
 compares dynjax with ``jax.jit`` under the same setting, and the padding pass works on jaxprs,
 before XLA.  ``DYNJAX_TEST_OPTIMIZE=1`` runs the suite with XLA's defaults instead.
-The 8 fake CPU devices are for tests/jit/test_sharding.py, which must share the process (jax
-fixes the device count at start-up); they cost the other tests ~13% more CPU time (measured on
-tests/jit/test_jit.py -k trust_matches: 41 vs 36 user-seconds).
+Fake CPU devices (``DYNJAX_TEST_DEVICES=8``) only where asked: tests/jit/test_sharding.py needs
+8 and jax fixes the device count at start-up, so tests/jit/test_sharding_process.py runs that
+module in its own 8-device process; in every other process the devices would cost the tests
+~13% more CPU time (measured on tests/jit/test_jit.py -k trust_matches: 41 vs 36 user-seconds).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import tempfile
 
 
 def _xla_flags() -> str:
-  flags = ["--xla_force_host_platform_device_count=8"]
+  devices = os.environ.get("DYNJAX_TEST_DEVICES")
+  flags = [f"--xla_force_host_platform_device_count={int(devices)}"] if devices else []
   try:
     from importlib.metadata import version
 
