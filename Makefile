@@ -28,7 +28,7 @@ $(BIN)/.installed-$(DYNJAX_DEVICE): pyproject.toml
 
 # -n: pytest-xdist, one worker per core (the suite is compile-bound: ~2x on the 2-core CI box).
 test: $(BIN)/.installed-$(DYNJAX_DEVICE)
-	$(BIN)/python -m pytest -q -p no:cacheprovider -n auto --dist loadgroup
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n auto
 
 # The main job: BERT served with dynjax against jax.jit, padding to the max and (when torch is
 # installed) PyTorch; on a GPU the BERT-base table, on a CPU a small one (~80 s on 2 cores).

@@ -17,12 +17,7 @@ pytest.importorskip("optax")
 from tests.trials import _clients  # noqa: E402
 
 # the fallbacks' warnings are what the tests assert on (through stats()["fallbacks"])
-pytestmark = [
-  pytest.mark.filterwarnings("ignore:dynjax.jit.*running unpadded:UserWarning"),
-  # One worker runs every trial (make test: --dist loadgroup): the variants of a trial share
-  # the reference's compiles and the module fixture (~8 s of CPU saved on the MLM pair alone).
-  pytest.mark.xdist_group("trials"),
-]
+pytestmark = pytest.mark.filterwarnings("ignore:dynjax.jit.*running unpadded:UserWarning")
 
 PER_SHAPE = 3  # every trial makes three calls of three distinct shapes over two buckets
 
