@@ -112,16 +112,14 @@ def test_speech_slice_paddings_fall_back(trials, compiles):
 # -- 3. masked-LM training step with optax ----------------------------------------------------
 
 
-def test_mlm_train_step_numpy_batch(trials, compiles):
+def test_mlm_train_step_numpy_and_device_batches_are_padded(trials, compiles):
+  # One test for both batch kinds: they share the reference's exact-shape compiles (~8 s of
+  # CPU when they ran as two tests on two workers).
   # The step returns its new PRNG key: with numpy batches the outputs come back as numpy,
   # except arrays of an extended dtype (keys), which stay jax arrays (they have no numpy form).
   _padded(_run(trials, "mlm_optax train", compiles))
-
-
-def test_mlm_train_step_device_batch_is_padded(trials, compiles):
   # dropout and the 80/10/10 masking draw jax.random bits of shape (b, t): bit-identical padded
-  r = _run(trials, "mlm_optax train device batch", compiles)
-  _padded(r)
+  _padded(_run(trials, "mlm_optax train device batch", compiles))
 
 
 # -- 4. GNN with jraph's padding conventions --------------------------------------------------
