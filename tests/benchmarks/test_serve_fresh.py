@@ -1,0 +1,45 @@
+"""benchmarks/serve_fresh.py without a GPU or child processes: bins, table, mode tags."""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+
+from benchmarks import serve_fresh as sf
+
+
+def _reqs(lengths):
+  return [types.SimpleNamespace(tokens=np.zeros((8, t), np.int32)) for t in lengths]
+
+
+def test_bins_average_the_second_half_by_padded_length():
+  reqs = _reqs([10, 300, 10, 100, 64, 65, 300, 500])
+  lat = [9.0, 9.0, 9.0, 9.0, 0.001, 0.002, 0.003, 0.005]  # first half must not count
+  b = sf._bins(reqs, lat)
+  assert b["1-64"] == 1.0 and b["65-128"] == 2.0
+  assert b["257-512"] == 4.0 and b["129-256"] is None
+  assert abs(b["all"] - 2.75) < 1e-9
+
+
+def test_table_rows_and_after_wait_and_lengths():
+  rec = {"mode": "dynjax_pow2_wait", "start_to_last_s": 20.0, "stream_s": 5.0,
+         "bins_ms": {"1-64": 2.0, "65-128": 3.0, "129-256": None, "257-512": 8.0, "all": 4.0},
+         "wait_s": 30.0, "after_wait": {"stream_s": 4.0, "bins_ms": {
+             "1-64": 1.5, "65-128": 2.5, "129-256": 3.5, "257-512": 7.0, "all": 3.0}}}
+  lengths = {"mode": "lengths", "per_length_ms": {"37": {"exact_aot": 1.9, "torch_eager": 5.9,
+                                                          "loaded_from_store": 1}}}
+  out = sf.table([rec, {"mode": "x", "error": "boom"}, lengths])
+  lines = out.splitlines()
+  assert lines[2].startswith("| dynjax_pow2_wait | 20.0 | 5.00 | 2.00 | 3.00 |  | 8.00 | 4.00 |")
+  assert "after wait() (30 s)" in lines[3] and "| 4.00 |" in lines[3]
+  assert "| 37 | 1.90 | 5.90 | 1 |" in out
+  assert "boom" not in out  # errors are printed per mode, not in the table
+  assert "ERROR boom" in sf._line({"mode": "x", "error": "boom"})
+
+
+def test_mode_tags_pick_policy_padding_and_attention():
+  args = types.SimpleNamespace(max_len=512)
+  assert repr(sf._policy("dynjax_pow2", args)).startswith("dynjax.buckets.pow2")
+  assert "max_compiles=8" in repr(sf._policy("dynjax_trust_auto_restart", args))
+  assert "max_compiles=None" in repr(sf._policy("dynjax_value", args))
