@@ -272,8 +272,9 @@ class Compiler:
 
     Tier 0: over the true size tuples seen so far, how much cheaper the job's bucket would
     serve them than the best executable they have now (compiled, or compiling), if the
-    policies still want the bucket.  Tier 1 (recompiling with full options) runs as soon as
-    nothing else is running or wanted, one at a time, the most used bucket first.
+    policies still want the bucket.  Tier 1 (recompiling with full options) runs when nothing
+    else is running or wanted and traffic has a gap (or is steady, or ``wait()`` asks), one at
+    a time, the most used bucket first.
     Called by the scheduler under its lock: it reads the scheduler's job lists it is given.
     """
     fam, bkey, tier = job.info
@@ -287,10 +288,11 @@ class Compiler:
         return 0.0
       for other in sched.pending_jobs():
         ofam, obkey, otier = other.info
-        # A queued tier-0 job goes first even before its value is known (the call that
-        # queued it has not been counted yet): a bucket's first executable is worth more.
-        if other.urgent or (otier == 0 and (ofam.fid, obkey) not in self.cache
-                            and ofam.planned(obkey)):
+        # A queued tier-0 job worth compiling goes first, also before any call of its family
+        # was counted (the first call still runs when the top bucket is built); one worth
+        # nothing (not cheaper than what serves its sizes) must not hold tier-ups back.
+        if other.urgent or (otier == 0 and (self._tier0_value(ofam, obkey) > 0
+                                            or not ofam.tuple_hist)):
           return 0.0
       return 1e-9 * (1 + self.counters.bucket_uses((fam.fid, bkey)))
     return self._tier0_value(fam, bkey)

@@ -545,3 +545,21 @@ def test_background_compiles_are_ordered_by_the_fitted_cost_with_a_fixed_part():
   comp._cost_model = lambda fam: (lambda b: float(np.prod(b)))
   assert comp._tier0_value(fam, (2, 4)) > comp._tier0_value(fam, (2, 32))
   f.wait()
+
+
+def test_a_tier0_job_worth_nothing_does_not_hold_tier_ups_back(monkeypatch):
+  monkeypatch.setattr(serving_mod, "on_gpu", lambda: True)
+  monkeypatch.setattr(serving_mod, "TIER_UP_IDLE_S", 1e9)  # tier-ups only at wait()
+  p = _params()
+  f = _serving(compile_workers=1)
+  f(p, _x(5))
+  comp = f._dispatcher.compiler
+  fam = next(iter(f._dispatcher.families.values()))
+  assert comp.scheduler.wait_idle(10)
+  assert all(e.tier == 0 for e in fam.buckets.values())
+  # A queued tier-0 job the value function prices at 0 (its bucket saves nothing): wait()
+  # must still run every tier-up.
+  monkeypatch.setattr(comp, "_tier0_value", lambda fam_, bkey: 0.0)
+  comp.schedule(fam, (2, 4), 0)
+  f.wait()
+  assert all(e.tier == 1 for e in fam.buckets.values()), {b: e.tier for b, e in fam.buckets.items()}
