@@ -56,9 +56,9 @@ class PaddedValue:
   val: Any
   fill: Any = None
   # ((axis, c), ...): along ``axis``, the padded positions of every row whose other dynamic
-  # coordinates are valid hold ``c`` -- or that row's valid part holds a NaN (then every sum
-  # or contraction over ``axis`` of the row is NaN, padded or not).  Only sums/contractions
-  # over that one axis read it (to skip their mask); see ``fused_softmax``.
+  # coordinates are valid hold ``c`` -- or every valid element of that row is NaN (then every
+  # sum, contraction or reversed cumsum over ``axis`` of the row is NaN, padded or not).  Only
+  # sum-like masks over that one axis read it (to skip themselves); see ``fused_softmax``.
   axis_fill: tuple = ()
 
   def __post_init__(self):

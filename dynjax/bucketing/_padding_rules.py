@@ -1291,10 +1291,11 @@ def fused_softmax(ctx, eqns, i: int, uses: dict, read):
   The per-equation rules mask the max's operand (-inf), the sum's operand (0) and then any
   contraction of the result over the axis (0): three selects over a ``[b, h, q, k]`` tensor
   per attention layer.  Here the input is masked once with -inf; the padded positions of the
-  result are then exactly ``exp(-inf - max) = 0`` on every row whose max is finite, and a row
-  whose max is -inf/NaN is NaN in its valid part too (as in the unpadded softmax), so the
+  result are then exactly ``exp(-inf - max) = 0`` on every row whose max is finite; a row whose
+  max is -inf, +inf or NaN is NaN in every valid position (as the unpadded softmax is), so the
   result carries ``axis_fill = 0`` and a later sum or contraction over the axis needs no mask.
-  (2-core CPU box, a BERT-style encoder at T=500 under ``padding="auto"``: see WORKSPACE.)
+  2-core CPU box, a BERT-style encoder at T=500 under ``padding="auto"``: 45-52 -> 24-27 ms a
+  call (``padding="trust"``: 23-31 ms).
   """
   names = [e.primitive.name for e in eqns[i:i + len(_SOFTMAX)]]
   if names == list(_SOFTMAX):

@@ -98,3 +98,16 @@ def test_gradient_of_attention_stays_exact():
               atol=1e-4)
   for garbage in ("mixed", "nan"):
     case.check((2, 5), (2, 8), garbage=garbage)
+
+
+def test_reversed_cumsum_of_probabilities_with_inf_rows_stays_exact():
+  # A row with +inf scores: every valid probability is NaN (inf - inf), as unpadded; the fused
+  # value's padded 0s must not make a reversed cumsum over the axis differ anywhere valid.
+  def fun(x):
+    s = x.sum(-1)
+    s = jnp.where(jnp.arange(s.shape[1])[None, :] == 0, jnp.where(s[:, :1] > 0, jnp.inf, s), s)
+    return jnp.cumsum(jax.nn.softmax(s, axis=-1)[:, ::-1], axis=1)
+
+  case = Case(fun, BTD)
+  for garbage in ("mixed", "nan"):
+    case.check((3, 5), (4, 8), garbage=garbage)
