@@ -1300,7 +1300,7 @@ def fused_softmax(ctx, eqns, i: int, uses: dict, read):
   names = [e.primitive.name for e in eqns[i:i + len(_SOFTMAX)]]
   if names == list(_SOFTMAX):
     chain = eqns[i:i + len(_SOFTMAX)]
-  elif names[:3] + names[3:8] == list(_SOFTMAX[:3] + _SOFTMAX[4:]) and len(names) >= 8:
+  elif names[:8] == [n for n in _SOFTMAX if n != "stop_gradient"]:
     chain = eqns[i:i + 8]  # no stop_gradient
   else:
     return None

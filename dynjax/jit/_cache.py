@@ -47,7 +47,7 @@ class ExecutableCache:
     self.compile_log: list[tuple[Hashable, float]] = []
 
   def built_seconds(self, key: Hashable) -> float | None:
-    """Seconds the latest build of ``key`` took (compile or load), or None."""
+    """Seconds the latest compile of ``key`` took, or None (loads are not logged)."""
     return next((dt for k, dt in reversed(self.compile_log) if k == key), None)
 
   def get(self, key: Hashable):
