@@ -35,6 +35,8 @@ Modes (``--modes``, in order; a ``*_restart`` mode reuses the cache of the mode 
 * ``dynjax_trust_*``: the same modes with ``padding="trust"`` (the model masks by ``lengths``
   itself, as this one does: the bucket executable is exactly the hand-written one);
   ``*cudnn*``: with ``attention="cudnn"`` (the opt-in rewrite to cuDNN's fused attention; bf16).
+  ``*t0tune*`` (an experiment, not an option): tier 0 autotunes its cuBLAS gemms (triton gemms
+  stay off) instead of taking cuBLAS's heuristic choice.
 
 Per mode: start -> 1,000th answer (s), the stream (first request to last answer, s), the mean
 latency over the second half of the requests per length bin (the request's padded length:
@@ -246,6 +248,10 @@ def _child_dynjax(args, clock, mode):
   from dynjax import flax as dynjax_flax
 
   module, variables, reqs = _jax_setup(args, clock)
+  if "t0tune" in mode:  # experiment: tier 0 autotunes cuBLAS gemms (triton gemms still off)
+    from dynjax.jit import _serving
+
+    _serving.QUICK_GPU_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
   f = dynjax_flax.jit(module, dims={"tokens": "b, t", "lengths": "b"},
                       buckets={"t": _policy(mode, args)}, serving=True, cache_dir=args.cache,
                       padding="trust" if "trust" in mode else "auto",
@@ -486,7 +492,7 @@ def _line(rec) -> str:
 def table(results) -> str:
   head = "| mode | start->last answer s | stream s | " + " | ".join(
       f"T {lo}-{hi} ms" for lo, hi in BINS) + " | all ms |"
-  rows = [head, "|" + "---|" * (5 + len(BINS))]
+  rows = [head, "|" + "---|" * (4 + len(BINS))]
   for rec in results:
     if "error" in rec or rec.get("mode") == "lengths":
       continue
@@ -503,7 +509,8 @@ def table(results) -> str:
                   + f" | {a['all']:.2f} |")
   for rec in results:
     if rec.get("mode") == "lengths":
-      rows.append("\n| T | " + " | ".join(next(iter(rec["per_length_ms"].values())).keys()) + " |")
+      keys = next(iter(rec["per_length_ms"].values())).keys()
+      rows += ["\n| T | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]
       for t, row in rec["per_length_ms"].items():
         rows.append(f"| {t} | " + " | ".join(f"{v:.2f}" if isinstance(v, float) else str(v)
                                              for v in row.values()) + " |")
