@@ -22,7 +22,7 @@ Modes (``--modes``, in order; a ``*_restart`` mode reuses the cache of the mode 
   directory; ``hand_restart``: a new process on that cache.
 * ``dynjax_pow2`` / ``dynjax_auto`` / ``dynjax_value``: ``dynjax.flax.jit(serving=True)`` with
   ``pow2(16, 512)`` / ``auto(max_compiles=8)`` / ``auto(max_compiles=None)`` (value-decided)
-  buckets and a fresh ``cache_dir``; ``*_restart``: a new process on that cache_dir.
+  buckets (``dynjax_autoN``: ``auto(max_compiles=N)``) and a fresh ``cache_dir``; ``*_restart``: a new process on that cache_dir.
 * ``dynjax_wait``: ``dynjax_pow2`` then ``f.wait()`` (every tier-up done) and a second pass
   over the stream (the "after tier-up" per-length row); ``dynjax_wait_restart`` restarts on it.
 * ``<mode>_prof``: ``<mode>`` with its first ``--profile_first`` calls under cProfile before
@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -234,8 +235,9 @@ def _child_hand(args, clock, mode):
 def _policy(mode, args):
   import dynjax
 
-  if "auto" in mode:
-    return dynjax.buckets.auto(max_compiles=8, min=16, max=args.max_len)
+  if "auto" in mode:  # "auto": auto(8); "auto16": auto(16)
+    n = re.search(r"auto(\d*)", mode).group(1)
+    return dynjax.buckets.auto(max_compiles=int(n or 8), min=16, max=args.max_len)
   if "value" in mode:
     return dynjax.buckets.auto(max_compiles=None, min=16, max=args.max_len)
   return dynjax.buckets.pow2(16, args.max_len)

@@ -68,6 +68,8 @@ def cost_curve(spec: str):
 def policies() -> dict:
   return {"pow2(16,512)": dynjax.buckets.pow2(16, 512),
           "auto(8)": dynjax.buckets.auto(8, 16, 512),
+          "auto(12)": dynjax.buckets.auto(12, 16, 512),
+          "auto(16)": dynjax.buckets.auto(16, 16, 512),
           "auto(None)": dynjax.buckets.auto(None, 16, 512)}
 
 
