@@ -167,7 +167,7 @@ class Dispatcher:
     self.opts = opts
     self.binder = binder
     self.name = name
-    self.policies = Policies(opts.buckets)
+    self.policies = Policies(opts.buckets, opts.serving)
     self.cache = ExecutableCache(opts.max_executables, name=name, log=config.log_compiles)
     self.counters = Counters()
     self.compiler = Compiler(self)
@@ -243,6 +243,8 @@ class Dispatcher:
     shapes_t, device, padded_in = key[:3]
     shapes = dict(zip(fam.spec_idx, shapes_t, strict=True))
     sizes = _symbolic.solve_sizes(fam.sig, shapes)
+    if self.opts.async_compile and not fam.preloaded:
+      self.compiler.preload(fam)  # stored buckets join the plan before this call picks one
     own, out_shapes, true_elems = fam.size_info(sizes)
     if own is None:  # overflow="exact", a size of 0, or outside the inferred guards
       if not fam.guard_ok(sizes):

@@ -212,8 +212,9 @@ def default_workers() -> int:
 class Policies:
   """One bucket policy per dimension variable of a function, shared by its families."""
 
-  def __init__(self, buckets):
+  def __init__(self, buckets, serving: bool = False):
     self.buckets = buckets
+    self.serving = serving
     self.by_var: dict[str, BucketPolicy] = {}
 
   def for_var(self, var: str) -> BucketPolicy:
@@ -222,6 +223,8 @@ class Policies:
       b = self.buckets
       base = b.get(var) if isinstance(b, dict) else b
       p = pow2() if base is None else base.fresh()
+      if self.serving and hasattr(p, "for_serving"):  # auto(): a larger default budget
+        p = p.for_serving()
       self.by_var[var] = p
     return p
 

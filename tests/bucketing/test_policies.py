@@ -131,3 +131,27 @@ def test_fresh_copies_do_not_share_history():
   for n in range(1, 40):
     p.observe(n)
   assert q._n_obs == 0 and repr(q) == repr(p)
+
+
+def test_auto_default_budget_is_16_when_serving_8_otherwise():
+  import jax.numpy as jnp
+
+  def f(x):
+    return jnp.sin(x) * 2.0
+
+  got = []
+  for serving, buckets in ((False, B.auto(max=64)), (True, B.auto(max=64)),
+                           (True, B.auto(max_compiles=8, max=64))):
+    g = dynjax.jit(f, dims={"x": "t"}, buckets=buckets, serving=serving)
+    x = jnp.arange(5.0)
+    assert jnp.array_equal(g(x), f(x))
+    got.append(g.stats()["policies"]["t"])
+  assert "max_compiles=8," in got[0]
+  assert "max_compiles=16," in got[1]  # auto() without max_compiles, serving
+  assert "max_compiles=8," in got[2]  # an explicit 8 stays 8
+  assert repr(B.auto(max=64)) == repr(B.auto(max_compiles=8, max=64))
+
+
+def test_auto_max_compiles_rejects_other_strings():
+  with pytest.raises(dynjax.PolicyError, match=r"max_compiles='many' is not valid.*\"default\""):
+    B.auto(max_compiles="many")

@@ -563,3 +563,31 @@ def test_a_tier0_job_worth_nothing_does_not_hold_tier_ups_back(monkeypatch):
   comp.schedule(fam, (2, 4), 0)
   f.wait()
   assert all(e.tier == 1 for e in fam.buckets.values()), {b: e.tier for b, e in fam.buckets.items()}
+
+
+def test_restart_plans_with_its_stored_buckets_and_loads_the_own_one_first(tmp_path):
+  """A restarted ``auto`` policy used to plan the first call with its cold table (one bucket
+  at ``max``), so that call ran on (and waited for) the largest stored bucket."""
+  p = _params()
+
+  def make():
+    return dynjax.jit(_model, dims={"x": "b, t, 4"}, serving=True, compile_workers=1,
+                      cache_dir=str(tmp_path),
+                      buckets={"b": [2], "t": dynjax.buckets.auto(max_compiles=4, max=64)})
+
+  f = make()
+  for t in [5, 6, 7, 5, 6, 7, 30, 31, 5, 6, 7, 40, 5, 6, 7, 60] * 4:
+    f(p, _x(t))
+  f.wait()
+  stored = sorted(b for b, _ in next(iter(f._dispatcher.families.values())).store().stored())
+  assert len(stored) >= 2 and stored[0][1] < 64, stored
+  small = stored[0][1]
+
+  g = make()  # a restart
+  np.testing.assert_allclose(g(p, _x(5)), EXACT(p, _x(5)), rtol=1e-6, atol=1e-6)
+  s = g.stats()
+  assert s["per_bucket_calls"] == {f"b=2, t={small}": 1}, s["per_bucket_calls"]
+  assert s["compiles"] == 0 and s["served_on_larger_bucket"] == 0
+  sched = g._dispatcher.compiler.scheduler
+  assert sched.log[0][0][1] == (2, small)  # its own bucket loaded first
+  assert sched.wait_idle(10) and g.stats()["loaded_from_store"] == len(stored)
