@@ -54,6 +54,12 @@ OPTION_SETS = {
                        "_env": "--xla_gpu_enable_llvm_module_compilation_parallelism=true"},
     "triton_off_at0_par": {"xla_gpu_enable_triton_gemm": False, "xla_gpu_autotune_level": 0,
                            "_env": "--xla_gpu_enable_llvm_module_compilation_parallelism=true"},
+    # jax 0.11.2's XLA knows this option under neither name (XLA_FLAGS: "Unknown flag";
+    # compile option: "No such compile option"; H100, session 3).  triton_off_at0_o1 there:
+    # compile 2.32 / 2.67 s (T=128 / 512) vs 2.35 / 3.10, run 2.80 / 8.67 ms vs 2.79 / 8.57
+    # (one sample each: not adopted).
+    "triton_off_at0_paropt": {"xla_gpu_enable_triton_gemm": False, "xla_gpu_autotune_level": 0,
+                              "xla_gpu_enable_llvm_module_compilation_parallelism": True},
 }
 
 
