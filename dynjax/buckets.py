@@ -4,8 +4,8 @@ Example:
   >>> f = dynjax.jit(fun, dims={"x": "b, t"}, buckets={"t": dynjax.buckets.pow2(16, 1024)})
 """
 
+from dynjax.bucketing._auto import auto as auto
 from dynjax.bucketing._policies import BucketPolicy as BucketPolicy
-from dynjax.bucketing._policies import auto as auto
 from dynjax.bucketing._policies import explicit as explicit
 from dynjax.bucketing._policies import geometric as geometric
 from dynjax.bucketing._policies import linear as linear

@@ -1,7 +1,7 @@
 """What a bucket costs to run: ``cost(T) = a + b*T + c*T**2`` seconds a call, ``a, b, c >= 0``.
 
 One model for the two places that weigh buckets by what they cost: the ``auto`` policy's plan
-(:class:`~dynjax.bucketing._policies.Auto`) and the serving compiler's job values
+(:class:`~dynjax.bucketing._auto.Auto`) and the serving compiler's job values
 (``jit/_serving.py``).  Both feed it the per-bucket seconds the dispatcher measures.
 
 Why a fixed part and a square, and not "cost proportional to padded elements": a call costs a

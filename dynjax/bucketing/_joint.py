@@ -11,7 +11,7 @@ sunk (kept, free); a new plan is adopted only when it cuts the expected cost by 
 
 The search is greedy (add the tuple that saves the most, repeat): the exact problem is a
 facility-location problem, NP-hard beyond one dimension.  For one variable the DP of
-:class:`~dynjax.bucketing._policies.Auto` is exact.
+:class:`~dynjax.bucketing._auto.Auto` is exact.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from dynjax.bucketing._policies import early_budget
+from dynjax.bucketing._auto import early_budget
 
 
 def _round_up(n: int, q: int) -> int:

@@ -34,10 +34,10 @@ from dynjax._errors import (
   PaddingUnsupportedError,
   format_list,
 )
-from dynjax.bucketing import _attention
+from dynjax.bucketing import _attention, _auto
 from dynjax.bucketing._joint import JointPlan
 from dynjax.bucketing._padding import pad_jaxpr
-from dynjax.bucketing._policies import Auto, BucketPolicy
+from dynjax.bucketing._policies import BucketPolicy
 from dynjax.jit import _args, _sharding
 from dynjax.jit._guards import MAX_GUARDS, guard_texts, inconclusive_comparison
 from dynjax.jit._store import ExecutableStore, family_parts, fingerprint_parts
@@ -117,7 +117,7 @@ class Family:
     self.observers = tuple((i, p) for i, p in enumerate(self.policies)
                            if type(p).observe is not BucketPolicy.observe)
     # Two or more auto-planned variables: plan bucket tuples jointly (not their product).
-    auto_idx = [i for i, p in enumerate(self.policies) if isinstance(p, Auto)]
+    auto_idx = [i for i, p in enumerate(self.policies) if isinstance(p, _auto.Auto)]
     self.joint = None
     if len(auto_idx) >= 2:
       self.joint = JointPlan(self.policies, auto_idx,

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import dynjax
+from dynjax.bucketing._auto import Auto
 from dynjax.bucketing._joint import JointPlan
-from dynjax.bucketing._policies import Auto
 from examples import data
 
 
