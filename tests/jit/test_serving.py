@@ -591,3 +591,36 @@ def test_restart_plans_with_its_stored_buckets_and_loads_the_own_one_first(tmp_p
   sched = g._dispatcher.compiler.scheduler
   assert sched.log[0][0][1] == (2, small)  # its own bucket loaded first
   assert sched.wait_idle(10) and g.stats()["loaded_from_store"] == len(stored)
+
+
+def test_serving_restart_over_broken_stored_files_compiles_them_again(tmp_path):
+  """The preload adopts stored buckets into the plan before they load: one that fails to
+  load is compiled instead, and every call stays exact."""
+  import warnings
+
+  p = _params()
+
+  def make():
+    return dynjax.jit(_model, dims={"x": "b, t, 4"}, serving=True, compile_workers=2,
+                      cache_dir=str(tmp_path),
+                      buckets={"b": [2], "t": dynjax.buckets.auto(max_compiles=3, max=64)})
+
+  f = make()
+  for t in [5, 6, 7, 30, 31, 5, 6, 7] * 8:
+    f(p, _x(t))
+  f.wait()
+  store = next(iter(f._dispatcher.families.values())).store()
+  stored = store.stored()
+  assert len(stored) >= 2, stored
+  for bkey, tier in stored:
+    with open(store.path(bkey, tier), "wb") as fh:
+      fh.write(b"not an executable")
+  g = make()
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", UserWarning)  # "... is discarded", once per file
+    for t in [5, 31, 6, 30, 64, 7]:
+      np.testing.assert_allclose(g(p, _x(t)), EXACT(p, _x(t)), rtol=1e-6, atol=1e-6)
+    assert g.wait(10)
+  s = g.stats()
+  assert s["loaded_from_store"] == 0 and s["compiles"] >= len(stored), s
+  assert next(iter(g._dispatcher.families.values())).store().load_errors == len(stored)
