@@ -41,7 +41,9 @@ Modes (``--modes``, in order; a ``*_restart`` mode reuses the cache of the mode 
 Per mode: start -> 1,000th answer (s), the stream (first request to last answer, s), the mean
 latency over the second half of the requests per length bin (the request's padded length:
 <=64, 65-128, 129-256, 257-512), the mean over all requests of that half, and the child's
-phase timestamps (imports, backend, requests built, weights, first answer).  JSON to
+phase timestamps (imports, backend, requests built, weights, first answer); with a ``lengths``
+record in the same run, "x exact": the traffic-weighted mean over the exact-shape AOT cost of
+the same requests (linear through the measured lengths; more lengths, a better curve).  JSON to
 ``<out>/serve_fresh_<dtype>.json``, a table on stdout.
 """
 
@@ -168,9 +170,50 @@ def _bins(reqs, lat) -> dict:
 
 
 def _record(mode, reqs, lat, stream, clock, **extra) -> dict:
+  hist: dict[int, int] = {}
+  for r in reqs[len(reqs) // 2:]:  # the lengths the bins average over (for "x exact")
+    hist[r.tokens.shape[1]] = hist.get(r.tokens.shape[1], 0) + 1
   return {"mode": mode, "start_to_last_s": clock.marks[f"answer_{len(reqs)}"],
           "stream_s": stream, "bins_ms": _bins(reqs, lat), "marks": clock.marks,
-          "first_ms": 1e3 * lat[0], "requests": len(reqs), **extra}
+          "first_ms": 1e3 * lat[0], "requests": len(reqs), "lengths_second_half": hist,
+          **extra}
+
+
+def exact_cost(results):
+  """``T -> ms`` of the exact-shape AOT executables from the ``lengths`` mode's points: made
+  non-decreasing (noise), linear between them, flat below the first, proportional to T above
+  the last (a conservative extrapolation: attention grows faster); None with < 2 points."""
+  pts = sorted((int(t), row["exact_aot"]) for rec in results if rec.get("mode") == "lengths"
+               for t, row in rec["per_length_ms"].items() if row.get("exact_aot"))
+  if len(pts) < 2:
+    return None
+  for k in range(1, len(pts)):
+    pts[k] = (pts[k][0], max(pts[k][1], pts[k - 1][1]))
+
+  def cost(t):
+    if t <= pts[0][0]:
+      return pts[0][1]
+    if t >= pts[-1][0]:
+      return pts[-1][1] * t / pts[-1][0]
+    k = next(k for k in range(1, len(pts)) if t <= pts[k][0])
+    (t0, c0), (t1, c1) = pts[k - 1], pts[k]
+    return c0 + (t - t0) * (c1 - c0) / (t1 - t0)
+  return cost
+
+
+def x_exact(bins, hist, cost) -> float | None:
+  """Traffic-weighted mean of a mode's per-bin latencies over the exact-shape cost of the same
+  requests (issue 18's "within 1.05x of the exact-shape AOT executables")."""
+  if not hist or cost is None:
+    return None
+  num = den = 0.0
+  for lo, hi in BINS:
+    ts = [(int(t), n) for t, n in hist.items() if lo <= int(t) <= hi]
+    if not ts or bins.get(f"{lo}-{hi}") is None:
+      continue
+    num += bins[f"{lo}-{hi}"] * sum(n for _, n in ts)
+    den += sum(n * cost(t) for t, n in ts)
+  return num / den if den else None
 
 
 def _child_torch(args, clock):
@@ -492,23 +535,27 @@ def _line(rec) -> str:
 
 
 def table(results) -> str:
+  cost = exact_cost(results)
   head = "| mode | start->last answer s | stream s | " + " | ".join(
-      f"T {lo}-{hi} ms" for lo, hi in BINS) + " | all ms |"
-  rows = [head, "|" + "---|" * (4 + len(BINS))]
+      f"T {lo}-{hi} ms" for lo, hi in BINS) + " | all ms | x exact |"
+  rows = [head, "|" + "---|" * (5 + len(BINS))]
+
+  def tail(b, rec):
+    x = x_exact(b, rec.get("lengths_second_half"), cost)
+    return f" | {b['all']:.2f} | " + (f"{x:.3f}" if x is not None else "") + " |"
   for rec in results:
     if "error" in rec or rec.get("mode") == "lengths":
       continue
     b = rec["bins_ms"]
     cells = [f"{b[f'{lo}-{hi}']:.2f}" if b.get(f"{lo}-{hi}") is not None else "" for lo, hi in BINS]
     rows.append(f"| {rec['mode']} | {rec['start_to_last_s']:.1f} | {rec['stream_s']:.2f} | "
-                + " | ".join(cells) + f" | {b['all']:.2f} |")
+                + " | ".join(cells) + tail(b, rec))
     if "after_wait" in rec:
       a = rec["after_wait"]["bins_ms"]
       cells = [f"{a[f'{lo}-{hi}']:.2f}" if a.get(f"{lo}-{hi}") is not None else ""
                for lo, hi in BINS]
       rows.append(f"| {rec['mode']} after wait() ({rec['wait_s']:.0f} s) | | "
-                  f"{rec['after_wait']['stream_s']:.2f} | " + " | ".join(cells)
-                  + f" | {a['all']:.2f} |")
+                  f"{rec['after_wait']['stream_s']:.2f} | " + " | ".join(cells) + tail(a, rec))
   for rec in results:
     if rec.get("mode") == "lengths":
       keys = next(iter(rec["per_length_ms"].values())).keys()

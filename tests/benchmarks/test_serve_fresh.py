@@ -43,3 +43,18 @@ def test_mode_tags_pick_policy_padding_and_attention():
   assert repr(sf._policy("dynjax_pow2", args)).startswith("dynjax.buckets.pow2")
   assert "max_compiles=8" in repr(sf._policy("dynjax_trust_auto_restart", args))
   assert "max_compiles=None" in repr(sf._policy("dynjax_value", args))
+
+
+def test_x_exact_weighs_bins_by_traffic_over_the_exact_cost_curve():
+  lengths = {"mode": "lengths", "per_length_ms": {
+      "100": {"exact_aot": 2.0}, "200": {"exact_aot": 4.0}, "300": {"exact_aot": 3.5}}}
+  cost = sf.exact_cost([lengths])
+  assert cost(50) == 2.0  # flat below the first point
+  assert cost(150) == 3.0  # linear between points
+  assert cost(300) == 4.0  # made non-decreasing (3.5 was noise)
+  assert cost(600) == 8.0  # proportional to T past the last point
+  hist = {"100": 3, "150": 1, "300": 2}  # JSON keys are strings
+  bins = {"1-64": None, "65-128": 2.2, "129-256": 3.3, "257-512": 4.4}
+  want = (2.2 * 3 + 3.3 * 1 + 4.4 * 2) / (2.0 * 3 + 3.0 * 1 + 4.0 * 2)
+  assert abs(sf.x_exact(bins, hist, cost) - want) < 1e-12
+  assert sf.x_exact(bins, hist, sf.exact_cost([])) is None  # no lengths record in the run
