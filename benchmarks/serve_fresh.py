@@ -323,9 +323,10 @@ def _child_dynjax(args, clock, mode):
     clock.mark("profiled_first")
   lat, stream = _serve(reqs, call, clock)
   st = f.stats()
-  extra = {"stats": {k: st.get(k) for k in ("compiles", "loaded_from_store", "buckets",
+  extra = {"stats": {k: st.get(k) for k in ("compiles", "loaded_from_store", "policies",
                                              "served_on_larger_bucket", "waited_for_compile",
                                              "wait_seconds", "padded_fraction")},
+           "per_bucket_calls": st.get("per_bucket_calls"),
            "jax": jax.__version__, "dynjax_version": getattr(dynjax, "__version__", None)}
   if prof is not None:
     extra["profile_first"] = prof
