@@ -38,8 +38,9 @@ MAX_BUCKETS = 64
 DEFAULT_COMPILE_SECONDS = 1.0
 # The tuple budget joint planning (``_joint.py``) uses for value-decided policies.
 JOINT_BUDGET = 8
-# ``auto()`` without ``max_compiles``: 8 buckets, or 16 for a function that serves
-# (``serving=True``: compiles run in the background, so more buckets cost no blocked call).
+# ``auto()`` without ``max_compiles``: 8 buckets, or 16 for a function that serves on a GPU
+# (``serving=True``: compiles run in the background on host cores the GPU does not need, so more
+# buckets cost no blocked call; on a CPU they share the serving cores: 8, as measured there).
 # Measured, H100, BERT-base fp32, the 1,000-request docstring stream (issue 18), per length bin
 # after tier-up (ms, <=64 / 65-128 / 129-256 / 257-512): auto(8) 2.88 / 3.16 / 4.03 / 7.20
 # against hand-written pow2 buckets 2.20 / 2.75 / 3.94 / 7.40 (one run); auto(16) 2.14 / 2.57 /
@@ -305,8 +306,8 @@ class Auto(BucketPolicy):
     return p
 
   def for_serving(self) -> Auto:
-    """This policy for a function with ``serving=True``: ``auto()`` without ``max_compiles``
-    plans up to :data:`SERVING_MAX_COMPILES` buckets there (background compiles)."""
+    """This policy for a function with ``serving=True`` on a GPU: ``auto()`` without
+    ``max_compiles`` plans up to :data:`SERVING_MAX_COMPILES` buckets there."""
     if not self.budget_default:
       return self
     p = self._clone(self.multiple)
@@ -320,8 +321,8 @@ def auto(max_compiles: int | None | str = "default", min: int = 1,
 
   Args:
     max_compiles: at most this many bucket sizes.  ``"default"``: 8, or 16 in a function
-      with ``serving=True`` (its compiles run in the background, and on the H100 16 buckets
-      beat hand-written pow2 buckets in every length bin where 8 did not).  ``None``: as many
+      with ``serving=True`` on a GPU (its compiles run in the background, and on the H100 16
+      buckets beat hand-written pow2 buckets in every length bin where 8 did not).  ``None``: as many
       as are worth their
       compile (a bucket is added when the serving seconds it saves over the coming calls,
       estimated as many as were seen so far, exceed the seconds its compile takes), at most
@@ -346,7 +347,7 @@ def auto(max_compiles: int | None | str = "default", min: int = 1,
   elif isinstance(max_compiles, str):
     raise PolicyError(f"dynjax.buckets.auto: max_compiles={max_compiles!r} is not valid; give "
                       "a positive integer, None (value-decided) or \"default\" (8, or 16 "
-                      "with serving=True)")
+                      "with serving=True on a GPU)")
   else:
     k = _check_int("max_compiles", max_compiles, 1, "auto")
   lo = _check_int("min", min, 1, "auto")

@@ -33,7 +33,7 @@ from dynjax._errors import (
   format_list,
 )
 from dynjax._padded import Padded
-from dynjax.jit import _args
+from dynjax.jit import _args, _serving
 from dynjax.jit._args import is_padded, leaf_key, on_device, tree_flatten, tree_unflatten
 from dynjax.jit._cache import ExecutableCache
 from dynjax.jit._family import PADDED_MODES, Family
@@ -167,7 +167,7 @@ class Dispatcher:
     self.opts = opts
     self.binder = binder
     self.name = name
-    self.policies = Policies(opts.buckets, opts.serving)
+    self.policies = Policies(opts.buckets, lambda: opts.serving and _serving.on_gpu())
     self.cache = ExecutableCache(opts.max_executables, name=name, log=config.log_compiles)
     self.counters = Counters()
     self.compiler = Compiler(self)

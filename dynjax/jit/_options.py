@@ -212,8 +212,10 @@ def default_workers() -> int:
 class Policies:
   """One bucket policy per dimension variable of a function, shared by its families."""
 
-  def __init__(self, buckets, serving: bool = False):
+  def __init__(self, buckets, serving=None):
     self.buckets = buckets
+    # ``() -> bool``, asked when a policy is first made (not at decoration: it may start the
+    # backend): does ``auto()`` without ``max_compiles`` get the serving budget here?
     self.serving = serving
     self.by_var: dict[str, BucketPolicy] = {}
 
@@ -223,8 +225,8 @@ class Policies:
       b = self.buckets
       base = b.get(var) if isinstance(b, dict) else b
       p = pow2() if base is None else base.fresh()
-      if self.serving and hasattr(p, "for_serving"):  # auto(): a larger default budget
-        p = p.for_serving()
+      if hasattr(p, "for_serving") and self.serving is not None and self.serving():
+        p = p.for_serving()  # auto() serving on a GPU: a larger default budget
       self.by_var[var] = p
     return p
 

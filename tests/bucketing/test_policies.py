@@ -133,8 +133,13 @@ def test_fresh_copies_do_not_share_history():
   assert q._n_obs == 0 and repr(q) == repr(p)
 
 
-def test_auto_default_budget_is_16_when_serving_8_otherwise():
+def test_auto_default_budget_is_16_when_serving_on_gpu_8_otherwise(monkeypatch):
   import jax.numpy as jnp
+
+  from dynjax.jit import _serving
+
+  on_gpu = {"v": True}
+  monkeypatch.setattr(_serving, "on_gpu", lambda: on_gpu["v"])
 
   def f(x):
     return jnp.sin(x) * 2.0
@@ -149,6 +154,10 @@ def test_auto_default_budget_is_16_when_serving_8_otherwise():
   assert "max_compiles=8," in got[0]
   assert "max_compiles=16," in got[1]  # auto() without max_compiles, serving
   assert "max_compiles=8," in got[2]  # an explicit 8 stays 8
+  on_gpu["v"] = False  # serving on a CPU: compiles share the cores that serve
+  g = dynjax.jit(f, dims={"x": "t"}, buckets=B.auto(max=64), serving=True)
+  g(jnp.arange(5.0))
+  assert "max_compiles=8," in g.stats()["policies"]["t"]
   assert repr(B.auto(max=64)) == repr(B.auto(max_compiles=8, max=64))
 
 
