@@ -565,15 +565,20 @@ def test_a_tier0_job_worth_nothing_does_not_hold_tier_ups_back(monkeypatch):
   assert all(e.tier == 1 for e in fam.buckets.values()), {b: e.tier for b, e in fam.buckets.items()}
 
 
+def _auto_server(cache, max_compiles: int, workers: int):
+  return dynjax.jit(_model, dims={"x": "b, t, 4"}, serving=True, compile_workers=workers,
+                    cache_dir=str(cache),
+                    buckets={"b": [2], "t": dynjax.buckets.auto(max_compiles=max_compiles,
+                                                                max=64)})
+
+
 def test_restart_plans_with_its_stored_buckets_and_loads_the_own_one_first(tmp_path):
   """A restarted ``auto`` policy used to plan the first call with its cold table (one bucket
   at ``max``), so that call ran on (and waited for) the largest stored bucket."""
   p = _params()
 
   def make():
-    return dynjax.jit(_model, dims={"x": "b, t, 4"}, serving=True, compile_workers=1,
-                      cache_dir=str(tmp_path),
-                      buckets={"b": [2], "t": dynjax.buckets.auto(max_compiles=4, max=64)})
+    return _auto_server(tmp_path, max_compiles=4, workers=1)
 
   f = make()
   for t in [5, 6, 7, 5, 6, 7, 30, 31, 5, 6, 7, 40, 5, 6, 7, 60] * 4:
@@ -601,9 +606,7 @@ def test_serving_restart_over_broken_stored_files_compiles_them_again(tmp_path):
   p = _params()
 
   def make():
-    return dynjax.jit(_model, dims={"x": "b, t, 4"}, serving=True, compile_workers=2,
-                      cache_dir=str(tmp_path),
-                      buckets={"b": [2], "t": dynjax.buckets.auto(max_compiles=3, max=64)})
+    return _auto_server(tmp_path, max_compiles=3, workers=2)
 
   f = make()
   for t in [5, 6, 7, 30, 31, 5, 6, 7] * 8:
