@@ -244,7 +244,7 @@ class Dispatcher:
     shapes = dict(zip(fam.spec_idx, shapes_t, strict=True))
     sizes = _symbolic.solve_sizes(fam.sig, shapes)
     if self.opts.async_compile and not fam.preloaded:
-      self.compiler.preload(fam)  # stored buckets join the plan before this call picks one
+      self.compiler.preload(fam, sizes)  # stored buckets join the plan first
     own, out_shapes, true_elems = fam.size_info(sizes)
     if own is None:  # overflow="exact", a size of 0, or outside the inferred guards
       if not fam.guard_ok(sizes):

@@ -87,14 +87,6 @@ class CompileScheduler:
       self._cv.notify()
       return job.future
 
-  def promote(self, key: Hashable) -> None:
-    """Moves a pending urgent job to the head of the urgent queue (a caller waits on it)."""
-    with self._cv:
-      job = self._pending.get(key)
-      if job is not None and job.urgent:
-        first = min(j.submitted for j in self._pending.values() if j.urgent)
-        job.submitted = min(job.submitted, first - 1e-6)
-
   def cancel(self, key: Hashable) -> bool:
     """Drops a job that has not started (its future is cancelled)."""
     with self._cv:

@@ -153,15 +153,15 @@ class Compiler:
       fam.joint.adopt(fam.joint.sub(bkey))
 
   # -- progressive serving (async_compile / serving) ---------------------------------------
-  def preload(self, fam: Family) -> None:
-    """A family's first call under ``async_compile`` with a ``cache_dir``: the stored buckets
-    join the plan now, before the call picks its bucket, and start loading in parallel.
+  def preload(self, fam: Family, sizes) -> None:
+    """A family's first call under ``async_compile`` with a ``cache_dir`` (true ``sizes``):
+    the stored buckets join the plan now, before the call picks its bucket, and start loading
+    in parallel, that call's own bucket first.
 
     Before, a restarted ``auto`` policy planned the first call with its cold table (one
     bucket at ``max``), so that call waited until the largest stored bucket had loaded, and
     the loads went in directory order: on the H100 (BERT-base, 16 stored buckets) the first
-    answer of a restart waited 0.6-0.9 s, ~12% of its 1,000-request stream.  Now the call's
-    own bucket loads first (``_serve`` moves it to the head of the queue)."""
+    answer of a restart waited 0.6-0.9 s, ~12% of its 1,000-request stream."""
     if fam.preloaded:
       return
     fam.preloaded = True
@@ -170,15 +170,14 @@ class Compiler:
                     if store is not None else ())
     for b in stored:
       self._adopt(fam, b)
-    for b in stored:
+    own = fam.bucket_of(sizes, observe=False) if stored else None
+    for b in sorted(stored, key=lambda b: b != own):  # urgent jobs run in submission order
       self.schedule(fam, b, 0, urgent=True)  # loads in parallel (~0.05-0.2 s a bucket)
 
   def _serve(self, fam: Family, bkey):
     """Serves a call whose own bucket is not compiled: the smallest compiled bucket that
     covers it, else the first covering compile in flight (waited for).  The own bucket is
     queued for the background compiler in every case (it runs when it is worth the most)."""
-    self.preload(fam)
-    self.sched().promote((fam.fid, bkey, 0))  # a stored own bucket loads before the others
     t_wait = None
     while True:
       best = self.larger_bucket(fam, bkey)
