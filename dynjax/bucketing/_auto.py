@@ -90,9 +90,9 @@ class Auto(BucketPolicy):
 
   def __init__(self, max_compiles: int | None = 8, min: int = 1, max: int | None = None,
                multiple: int = 1, align: int = 8, hysteresis: float = 0.05,
-               threshold: float = 1.0, horizon: float = 2.0):
+               threshold: float = 1.0, horizon: float = 2.0, budget_default: bool = False):
     self.value_decided = max_compiles is None
-    self.budget_default = False  # auto() without max_compiles: serving raises it (16)
+    self.budget_default = budget_default  # auto() without max_compiles: GPU serving raises it
     # Joint planning (several auto dims, ``_joint.py``) reads ``max_compiles`` as its tuple
     # budget; value-decided policies give it the former default there.
     self.max_compiles = JOINT_BUDGET if max_compiles is None else max_compiles
@@ -300,10 +300,9 @@ class Auto(BucketPolicy):
     return f"max_compiles={k}, min={self.min}, max={self.max}"
 
   def _clone(self, multiple):
-    p = Auto(None if self.value_decided else self.max_compiles, self.min, self.max,
-             multiple, self.align, self.hysteresis, self.threshold, self.horizon)
-    p.budget_default = self.budget_default
-    return p
+    return Auto(None if self.value_decided else self.max_compiles, self.min, self.max,
+                multiple, self.align, self.hysteresis, self.threshold, self.horizon,
+                self.budget_default)
 
   def for_serving(self) -> Auto:
     """This policy for a function with ``serving=True`` on a GPU: ``auto()`` without
@@ -322,11 +321,11 @@ def auto(max_compiles: int | None | str = "default", min: int = 1,
   Args:
     max_compiles: at most this many bucket sizes.  ``"default"``: 8, or 16 in a function
       with ``serving=True`` on a GPU (its compiles run in the background, and on the H100 16
-      buckets beat hand-written pow2 buckets in every length bin where 8 did not).  ``None``: as many
-      as are worth their
-      compile (a bucket is added when the serving seconds it saves over the coming calls,
-      estimated as many as were seen so far, exceed the seconds its compile takes), at most
-      64 and at most the function's ``max_executables``.
+      buckets beat hand-written pow2 buckets in every length bin where 8 did not).
+      ``None``: as many as are worth their compile (a bucket is added when the serving
+      seconds it saves over the coming calls, estimated as many as were seen so far, exceed
+      the seconds its compile takes), at most 64 and at most the function's
+      ``max_executables``.
     min, max: the range of sizes; ``max`` is always a bucket when given.
 
   A re-plan (at 8, 16, 32, ... calls, on the calling thread) costs 0.5-0.9 ms for the 64
@@ -353,6 +352,4 @@ def auto(max_compiles: int | None | str = "default", min: int = 1,
   lo = _check_int("min", min, 1, "auto")
   hi = None if max is None else _check_int("max", max, 1, "auto")
   _check_range(lo, hi, "auto")
-  p = Auto(k, lo, hi)
-  p.budget_default = default
-  return p
+  return Auto(k, lo, hi, budget_default=default)
