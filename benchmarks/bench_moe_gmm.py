@@ -80,6 +80,19 @@ def rel_err(a, b) -> float:
   return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
+def grad_rel_errs(fn, ref, args, ct) -> list[float]:
+  """``rel_err`` of ``value_and_grad`` of ``sum(f(*args) * ct)`` (f32) for ``fn`` against
+  ``ref``: the loss, then the gradient of every argument's leaves."""
+  def loss(*a, f):
+    return jnp.sum(f(*a).astype(jnp.float32) * ct)
+
+  argnums = tuple(range(len(args)))
+  got = jax.jit(jax.value_and_grad(functools.partial(loss, f=fn), argnums))(*args)
+  want = jax.jit(jax.value_and_grad(functools.partial(loss, f=ref), argnums))(*args)
+  return [rel_err(a, b) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want),
+                                        strict=True)]
+
+
 def zipf_probs(n: int, s: float) -> np.ndarray:
   p = 1.0 / np.arange(1, n + 1) ** s
   return p / p.sum()
@@ -200,18 +213,10 @@ def check_layer(args, t) -> dict:
     moe = route.Routed(route.Experts(route.ffn()), route.Router(e, k=k, renormalize=k > 1),
                        mode="grouped", kernel="pallas", tiling=t)
 
-    def loss(p, x, lg, fn):
-      return jnp.sum(fn(p, x, lg) * ct)
-
     def dense_k(p, x, lg, k=k):
       return dense_ffn(x, lg, p["w1"], p["w2"], k)
 
-    got = jax.jit(jax.value_and_grad(functools.partial(loss, fn=moe), (0, 1, 2)))(
-        params, x, logits)
-    want = jax.jit(jax.value_and_grad(functools.partial(loss, fn=dense_k), (0, 1, 2)))(
-        params, x, logits)
-    errs = [rel_err(a, b) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want),
-                                          strict=True)]
+    errs = grad_rel_errs(moe, dense_k, (params, x, logits), ct)
     res[f"layer_k{k}_f32_max_rel_err(loss,dW1,dW2,dx,dlogits)"] = max(errs)
     print(f"  layer k={k} f32 max rel err (loss, dW1, dW2, dx, dlogits) {max(errs):.2e}",
           flush=True)

@@ -29,7 +29,6 @@ after a warm-up over every rotating input.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import math
 import os
@@ -45,6 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_moe_gmm import (  # noqa: E402
   dense_ffn,
+  grad_rel_errs,
   layer_inputs,
   ragged_dot_ffn,
   rel_err,
@@ -166,9 +166,6 @@ def run_check(args) -> dict:
     moe = route.Routed(route.Experts(route.ffn()), route.Router(e, k=k, renormalize=k > 1),
                        mode="grouped", kernel="mgpu")
 
-    def loss(p, x, lg, fn):
-      return jnp.sum(fn(p, x, lg).astype(jnp.float32) * ctl)
-
     def ours(p, x, lg, moe=moe):
       pb = {key: val.astype(jnp.bfloat16) for key, val in p.items()}
       return moe(pb, x.astype(jnp.bfloat16), lg, mask=mask)
@@ -177,12 +174,7 @@ def run_check(args) -> dict:
       return dense_ffn(x, lg, p["w1"], p["w2"], k, mask)
 
     try:
-      got = jax.jit(jax.value_and_grad(functools.partial(loss, fn=ours), (0, 1, 2)))(
-          params, x, logits)
-      want = jax.jit(jax.value_and_grad(functools.partial(loss, fn=dense_k), (0, 1, 2)))(
-          params, x, logits)
-      errs = [rel_err(a, b) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want),
-                                            strict=True)]
+      errs = grad_rel_errs(ours, dense_k, (params, x, logits), ctl)
       res[f"layer_k{k}_bf16_max_rel_err(loss,dW1,dW2,dx,dlogits)"] = max(errs)
       res[f"layer_k{k}_bf16_rel_errs"] = [float(v) for v in errs]
     except Exception as ex:
