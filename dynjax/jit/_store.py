@@ -260,7 +260,11 @@ def family_parts(fam) -> dict:
       "vars": fam.sig.var_order,
       "specs": [(p, None if s is None else s.text) for p, s in
                 zip(fam.leaf_paths, fam.sig.leaves, strict=True)],
-      "avals": [(str(a.dtype), tuple(a.shape), a.weak_type) for a in fam.avals],
+      # A leaf with dims is keyed by its rank (its spec is in "specs"), never by the sizes
+      # of the call that traced it: a restart whose first request has another length (or a
+      # warmup from shapes) finds the executables (before, it missed and compiled them all).
+      "avals": [(str(a.dtype), tuple(a.shape) if s is None else len(a.shape), a.weak_type)
+                for a, s in zip(fam.avals, fam.sig.leaves, strict=True)],
       "treedef": str(fam.treedef),
       "donate": opts.donate_argnames,
       "compiler_options": opts.compiler_options,
