@@ -22,7 +22,7 @@ from dynjax import _jax_private
 from dynjax._config import config
 from dynjax._errors import SpecError
 from dynjax.bucketing._policies import BucketPolicy
-from dynjax.jit import _options, _stages, _stats
+from dynjax.jit import _args, _options, _stages, _stats
 from dynjax.jit._args import Binder, parameters
 from dynjax.jit._cache import enable_compile_log
 from dynjax.jit._dispatch import Dispatcher, is_signature_error, top_key
@@ -178,21 +178,25 @@ class Wrapped:
     # AOT executable on the 2-core CPU box; BERT-base on the H100 host: +2-4% per request.
     static, dyn = self._binder.split(args, kwargs)
     d = self._dispatcher
-    fam = d.top.get(static) if d.top else None
-    if fam is not None:
-      key = top_key(fam, dyn)  # None: another dtype/rank, or the family runs exact
-      if key is not None:
-        try:
-          ex = fam.executors.get(key)
-          if ex is None or ex.gen != fam.gen:  # a miss: plan, build, then the same routine
-            ex = d.resolve(fam, dyn, True, key)
-            if ex is None:
-              return d.call(static, dyn)
-          return ex.run(dyn)
-        except TypeError as e:
-          if not is_signature_error(e):
-            raise
-    return d.call(static, dyn)
+    try:
+      fam = d.top.get(static) if d.top else None
+      if fam is not None:
+        key = top_key(fam, dyn)  # None: another dtype/rank, or the family runs exact
+        if key is not None:
+          try:
+            ex = fam.executors.get(key)
+            if ex is None or ex.gen != fam.gen:  # a miss: plan, build, then the same routine
+              ex = d.resolve(fam, dyn, True, key)
+              if ex is None:
+                return d.call(static, dyn)
+            return ex.run(dyn)
+          except TypeError as e:
+            if not is_signature_error(e):
+              raise
+      return d.call(static, dyn)
+    except TypeError:  # (a try costs nothing until it catches)
+      _args.reject_abstract(d.name, self._binder, dyn)  # a ShapeDtypeStruct: say so
+      raise
 
   # -- stages ------------------------------------------------------------------------------
   def trace(self, *args, **kwargs) -> _stages.Traced:

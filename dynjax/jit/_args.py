@@ -195,12 +195,28 @@ def leaf_key(x):
   return (a.dtype, len(a.shape), a.weak_type)
 
 
+def reject_abstract(name: str, binder: Binder, dyn) -> None:
+  """Raises a SpecError naming the first ``jax.ShapeDtypeStruct`` among a call's arguments
+  (they describe arguments for ``trace``/``lower``/``warmup``; a call needs arrays).  Run only
+  after a call failed, so it costs the hot path nothing."""
+  leaves = tree_flatten(dyn, is_leaf=is_padded)[0]
+  for path, x in zip(binder.leaf_paths(dyn), leaves, strict=True):
+    if type(x) is jax.ShapeDtypeStruct:
+      raise SpecError(
+          f"{name}(): argument {path} is a jax.ShapeDtypeStruct{tuple(x.shape)} "
+          f"{np.dtype(x.dtype).name}, but a call needs an array. Abstract arguments describe "
+          f"shapes for {name}.lower(...), .trace(...) and .warmup(...) (e.g. a warmup at start-up "
+          "before the weights exist); pass arrays to call it.")
+
+
 def aval(x) -> jax.ShapeDtypeStruct:
   """The abstract value a leaf is traced with (numpy dtypes canonicalised, as jax.jit)."""
   if is_padded(x):
     return jax.ShapeDtypeStruct(x.shape, canonical(np.dtype(x.buffer.dtype)))
   if isinstance(x, np.ndarray):
     return jax.ShapeDtypeStruct(x.shape, canonical(x.dtype))
+  if type(x) is jax.ShapeDtypeStruct:  # trace/lower/warmup with abstract arguments (as jax.jit)
+    return jax.ShapeDtypeStruct(x.shape, canonical(np.dtype(x.dtype)), weak_type=x.weak_type)
   if isinstance(x, jax.Array):
     return jax.ShapeDtypeStruct(x.shape, x.dtype)
   if isinstance(x, bool | int | float | complex):  # weakly typed, as jax.jit traces them

@@ -627,3 +627,42 @@ def test_serving_restart_over_broken_stored_files_compiles_them_again(tmp_path):
   s = g.stats()
   assert s["loaded_from_store"] == 0 and s["compiles"] >= len(stored), s
   assert next(iter(g._dispatcher.families.values())).store().load_errors == len(stored)
+
+
+def test_a_restart_whose_first_call_has_another_length_loads_the_stored_buckets(tmp_path):
+  # The store is keyed by the traced function, never by the sizes of the call that traced it
+  # (before, a restart whose first request had another length compiled every bucket again).
+  p = _params()
+  kw = dict(dims={"x": "b, t, 4"}, cache_dir=str(tmp_path),
+            buckets={"b": [2], "t": dynjax.buckets.pow2(4, 64)})
+  f = dynjax.jit(_model, **kw)
+  for t in (5, 20):
+    f(p, _x(t))
+  g = dynjax.jit(_model, **kw)
+  for t in (7, 17):  # buckets 8 and 32, stored by f's first call at t=5 and its second
+    np.testing.assert_allclose(g(p, _x(t)), EXACT(p, _x(t)), rtol=1e-6, atol=1e-6)
+  assert (g.stats()["compiles"], g.stats()["loaded_from_store"]) == (0, 2)
+
+
+def test_warmup_from_shape_dtype_structs_builds_what_calls_use(tmp_path):
+  # A server warms up at start-up from shapes (before its weights exist), as jax.jit's
+  # .lower(jax.ShapeDtypeStruct(...)); the executables are the ones later calls run and store.
+  p = _params()
+  kw = dict(dims={"x": "b, t, 4"}, cache_dir=str(tmp_path),
+            buckets={"b": [2], "t": dynjax.buckets.pow2(4, 64)})
+  shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), p)
+  f = dynjax.jit(_model, **kw)
+  info = f.warmup(shapes, jax.ShapeDtypeStruct((2, 30, 4), np.float32))
+  assert sorted(info["buckets"]) == [(2, 4), (2, 8), (2, 16), (2, 32), (2, 64)]
+  assert f.stats()["compiles"] == 5
+  for t in (3, 30, 64):
+    np.testing.assert_allclose(f(p, _x(t)), EXACT(p, _x(t)), rtol=1e-6, atol=1e-6)
+  assert f.stats()["compiles"] == 5  # the calls ran what the warmup built
+  g = dynjax.jit(_model, **kw)  # a restart warming up from shapes loads them all
+  g.warmup(shapes, jax.ShapeDtypeStruct((2, 9, 4), np.float32))
+  assert (g.stats()["compiles"], g.stats()["loaded_from_store"]) == (0, 5)
+  with pytest.raises(dynjax.SpecError, match=r"argument x is a jax.ShapeDtypeStruct\(2, 9, 4\) "
+                     r"float32, but a call needs an array.*\.warmup"):
+    g(p, jax.ShapeDtypeStruct((2, 9, 4), np.float32))
+  with pytest.raises(dynjax.SpecError, match=r"argument params\['b'\] is a jax.ShapeDtypeStruct"):
+    g(shapes, _x(9))
