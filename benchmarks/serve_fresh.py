@@ -25,6 +25,9 @@ Modes (``--modes``, in order; a ``*_restart`` mode reuses the cache of the mode 
   buckets (``dynjax_autoN``: ``auto(max_compiles=N)``) and a fresh ``cache_dir``; ``*_restart``: a new process on that cache_dir.
 * ``dynjax_wait``: ``dynjax_pow2`` then ``f.wait()`` (every tier-up done) and a second pass
   over the stream (the "after tier-up" per-length row); ``dynjax_wait_restart`` restarts on it.
+* ``*warm*``: the server starts ``f.warmup(..., background=True)`` from abstract arguments
+  (``jax.eval_shape(module.init, ...)``) right after its imports, before it builds its requests
+  and reads its weights (the start-up a server would write; ``*_restart`` of it too).
 * ``<mode>_prof``: ``<mode>`` with its first ``--profile_first`` calls under cProfile before
   the timed stream (top entries in the record; its timings are not the protocol's).
 * ``lengths``: per exact length (``--lengths``): the exact-shape AOT executable, dynjax's
@@ -286,21 +289,52 @@ def _policy(mode, args):
   return dynjax.buckets.pow2(16, args.max_len)
 
 
+def _warmup_from_shapes(args, build, clock):
+  """``*warm*`` modes: right after the imports, before the requests or weights exist, the
+  server builds its function and starts ``warmup(background=True)`` from abstract arguments
+  (Flax's ``jax.eval_shape(module.init, ...)`` idiom): the first bucket compiles (a restart:
+  the stored buckets load) while the process reads its weights."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from examples import models
+
+  module = models.BertEncoder(_model_cfg(args))
+  f = build(module)
+  tokens = jax.ShapeDtypeStruct((args.batch, args.max_len), np.int32)
+  lengths = jax.ShapeDtypeStruct((args.batch,), np.int32)
+  shapes = jax.eval_shape(module.init, jax.random.key(0), tokens, lengths)
+  dt = jnp.bfloat16 if args.dtype == "bfloat16" else np.dtype(args.dtype)
+  shapes = {"params": jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, dt),
+                                   shapes["params"])}
+  f.warmup(shapes, tokens, lengths, background=True)
+  clock.mark("warmup_started")
+  return f
+
+
 def _child_dynjax(args, clock, mode):
   import jax
 
   import dynjax
   from dynjax import flax as dynjax_flax
 
-  module, variables, reqs = _jax_setup(args, clock)
   if "t0tune" in mode:  # experiment: tier 0 autotunes cuBLAS gemms (triton gemms still off)
     from dynjax.jit import _serving
 
     _serving.QUICK_GPU_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
-  f = dynjax_flax.jit(module, dims={"tokens": "b, t", "lengths": "b"},
-                      buckets={"t": _policy(mode, args)}, serving=True, cache_dir=args.cache,
-                      padding="trust" if "trust" in mode else "auto",
-                      attention="cudnn" if "cudnn" in mode else None)
+
+  def build(module):
+    return dynjax_flax.jit(module, dims={"tokens": "b, t", "lengths": "b"},
+                           buckets={"t": _policy(mode, args)}, serving=True,
+                           cache_dir=args.cache, padding="trust" if "trust" in mode else "auto",
+                           attention="cudnn" if "cudnn" in mode else None)
+
+  f = None
+  if "warm" in mode:  # a server's start-up: build (or load) in the background, from shapes
+    f = _warmup_from_shapes(args, build, clock)
+  module, variables, reqs = _jax_setup(args, clock)
+  f = f or build(module)
 
   def call(r):
     return f(variables, r.tokens, r.lengths)
@@ -488,7 +522,8 @@ def main(argv=None) -> dict:
   out = _write(args, results)
   for mode in modes:
     restart = mode.removesuffix("_prof").endswith("_restart")
-    base = mode.removesuffix("_prof").removesuffix("_restart")
+    # "_warm" changes the start-up only: X_warm_restart and X_restart share X(_warm)'s cache
+    base = mode.removesuffix("_prof").removesuffix("_restart").replace("_warm", "")
     cache = None
     if mode.startswith(("hand", "dynjax_")):
       if restart and base not in caches:
