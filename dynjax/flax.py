@@ -306,11 +306,14 @@ class NnxWrapped:
     nnx.update(nodes, new_state)
     return out
 
-  def warmup(self, *args, **kwargs) -> dict:
-    """Compiles every bucket for example arguments (see ``dynjax.jit(...).warmup``)."""
+  def warmup(self, *args, progress: bool | None = None, max_workers: int | None = None,
+             background: bool = False, **kwargs) -> dict:
+    """Compiles every bucket for example arguments (see ``dynjax.jit(...).warmup``; an
+    abstract model from ``nnx.eval_shape`` and ``jax.ShapeDtypeStruct`` inputs work too)."""
     wrapped, graph_names, values = self._prepare(args, kwargs)
     _, call = self._split(graph_names, values)
-    return wrapped.warmup(**call)
+    return wrapped.warmup(progress=progress, max_workers=max_workers, background=background,
+                          **call)
 
   def stats(self) -> dict:
     """The dynjax counters, added over the inner functions (see ``dynjax.jit(...).stats``)."""

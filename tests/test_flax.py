@@ -50,6 +50,45 @@ def test_linen_bert_matches_jax_jit(padding, compiles):
     assert st["compiles"] == 4  # t in {8, 16, 32, 64}
 
 
+def test_linen_server_warms_up_from_shapes_before_its_weights_exist(tmp_path):
+  # A server's start-up: build the function and start its warmup from abstract arguments
+  # (Flax's jax.eval_shape(model.init, ...)), then read the weights; calls run what it built.
+  module = models.BertEncoder(CFG)
+  fn = dflax.jit(module, dims={"tokens": "b, t", "lengths": "b"}, serving=True,
+                 buckets={"t": dynjax.buckets.pow2(8, 64)}, cache_dir=str(tmp_path))
+  tok_spec = jax.ShapeDtypeStruct((3, 64), np.int32)
+  len_spec = jax.ShapeDtypeStruct((3,), np.int32)
+  shapes = jax.eval_shape(module.init, jax.random.key(0), tok_spec, len_spec)
+  info = fn.warmup(shapes, tok_spec, len_spec, background=True)
+  assert sorted(info["buckets"]) == [(4, 8), (4, 16), (4, 32), (4, 64)]
+  variables = models.to_device({"params": models.init_encoder_params(CFG)})
+  assert fn.wait(timeout=120)
+  ref = jax.jit(module.apply)
+  for t in (5, 30, 64):
+    tok, lens = _tokens(t)
+    np.testing.assert_allclose(np.asarray(fn(variables, tok, lens)),
+                               np.asarray(ref(variables, tok, lens)), rtol=1e-5, atol=2e-6)
+  st = fn.stats()
+  assert (st["compiles"], st["waited_for_compile"]) == (4, 0)
+
+
+def test_nnx_warmup_takes_its_options_and_an_abstract_model():
+  model = _Net(nnx.Rngs(0))
+  f = dflax.nnx_jit(lambda m, x, lengths: m(x, lengths), dims={"x": "b, t, 4", "lengths": "b"},
+                    buckets={"t": dynjax.buckets.pow2(4, 16)})
+  abstract = nnx.eval_shape(lambda: _Net(nnx.Rngs(0)))
+  info = f.warmup(abstract, jax.ShapeDtypeStruct((3, 9, 4), np.float32),
+                  jax.ShapeDtypeStruct((3,), np.int32), progress=False)
+  assert sorted(info["buckets"]) == [(4, 4), (4, 8), (4, 16)] and info["compiled"] == 3
+  x, lens, _ = _xs(11)
+  want = np.asarray(nnx.clone(model)(x, lens))
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    got = np.asarray(f(model, x, lens))
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  assert f.stats()["compiles"] == 3
+
+
 def test_linen_method_and_keyword_args():
   module = models.BertEncoder(CFG)
   variables = {"params": models.init_encoder_params(CFG)}
