@@ -19,7 +19,9 @@ Modes (``--modes``, in order; a ``*_restart`` mode reuses the cache of the mode 
 * ``torch_eager``: PyTorch eager.
 * ``hand``: what a JAX user writes by hand: pow2 buckets padded on the host, one ``jax.jit``
   called at each bucket shape (compiles block), JAX's persistent compilation cache in a fresh
-  directory; ``hand_restart``: a new process on that cache.
+  directory; ``hand_restart``: a new process on that cache.  ``hand_warm*``: a thread compiles
+  every bucket from shapes at start-up, as dynjax's ``*warm*`` modes (``hand_warm_restart``
+  restarts on ``hand``'s or ``hand_warm``'s cache).
 * ``dynjax_pow2`` / ``dynjax_auto`` / ``dynjax_value``: ``dynjax.flax.jit(serving=True)`` with
   ``pow2(16, 512)`` / ``auto(max_compiles=8)`` / ``auto(max_compiles=None)`` (value-decided)
   buckets (``dynjax_autoN``: ``auto(max_compiles=N)``) and a fresh ``cache_dir``; ``*_restart``: a new process on that cache_dir.
@@ -264,18 +266,53 @@ def _child_hand(args, clock, mode):
   import dynjax
 
   _enable_jax_cache(args.cache)
-  module, variables, reqs = _jax_setup(args, clock)
   pol = dynjax.buckets.pow2(16, args.max_len)
+  built: dict[int, object] = {}
+  if "warm" in mode:  # as dynjax's *warm* modes: every bucket from shapes, in a thread
+    _hand_warmup(args, pol, built)
+    clock.mark("warmup_started")
+  module, variables, reqs = _jax_setup(args, clock)
   apply = jax.jit(module.apply)
 
   def call(r):
     b, t = r.tokens.shape
-    buf = np.zeros((b, pol.bucket(t)), r.tokens.dtype)
+    bt = pol.bucket(t)
+    buf = np.zeros((b, bt), r.tokens.dtype)
     buf[:, :t] = r.tokens
-    return np.asarray(apply(variables, buf, r.lengths))
+    exe = built.get(bt)  # the warmup's executable once it is built, else jax.jit's call
+    return np.asarray((exe or apply)(variables, buf, r.lengths))
 
   lat, stream = _serve(reqs, call, clock)
   return _record(mode, reqs, lat, stream, clock, jax=jax.__version__)
+
+
+def _hand_warmup(args, pol, built) -> None:
+  """``hand_warm*``: what a JAX user would write for dynjax's start-up warmup: one thread
+  lowers and compiles ``jax.jit(module.apply)`` at every pow2 bucket from shapes (largest
+  first; JAX's persistent cache serves a restart) and publishes each executable."""
+  import threading
+
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from examples import models
+
+  module = models.BertEncoder(_model_cfg(args))
+  lengths = jax.ShapeDtypeStruct((args.batch,), np.int32)
+  full = jax.ShapeDtypeStruct((args.batch, args.max_len), np.int32)
+  shapes = jax.eval_shape(module.init, jax.random.key(0), full, lengths)
+  dt = jnp.bfloat16 if args.dtype == "bfloat16" else np.dtype(args.dtype)
+  shapes = {"params": jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, dt),
+                                   shapes["params"])}
+  apply = jax.jit(module.apply)
+
+  def run():
+    for bt in sorted(pol.sizes(), reverse=True):
+      tokens = jax.ShapeDtypeStruct((args.batch, bt), np.int32)
+      built[bt] = apply.lower(shapes, tokens, lengths).compile()
+
+  threading.Thread(target=run, daemon=True).start()
 
 
 def _policy(mode, args):
