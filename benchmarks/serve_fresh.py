@@ -558,9 +558,7 @@ def main(argv=None) -> dict:
   results = []
   out = _write(args, results)
   for mode in modes:
-    restart = mode.removesuffix("_prof").endswith("_restart")
-    # "_warm" changes the start-up only: X_warm_restart and X_restart share X(_warm)'s cache
-    base = mode.removesuffix("_prof").removesuffix("_restart").replace("_warm", "")
+    restart, base = cache_key(mode)
     cache = None
     if mode.startswith(("hand", "dynjax_")):
       if restart and base not in caches:
@@ -574,6 +572,14 @@ def main(argv=None) -> dict:
   print(table(results))
   shutil.rmtree(tmp, ignore_errors=True)
   return out
+
+
+def cache_key(mode: str) -> tuple[bool, str]:
+  """(whether ``mode`` restarts, the mode whose cache it uses).  ``_prof`` and ``_warm`` change
+  what a process does at start-up only: ``X_warm_restart`` and ``X_restart`` share the cache of
+  ``X`` or ``X_warm``, whichever ran."""
+  m = mode.removesuffix("_prof")
+  return m.endswith("_restart"), m.removesuffix("_restart").replace("_warm", "")
 
 
 def _write(args, results) -> dict:

@@ -58,3 +58,12 @@ def test_x_exact_weighs_bins_by_traffic_over_the_exact_cost_curve():
   want = (2.2 * 3 + 3.3 * 1 + 4.4 * 2) / (2.0 * 3 + 3.0 * 1 + 4.0 * 2)
   assert abs(sf.x_exact(bins, hist, cost) - want) < 1e-12
   assert sf.x_exact(bins, hist, sf.exact_cost([])) is None  # no lengths record in the run
+
+
+def test_warm_and_prof_tags_share_the_cache_of_the_mode_they_restart():
+  assert sf.cache_key("dynjax_auto16_warm_wait_restart") == (True, "dynjax_auto16_wait")
+  assert sf.cache_key("dynjax_auto16_wait_restart") == (True, "dynjax_auto16_wait")
+  assert sf.cache_key("dynjax_auto16_warm_wait") == (False, "dynjax_auto16_wait")
+  assert sf.cache_key("hand_warm_restart") == (True, "hand")
+  assert sf.cache_key("dynjax_pow2_restart_prof") == (True, "dynjax_pow2")
+  assert sf.cache_key("torch_eager") == (False, "torch_eager")
