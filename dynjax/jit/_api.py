@@ -225,10 +225,10 @@ class Wrapped:
     server can start at once, before its weights exist (Flax:
     ``jax.eval_shape(model.init, key, *example_args)``), and build or load while it reads
     them.  H100, BERT-base fp32 (``benchmarks/serve_fresh.py``, ``*warm*`` modes): a restart
-    that warms up from shapes answered its first request 51-63 ms after its weights were
-    ready instead of 0.7-0.8 s, and its 1,000-request stream took 3.68 s against 15.70 s for
-    a restart without (which had missed the store, see ``_store.family_parts``) and 5.51 s
-    for PyTorch eager.
+    that warmed up from shapes answered its first request 63 ms after its weights were ready
+    and streamed 1,000 requests in 3.68 s (PyTorch eager 5.51 s); a restart without the
+    warmup (another run) waited 0.80 s for its first answer (trace, load, first run) and
+    streamed them in 4.97 s (PyTorch eager 5.20 s).
 
     Returns:
       ``{"buckets": [...], "compiled": n, "loaded": n, "seconds": s}`` (``"pending": n`` in
