@@ -1279,9 +1279,29 @@ WHY_NO_RULE.update(
 
 # jax.nn.softmax over one axis, as jax 0.10 and 0.11 trace it (inlined, not a custom_jvp):
 #   b = reduce_max[axes=(k,)] a; c = max(-inf, b); d = broadcast_in_dim c; [e = stop_gradient d]
-#   f = sub a e; g = exp f; h = reduce_sum[axes=(k,)] g; i = broadcast_in_dim h; j = div g i
-_SOFTMAX = ("reduce_max", "max", "broadcast_in_dim", "stop_gradient", "sub", "exp",
-            "reduce_sum", "broadcast_in_dim", "div")
+#   f = sub a e; g = exp f; [g' = convert g to f32] h = reduce_sum[axes=(k,)] g(')
+#   i = broadcast_in_dim h; [i' = convert i back to a's dtype] j = div g i(')
+# (the bracketed converts: bf16/f16 inputs, whose sum jax accumulates in float32).  Each slot:
+# (primitive name, optional).
+_SOFTMAX = (("reduce_max", False), ("max", False), ("broadcast_in_dim", False),
+            ("stop_gradient", True), ("sub", False), ("exp", False),
+            ("convert_element_type", True), ("reduce_sum", False), ("broadcast_in_dim", False),
+            ("convert_element_type", True), ("div", False))
+
+
+def _softmax_chain(eqns, i: int):
+  """``(end index, [equation or None per _SOFTMAX slot])`` when the primitive names from
+  ``eqns[i]`` on follow the softmax's (optional slots may be missing), else None."""
+  got, j = [], i
+  for name, optional in _SOFTMAX:
+    if j < len(eqns) and eqns[j].primitive.name == name:
+      got.append(eqns[j])
+      j += 1
+    elif optional:
+      got.append(None)
+    else:
+      return None
+  return j, got
 
 
 def fused_softmax(ctx, eqns, i: int, uses: dict, read):
@@ -1295,19 +1315,15 @@ def fused_softmax(ctx, eqns, i: int, uses: dict, read):
   max is -inf, +inf or NaN is NaN in every valid position (as the unpadded softmax is), so the
   result carries ``axis_fill = 0`` and a later sum or contraction over the axis needs no mask.
   2-core CPU box, a BERT-style encoder at T=500 under ``padding="auto"``: 45-52 -> 24-27 ms a
-  call (``padding="trust"``: 23-31 ms).
+  call (``padding="trust"``: 23-31 ms).  bf16 and f16 softmaxes (their sum runs in float32
+  between two converts) fuse too: until session 4 they took the three selects, which on the
+  H100 made BERT-base bf16 under ``"auto"`` ~0.3 ms slower than ``"trust"`` at T=37.
   """
-  names = [e.primitive.name for e in eqns[i:i + len(_SOFTMAX)]]
-  if names == list(_SOFTMAX):
-    chain = eqns[i:i + len(_SOFTMAX)]
-  elif names[:8] == [n for n in _SOFTMAX if n != "stop_gradient"]:
-    chain = eqns[i:i + 8]  # no stop_gradient
-  else:
+  found = _softmax_chain(eqns, i)
+  if found is None:
     return None
-  by = {e.primitive.name: e for e in chain}
-  red, mx, sub, ex, sm, dv = (by["reduce_max"], by["max"], by["sub"], by["exp"],
-                              by["reduce_sum"], by["div"])
-  bcasts = [e for e in chain if e.primitive.name == "broadcast_in_dim"]
+  end, (red, mx, b_max, sg, sub, ex, up, sm, b_sum, down, dv) = found
+  chain = [e for e in found[1] if e is not None]
   a = red.invars[0]
   if isinstance(a, jex_core.Literal) or len(red.params["axes"]) != 1:
     return None
@@ -1315,24 +1331,34 @@ def fused_softmax(ctx, eqns, i: int, uses: dict, read):
   aval = a.aval
   if not is_dynamic_dim(aval.shape[k]) or not jnp.issubdtype(aval.dtype, jnp.floating):
     return None
+  if (up is None) != (down is None):
+    return None
+  if up is not None and not (  # a wider float sum, converted back to the input's dtype
+      jnp.issubdtype(up.params["new_dtype"], jnp.floating)
+      and jnp.finfo(up.params["new_dtype"]).bits > jnp.finfo(aval.dtype).bits
+      and down.params["new_dtype"] == aval.dtype):
+    return None
   # The data flow must be exactly the softmax's, every intermediate used only inside it.
-  sg = by.get("stop_gradient")
-  m_b = bcasts[0].outvars[0]
+  m_b = b_max.outvars[0]
   m_used = sg.outvars[0] if sg is not None else m_b
+  summed = up.outvars[0] if up is not None else ex.outvars[0]
+  denom = down.outvars[0] if down is not None else b_sum.outvars[0]
   lit = [v for v in mx.invars if isinstance(v, jex_core.Literal)]
   ok = (
     len(lit) == 1 and float(np.asarray(lit[0].val)) == -np.inf
     and red.outvars[0] in mx.invars
-    and bcasts[0].invars[0] is mx.outvars[0]
+    and b_max.invars[0] is mx.outvars[0]
     and (sg is None or sg.invars[0] is m_b)
     and sub.invars[0] is a and sub.invars[1] is m_used
     and ex.invars[0] is sub.outvars[0]
-    and sm.invars[0] is ex.outvars[0] and tuple(sm.params["axes"]) == (k,)
-    and bcasts[1].invars[0] is sm.outvars[0]
-    and dv.invars[0] is ex.outvars[0] and dv.invars[1] is bcasts[1].outvars[0]
-    and all(v.aval.shape[k] == 1 for v in (m_b, bcasts[1].outvars[0]))
+    and (up is None or up.invars[0] is ex.outvars[0])
+    and sm.invars[0] is summed and tuple(sm.params["axes"]) == (k,)
+    and b_sum.invars[0] is sm.outvars[0]
+    and (down is None or down.invars[0] is b_sum.outvars[0])
+    and dv.invars[0] is ex.outvars[0] and dv.invars[1] is denom
+    and all(v.aval.shape[k] == 1 for v in (m_b, b_sum.outvars[0]))
     and all(tuple(b.params["broadcast_dimensions"]) == tuple(d for d in range(aval.ndim) if d != k)
-            for b in bcasts)
+            for b in (b_max, b_sum))
   )
   inner = [e.outvars[0] for e in chain[:-1]]
   if not ok or any(uses.get(v, 0) != (2 if v is ex.outvars[0] else 1) for v in inner):
@@ -1343,10 +1369,11 @@ def fused_softmax(ctx, eqns, i: int, uses: dict, read):
   if sg is not None:
     m = lax.stop_gradient(m)
   u = jnp.exp(xm - m)
-  out = u / jnp.sum(u, axis=k, keepdims=True)
+  s = jnp.sum(u if up is None else u.astype(up.params["new_dtype"]), axis=k, keepdims=True)
+  out = u / (s if down is None else s.astype(down.params["new_dtype"]))
   ctx.note(dv, f"softmax over axis {k}:{aval.shape[k]} fused: one -inf mask, padded "
            "probabilities are 0 (no mask needed on sums over the axis)")
-  return i + len(chain), dv.outvars[0], PaddedValue(out, axis_fill=((k, np.float32(0)),))
+  return end, dv.outvars[0], PaddedValue(out, axis_fill=((k, np.float32(0)),))
 
 
 FUSED[P.reduce_max_p] = fused_softmax
