@@ -30,6 +30,8 @@ Modes (``--modes``, in order; a ``*_restart`` mode reuses the cache of the mode 
 * ``*warm*``: the server starts ``f.warmup(..., background=True)`` from abstract arguments
   (``jax.eval_shape(module.init, ...)``) right after its imports, before it builds its requests
   and reads its weights (the start-up a server would write; ``*_restart`` of it too).
+  Every cold mode starts on a fresh cache; ``X_restart`` and ``X_warm_restart`` restart on the
+  cache of whichever of ``X`` and ``X_warm`` ran last.
 * ``<mode>_prof``: ``<mode>`` with its first ``--profile_first`` calls under cProfile before
   the timed stream (top entries in the record; its timings are not the protocol's).
 * ``lengths``: per exact length (``--lengths``): the exact-shape AOT executable, dynjax's
@@ -564,7 +566,10 @@ def main(argv=None) -> dict:
       if restart and base not in caches:
         results.append({"mode": mode, "error": f"needs {base} earlier in --modes"})
         continue
-      cache = caches.setdefault(base, os.path.join(tmp, base))
+      if restart:
+        cache = caches[base]
+      else:  # a cold mode always starts on a fresh cache; later restarts take the latest
+        cache = caches[base] = os.path.join(tmp, mode)
     rec = _spawn(args, mode, cache)
     results.append(rec)
     print(_line(rec), flush=True)
@@ -576,8 +581,8 @@ def main(argv=None) -> dict:
 
 def cache_key(mode: str) -> tuple[bool, str]:
   """(whether ``mode`` restarts, the mode whose cache it uses).  ``_prof`` and ``_warm`` change
-  what a process does at start-up only: ``X_warm_restart`` and ``X_restart`` share the cache of
-  ``X`` or ``X_warm``, whichever ran."""
+  what a process does at start-up only: ``X_warm_restart`` and ``X_restart`` restart on the
+  cache of ``X`` or ``X_warm``, whichever ran last (every cold mode gets a fresh cache)."""
   m = mode.removesuffix("_prof")
   return m.endswith("_restart"), m.removesuffix("_restart").replace("_warm", "")
 
