@@ -165,9 +165,7 @@ class Compiler:
     if fam.preloaded:
       return
     fam.preloaded = True
-    store = fam.store()
-    stored = sorted({b for b, _ in store.stored() if len(b) == len(fam.policies)}
-                    if store is not None else ())
+    stored = fam.stored_buckets()
     for b in stored:
       self._adopt(fam, b)
     own = fam.bucket_of(sizes, observe=False) if stored else None
@@ -233,8 +231,7 @@ class Compiler:
     lowering there is free.
     """
     fam.prelowering = True
-    store = fam.store()
-    stored = {b for b, _ in store.stored()} if store is not None else set()
+    stored = set(fam.stored_buckets())
     cands = [b for b in plan_buckets(fam, first, PRELOWER_MAX)
              if b != first and b not in stored and (fam.fid, b) not in self.cache]
     if not cands:
@@ -393,9 +390,7 @@ class Compiler:
       jidx = fam.joint.idx
       todo = sorted({tuple(jt[jidx.index(i)] if i in jidx else b[i] for i in range(len(b)))
                      for b in todo for jt in fam.joint.sizes()})
-    store = fam.store()
-    if store is not None:
-      todo = sorted(set(todo) | {b for b, _ in store.stored() if len(b) == len(fam.policies)})
+    todo = sorted(set(todo) | set(fam.stored_buckets()))
     before, loads_before = self.cache.compiles, self.cache.loads
     t0 = time.perf_counter()
     if background:
