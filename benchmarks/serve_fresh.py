@@ -124,7 +124,6 @@ def _model_cfg(args):
 
 def _jax_setup(args, clock, requests=True):
   import jax
-  import numpy as np
 
   from examples import models
 
@@ -136,7 +135,7 @@ def _jax_setup(args, clock, requests=True):
   ecfg = _model_cfg(args)
   module = models.BertEncoder(ecfg)
   raw = models.init_encoder_params(ecfg, seed=0)
-  dt = np.dtype(args.dtype) if args.dtype != "bfloat16" else jax.numpy.bfloat16
+  dt = jax.numpy.dtype(args.dtype)  # float32 or bfloat16
   variables = jax.device_put({"params": jax.tree.map(lambda a: a.astype(dt), raw)})
   jax.block_until_ready(variables)
   clock.mark("weights")
@@ -288,6 +287,23 @@ def _child_hand(args, clock, mode):
   return _record(mode, reqs, lat, stream, clock, jax=jax.__version__)
 
 
+def _abstract_model(args):
+  """(module, abstract variables in the run's dtype, tokens and lengths specs at ``max_len``)
+  from Flax's ``jax.eval_shape(module.init, ...)``: what a server has before its weights."""
+  import jax
+  import numpy as np
+
+  from examples import models
+
+  module = models.BertEncoder(_model_cfg(args))
+  tokens = jax.ShapeDtypeStruct((args.batch, args.max_len), np.int32)
+  lengths = jax.ShapeDtypeStruct((args.batch,), np.int32)
+  shapes = jax.eval_shape(module.init, jax.random.key(0), tokens, lengths)
+  dt = jax.numpy.dtype(args.dtype)  # float32 or bfloat16
+  return module, {"params": jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, dt),
+                                         shapes["params"])}, tokens, lengths
+
+
 def _hand_warmup(args, pol, built) -> None:
   """``hand_warm*``: what a JAX user would write for dynjax's start-up warmup: one thread
   lowers and compiles ``jax.jit(module.apply)`` at every pow2 bucket from shapes (largest
@@ -295,18 +311,9 @@ def _hand_warmup(args, pol, built) -> None:
   import threading
 
   import jax
-  import jax.numpy as jnp
   import numpy as np
 
-  from examples import models
-
-  module = models.BertEncoder(_model_cfg(args))
-  lengths = jax.ShapeDtypeStruct((args.batch,), np.int32)
-  full = jax.ShapeDtypeStruct((args.batch, args.max_len), np.int32)
-  shapes = jax.eval_shape(module.init, jax.random.key(0), full, lengths)
-  dt = jnp.bfloat16 if args.dtype == "bfloat16" else np.dtype(args.dtype)
-  shapes = {"params": jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, dt),
-                                   shapes["params"])}
+  module, shapes, _, lengths = _abstract_model(args)
   apply = jax.jit(module.apply)
 
   def run():
@@ -333,20 +340,8 @@ def _warmup_from_shapes(args, build, clock):
   server builds its function and starts ``warmup(background=True)`` from abstract arguments
   (Flax's ``jax.eval_shape(module.init, ...)`` idiom): the first bucket compiles (a restart:
   the stored buckets load) while the process reads its weights."""
-  import jax
-  import jax.numpy as jnp
-  import numpy as np
-
-  from examples import models
-
-  module = models.BertEncoder(_model_cfg(args))
+  module, shapes, tokens, lengths = _abstract_model(args)
   f = build(module)
-  tokens = jax.ShapeDtypeStruct((args.batch, args.max_len), np.int32)
-  lengths = jax.ShapeDtypeStruct((args.batch,), np.int32)
-  shapes = jax.eval_shape(module.init, jax.random.key(0), tokens, lengths)
-  dt = jnp.bfloat16 if args.dtype == "bfloat16" else np.dtype(args.dtype)
-  shapes = {"params": jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, dt),
-                                   shapes["params"])}
   f.warmup(shapes, tokens, lengths, background=True)
   clock.mark("warmup_started")
   return f
