@@ -213,6 +213,9 @@ class Setting:
     return route.Routed(self.experts, self.router, mode="grouped", kernel=kernel, tiling=tiling)
 
 
+SWEEP_BEST: dict[str, tuple[str, float]] = {}  # setting -> (tiling, gemm1 + gemm2 ms)
+
+
 def run_sweep(args) -> dict:
   out = {}
   d, f, n = args.d, args.ffn, args.tokens
@@ -239,13 +242,13 @@ def run_sweep(args) -> dict:
       if elapsed() > args.budget:
         break
       rows = _gmm.buffer_rows(n, s.e, t, backend)
+      both = []  # the two GEMMs' medians (None where one failed)
       for gi, (src, wt) in enumerate(((xs, s.params["w1"]), (hs, s.params["w2"]))):
         fn = jax.jit(lambda *a, wt=wt, t=t, backend=backend, loads=loads: [
             route.gmm(x, wt, loads, tiling=t, backend=backend) for x in a])
-        timed(f"gemm{gi + 1} {backend} {name(t)} ({rows} rows)", res, fn,
-              [[x[:rows] for x in src]], args.iters, REPS)
-      both = [res.get(f"gemm{gi} {backend} {name(t)} ({rows} rows)", {}).get("median_ms")
-              for gi in (1, 2)]
+        label = f"gemm{gi + 1} {backend} {name(t)} ({rows} rows)"
+        timed(label, res, fn, [[x[:rows] for x in src]], args.iters, REPS)
+        both.append(res[label].get("median_ms"))
       if backend == "mgpu" and None not in both:  # --mgpu-layer best: the fastest pair
         best = SWEEP_BEST.get(setting)
         if best is None or sum(both) < best[1]:
@@ -254,9 +257,6 @@ def run_sweep(args) -> dict:
     if setting in SWEEP_BEST:
       res["best_mgpu"] = SWEEP_BEST[setting]
   return out
-
-
-SWEEP_BEST: dict[str, tuple[str, float]] = {}  # setting -> (tiling, gemm1 + gemm2 ms)
 
 
 def layer_pieces(s: Setting, kernel: str, tiling: route.Tiling | None):
