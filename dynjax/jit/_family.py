@@ -506,14 +506,6 @@ class Family:
                  if spec is not None)
     return BucketEntry(exe, in_shapes, padded, tuple(rewrites), tier, source)
 
-  def stored_buckets(self) -> list[tuple[int, ...]]:
-    """The buckets this family has stored under ``cache_dir`` (any tier), sorted; [] when
-    none or no store."""
-    store = self.store()
-    if store is None:
-      return []
-    return sorted({b for b, _ in store.stored() if len(b) == len(self.sig.var_order)})
-
   def load_stored(self, bkey, stored_min: int = 0) -> BucketEntry | None:
     """The bucket's best stored executable of tier >= ``stored_min`` (``cache_dir``), or None."""
     store = self.store()

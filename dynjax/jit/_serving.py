@@ -65,6 +65,15 @@ TIER_UP_AFTER = config.tier_up_after
 TIER_UP_IDLE_S = 1.0
 
 
+def stored_buckets(fam: Family) -> list[tuple[int, ...]]:
+  """The buckets ``fam`` has stored under ``cache_dir`` (any tier), sorted; [] when none or no
+  store."""
+  store = fam.store()
+  if store is None:
+    return []
+  return sorted({b for b, _ in store.stored() if len(b) == len(fam.policies)})
+
+
 class Compiler:
   """Builds (loads or compiles) the buckets of one wrapped function's families."""
 
@@ -165,7 +174,7 @@ class Compiler:
     if fam.preloaded:
       return
     fam.preloaded = True
-    stored = fam.stored_buckets()
+    stored = stored_buckets(fam)
     for b in stored:
       self._adopt(fam, b)
     own = fam.bucket_of(sizes, observe=False) if stored else None
@@ -231,7 +240,7 @@ class Compiler:
     lowering there is free.
     """
     fam.prelowering = True
-    stored = set(fam.stored_buckets())
+    stored = set(stored_buckets(fam))
     cands = [b for b in plan_buckets(fam, first, PRELOWER_MAX)
              if b != first and b not in stored and (fam.fid, b) not in self.cache]
     if not cands:
@@ -390,7 +399,7 @@ class Compiler:
       jidx = fam.joint.idx
       todo = sorted({tuple(jt[jidx.index(i)] if i in jidx else b[i] for i in range(len(b)))
                      for b in todo for jt in fam.joint.sizes()})
-    todo = sorted(set(todo) | set(fam.stored_buckets()))
+    todo = sorted(set(todo) | set(stored_buckets(fam)))
     before, loads_before = self.cache.compiles, self.cache.loads
     t0 = time.perf_counter()
     if background:
