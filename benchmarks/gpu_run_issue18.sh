@@ -10,8 +10,8 @@ set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-FP32=${FP32-torch_eager,hand,hand_restart,hand_warm_restart,dynjax_auto16_warm_wait,dynjax_auto16_wait_restart,dynjax_auto16_warm_wait_restart,lengths}
-BF16=${BF16-torch_eager,hand,hand_restart,hand_warm_restart,dynjax_cudnn_auto16_warm_wait,dynjax_cudnn_auto16_warm_wait_restart,lengths}
+FP32=${FP32-torch_eager,hand_warm,hand_warm_restart,dynjax_auto16_warm_wait,dynjax_auto16_warm_wait_restart,lengths}
+BF16=${BF16-torch_eager,hand_warm,hand_warm_restart,dynjax_cudnn_auto16_warm_wait,dynjax_cudnn_auto16_warm_wait_restart,lengths}
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   python3 -c "import sys, jax, torch, flax; print('python', sys.version.split()[0], 'jax', jax.__version__, 'torch', torch.__version__, 'flax', flax.__version__)"
 } > "$OUT/versions.txt" 2>&1

@@ -150,7 +150,7 @@ def _serve(reqs, call, clock, second=None):
     t = time.perf_counter()
     _to_numpy(call(r))  # numpy results (a device or torch output is synced here)
     lat.append(time.perf_counter() - t)
-    if i == 0:
+    if i == 0 and second is None:  # a second pass keeps the first pass's mark
       clock.mark("first_answer")
   stream = time.perf_counter() - t_first
   clock.mark(f"answer_{len(reqs)}" if second is None else f"answer_{len(reqs)}_{second}")

@@ -35,6 +35,8 @@ EARLY_OBSERVATIONS = 256
 # compile is assumed to take before one was measured (CPU tests 0.1-1 s; H100 BERT-base 2.2-3 s
 # quick tier, ~5 s full).
 MAX_BUCKETS = 64
+# How many buckets a cold ``Auto.warm_sizes`` builds (``max`` and its halvings).
+WARM_LADDER = 4
 DEFAULT_COMPILE_SECONDS = 1.0
 # The tuple budget joint planning (``_joint.py``) uses for value-decided policies.
 JOINT_BUDGET = 8
@@ -146,6 +148,31 @@ class Auto(BucketPolicy):
       raise PolicyError(f"{self!r} has no max and no observations: its buckets cannot be "
                         "listed yet; give max=... or call the function first")
     return self._table
+
+  def warm_sizes(self) -> tuple[int, ...]:
+    """The buckets ``warmup()`` builds.  With traffic seen (or buckets adopted from a store):
+    the plan.  Cold, a plan is one bucket at ``max``, and a server warmed on it alone answers
+    every request there until its traffic plans more: a ladder of halvings instead, ``max``,
+    ``max/2``, ... (:data:`WARM_LADDER` buckets, at most half the budget), adopted as sunk
+    buckets the later plans keep and add to.  Why: H100 BERT-base fp32 (issue 18, run 7), a
+    start-up warmup of ``max`` alone served 546 of the first 1,000 requests at 512 tokens;
+    simulated steady cost over exact shapes with the ladder sunk (512 / 256 / 128 / 64) is
+    1.046x against 1.041x for auto(16) from nothing (``benchmarks/sim_buckets.py``)."""
+    with self._lock:
+      cold = self._n_obs == 0 and self._table == self._build_table()
+    if self.max is None or not cold:
+      return self.sizes()
+    q = self._quantum()
+    top = _round_up(self.max, self.multiple)
+    ladder = {top}
+    for i in range(1, min(WARM_LADDER, max(1, self.bucket_cap() // 2))):
+      b = -(-(top >> i) // q) * q
+      if b < max(self.min, 1):
+        break
+      ladder.add(b)
+    for b in ladder:
+      self.adopt(b)
+    return self.sizes()
 
   def observe(self, n: int) -> None:
     # Hot path: a Counter increment (~0.2 us); re-planning runs at 8, 16, 32, ... calls.

@@ -105,6 +105,10 @@ class BucketPolicy:
           "give max=...")
     return self._table
 
+  def warm_sizes(self) -> tuple[int, ...]:
+    """The buckets ``warmup()`` builds: every size of the table (``Auto`` overrides it)."""
+    return self.sizes()
+
   def observe(self, n: int) -> None:
     """Records one call's true size (used by profile-guided policies)."""
 

@@ -214,7 +214,9 @@ class Wrapped:
     """Compiles (or, with ``cache_dir``, loads) every bucket ahead of time, concurrently.
 
     The buckets: every bucket of the declared ranges (variables whose policy has no ``max``:
-    the example's bucket only), plus every bucket a previous run stored under ``cache_dir``.
+    the example's bucket only; an ``auto`` policy: its plan, or before any traffic a ladder
+    ``max``, ``max/2``, ``max/4``, ``max/8`` that its later plans keep and add to), plus every
+    bucket a previous run stored under ``cache_dir``.
     Stored executables load in parallel (~0.05 s each for BERT-base on an H100) without
     tracing or lowering them again, so a restarted server is ready at once.
     ``background=True`` returns at once and builds the largest bucket first; with

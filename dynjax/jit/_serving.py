@@ -388,18 +388,23 @@ class Compiler:
   # -- ahead of time -----------------------------------------------------------------------
   def warmup(self, fam: Family, sizes, progress: bool | None, max_workers: int | None,
              background: bool) -> dict:
-    """``Wrapped.warmup``: every bucket of the declared ranges (and every stored one)."""
+    """``Wrapped.warmup``: every bucket of the declared ranges (and every stored one); for
+    an ``auto`` policy its plan, or cold its ladder (``BucketPolicy.warm_sizes``)."""
     if fam.mode not in ("trust", "auto"):
       return {"buckets": [], "compiled": 0, "seconds": 0.0,
               "note": fam.fallback or f"{fam.mode} mode"}
-    per_var = [p.sizes() if p.max is not None else (p.bucket(n),)
-               for n, p in zip(sizes, fam.policies, strict=True)]
+    stored = stored_buckets(fam)
+    for b in stored:  # a restart plans with what its store holds (no cold ladder on top)
+      self._adopt(fam, b)
+    jidx = () if fam.joint is None else fam.joint.idx  # joint dims: the joint plan's tuples
+    per_var = [(p.sizes() if i in jidx else p.warm_sizes()) if p.max is not None
+               else (p.bucket(n),)
+               for i, (n, p) in enumerate(zip(sizes, fam.policies, strict=True))]
     todo = list(itertools.product(*per_var))
     if fam.joint is not None:  # the planned tuples, not the product of the auto tables
-      jidx = fam.joint.idx
       todo = sorted({tuple(jt[jidx.index(i)] if i in jidx else b[i] for i in range(len(b)))
                      for b in todo for jt in fam.joint.sizes()})
-    todo = sorted(set(todo) | set(stored_buckets(fam)))
+    todo = sorted(set(todo) | set(stored))
     before, loads_before = self.cache.compiles, self.cache.loads
     t0 = time.perf_counter()
     if background:

@@ -666,3 +666,45 @@ def test_warmup_from_shape_dtype_structs_builds_what_calls_use(tmp_path):
     g(p, jax.ShapeDtypeStruct((2, 9, 4), np.float32))
   with pytest.raises(dynjax.SpecError, match=r"argument params\['b'\] is a jax.ShapeDtypeStruct"):
     g(shapes, _x(9))
+
+
+def test_cold_auto_warmup_builds_a_ladder_the_plans_keep(tmp_path, compiles):
+  # A cold auto policy plans one bucket at max; a warmup on it alone would answer every early
+  # request there.  It builds max, max/2, max/4, max/8 instead, adopted: calls run them and
+  # later plans keep them.  A restart warms up what its store holds, no ladder on top.
+  p = _params()
+  kw = dict(dims={"x": "b, t, 4"}, cache_dir=str(tmp_path),
+            buckets={"b": [2], "t": dynjax.buckets.auto(max=64)})
+  f = dynjax.jit(_model, **kw)
+  info = f.warmup(jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), p),
+                  jax.ShapeDtypeStruct((2, 30, 4), np.float32))
+  assert sorted(info["buckets"]) == [(2, 8), (2, 16), (2, 32), (2, 64)]
+  assert f.stats()["compiles"] == 4
+  for t in (3, 9, 30, 33, 64):
+    np.testing.assert_allclose(f(p, _x(t)), EXACT(p, _x(t)), rtol=1e-6, atol=1e-6)
+  assert f.stats()["compiles"] == 4  # every call ran on the ladder
+  for t in [5, 6, 7, 40, 41, 50] * 6:  # traffic: the re-plans add buckets, keep the ladder
+    f(p, _x(t))
+  fam = next(iter(f._dispatcher.families.values()))
+  table = set(fam.policies[1].sizes())
+  assert {8, 16, 32, 64} < table and fam.policies[1].replans >= 1
+  stored = {b[1] for b in _stored(fam)}
+  assert stored == table  # every bucket the calls built went to the store
+  g = dynjax.jit(_model, **kw)
+  g.warmup(p, _x(9))
+  assert (g.stats()["compiles"], g.stats()["loaded_from_store"]) == (0, len(stored))
+  assert set(next(iter(g._dispatcher.families.values())).policies[1].sizes()) == stored
+
+
+def _stored(fam):
+  return {b for b, _ in fam.store().stored()}
+
+
+def test_auto_warmup_ladder_respects_a_small_budget_and_max(compiles):
+  for pol, want in ((dynjax.buckets.auto(max_compiles=2, max=64), [64]),
+                    (dynjax.buckets.auto(max_compiles=4, max=64), [32, 64]),
+                    (dynjax.buckets.auto(max=20), [8, 16, 20]),
+                    (dynjax.buckets.auto(max=64, min=24), [32, 64])):
+    f = dynjax.jit(_model, dims={"x": "b, t, 4"}, buckets={"b": [2], "t": pol})
+    info = f.warmup(_params(), _x(5))
+    assert sorted(b[1] for b in info["buckets"]) == want, pol
