@@ -357,12 +357,37 @@ def _child_dynjax(args, clock, mode):
     from dynjax.jit import _serving
 
     _serving.QUICK_GPU_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
+  if "t1cublas" in mode:  # experiment: tier 1 autotunes cuBLAS gemms only (triton gemms off)
+    from dynjax.jit import _serving
+
+    _serving.FULL_GPU_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
+  if "t1after" in mode:  # experiment: no tier-up before the first call
+    from dynjax.jit import _serving
+
+    _serving.TIER_UP_BEFORE_TRAFFIC = False
 
   def build(module):
     return dynjax_flax.jit(module, dims={"tokens": "b, t", "lengths": "b"},
                            buckets={"t": _policy(mode, args)}, serving=True,
                            cache_dir=args.cache, padding="trust" if "trust" in mode else "auto",
                            attention="cudnn" if "cudnn" in mode else None)
+
+  import logging
+
+  timeline = []  # (s since spawn, "compiled|loaded <key> in <s>"): when each build finished
+
+  class _Timeline(logging.Handler):
+    def emit(self, record):
+      timeline.append((round(clock.now(), 2), record.getMessage()[:160]))
+
+  logging.getLogger("dynjax").addHandler(_Timeline(logging.INFO))
+  logging.getLogger("dynjax").setLevel(logging.INFO)
+  built = build
+
+  def build(module):  # noqa: F811 - every build logs its compiles and loads into the timeline
+    g = built(module)
+    g._dispatcher.cache.log = True
+    return g
 
   f = None
   if "warm" in mode:  # a server's start-up: build (or load) in the background, from shapes
@@ -398,6 +423,7 @@ def _child_dynjax(args, clock, mode):
            "jax": jax.__version__, "dynjax_version": getattr(dynjax, "__version__", None)}
   if prof is not None:
     extra["profile_first"] = prof
+  extra["timeline"] = list(timeline)
   if "_wait" in mode and "restart" not in mode:
     t = time.perf_counter()
     f.wait()

@@ -63,6 +63,11 @@ PRELOWER_MAX = 12
 # only 1-2 of them finished before the process ended.  wait() runs them at once.
 TIER_UP_AFTER = config.tier_up_after
 TIER_UP_IDLE_S = 1.0
+# Whether a gap before a function's first call counts as a traffic gap (a start-up warmup's
+# buckets then tier up before requests come, but one still compiling when they do stalls them).
+TIER_UP_BEFORE_TRAFFIC = True
+# Options of tier 1 on top of the user's (empty: XLA's defaults).
+FULL_GPU_OPTIONS: dict = {}
 
 
 def stored_buckets(fam: Family) -> list[tuple[int, ...]]:
@@ -329,6 +334,8 @@ class Compiler:
     which look again at least once a second; free on the hot path: it compares call counts)."""
     now = time.perf_counter()
     seen_calls, since = self._gap_probe
+    if calls == 0 and not TIER_UP_BEFORE_TRAFFIC:
+      return False
     if calls != seen_calls:
       self._gap_probe = (calls, now)
       return False
@@ -381,8 +388,8 @@ class Compiler:
 
   def compile_options(self, tier: int) -> dict:
     opts = dict(self.opts.compiler_options)
-    if tier == 0 and self.tiers() > 1:
-      opts.update(QUICK_GPU_OPTIONS)
+    if self.tiers() > 1:
+      opts.update(QUICK_GPU_OPTIONS if tier == 0 else FULL_GPU_OPTIONS)
     return opts
 
   # -- ahead of time -----------------------------------------------------------------------
