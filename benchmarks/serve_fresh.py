@@ -361,6 +361,10 @@ def _child_dynjax(args, clock, mode):
     from dynjax.jit import _serving
 
     _serving.FULL_GPU_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
+  if "noup" in mode:  # experiment: no tier-up at all (quick tier only, unless wait())
+    from dynjax.jit import _serving
+
+    _serving.TIER_UP_IDLE_S = _serving.TIER_UP_AFTER = 1e12
   if "t1after" in mode:  # experiment: no tier-up before the first call
     from dynjax.jit import _serving
 
@@ -424,6 +428,10 @@ def _child_dynjax(args, clock, mode):
   if prof is not None:
     extra["profile_first"] = prof
   extra["timeline"] = list(timeline)
+  if "_idle" in mode and "restart" not in mode:  # the same stream again once no compile runs
+    extra["idle_s"] = _idle(f)
+    lat2, stream2 = _serve(reqs, call, clock, second="after_idle")
+    extra["after_idle"] = {"stream_s": stream2, "bins_ms": _bins(reqs, lat2)}
   if "_wait" in mode and "restart" not in mode:
     t = time.perf_counter()
     f.wait()
@@ -431,6 +439,16 @@ def _child_dynjax(args, clock, mode):
     lat2, stream2 = _serve(reqs, call, clock, second="after_wait")
     extra["after_wait"] = {"stream_s": stream2, "bins_ms": _bins(reqs, lat2)}
   return _record(mode, reqs, lat, stream, clock, **extra)
+
+
+def _idle(f) -> float:
+  """Waits until no background build runs or is queued, without forcing tier-1 (wait() would)."""
+  t = time.perf_counter()
+  sched = f._dispatcher.compiler.scheduler
+  while sched is not None and (sched.running_jobs() or any(
+      j.info[2] == 0 for j in sched.pending_jobs())):
+    time.sleep(0.05)
+  return time.perf_counter() - t
 
 
 def _child_lengths(args, clock):
@@ -481,7 +499,15 @@ def _child_lengths(args, clock):
     lens = np.full((args.batch,), t, np.int32)
     lens[0] = max(1, t // 2)
     exe = apply.lower(variables, tok, lens).compile()
-    row = {"exact_aot": med(lambda: np.asarray(exe(variables, tok, lens))),
+    row = {"exact_aot": med(lambda: np.asarray(exe(variables, tok, lens)))}
+    if jax.default_backend() == "gpu":  # the exact shape under dynjax's tier options
+      from dynjax.jit import _serving
+
+      for name, opts in (("exact_quick", _serving.QUICK_GPU_OPTIONS),
+                         ("exact_triton_off", {"xla_gpu_enable_triton_gemm": False})):
+        e = apply.lower(variables, tok, lens).compile(compiler_options=dict(opts))
+        row[name] = med(lambda e=e: np.asarray(e(variables, tok, lens)))
+    row |= {
            "dynjax_full": med(lambda: f(variables, tok, lens)),
            "dynjax_full_trust": med(lambda: ft(variables, tok, lens))}
     fl = dj("auto", store)  # a second function: its bucket executable loads from the store
@@ -655,12 +681,14 @@ def table(results) -> str:
     cells = [f"{b[f'{lo}-{hi}']:.2f}" if b.get(f"{lo}-{hi}") is not None else "" for lo, hi in BINS]
     rows.append(f"| {rec['mode']} | {rec['start_to_last_s']:.1f} | {rec['stream_s']:.2f} | "
                 + " | ".join(cells) + tail(b, rec))
-    if "after_wait" in rec:
-      a = rec["after_wait"]["bins_ms"]
-      cells = [f"{a[f'{lo}-{hi}']:.2f}" if a.get(f"{lo}-{hi}") is not None else ""
-               for lo, hi in BINS]
-      rows.append(f"| {rec['mode']} after wait() ({rec['wait_s']:.0f} s) | | "
-                  f"{rec['after_wait']['stream_s']:.2f} | " + " | ".join(cells) + tail(a, rec))
+    for key, what, secs in (("after_idle", "again, no compile running", "idle_s"),
+                            ("after_wait", "after wait()", "wait_s")):
+      if key in rec:
+        a = rec[key]["bins_ms"]
+        cells = [f"{a[f'{lo}-{hi}']:.2f}" if a.get(f"{lo}-{hi}") is not None else ""
+                 for lo, hi in BINS]
+        rows.append(f"| {rec['mode']} {what} ({rec[secs]:.0f} s) | | "
+                    f"{rec[key]['stream_s']:.2f} | " + " | ".join(cells) + tail(a, rec))
   for rec in results:
     if rec.get("mode") == "lengths":
       keys = next(iter(rec["per_length_ms"].values())).keys()
