@@ -361,6 +361,11 @@ def _child_dynjax(args, clock, mode):
     from dynjax.jit import _serving
 
     _serving.FULL_GPU_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
+  if "nice" in mode:  # experiment: compile worker threads at nice 10
+    from dynjax.jit import _scheduler
+
+    _scheduler.COMPILE_NICE = 10
+  workers = re.search(r"cw(\d+)", mode)  # experiment: compile_workers=N
   if "noup" in mode:  # experiment: no tier-up at all (quick tier only, unless wait())
     from dynjax.jit import _serving
 
@@ -374,7 +379,8 @@ def _child_dynjax(args, clock, mode):
     return dynjax_flax.jit(module, dims={"tokens": "b, t", "lengths": "b"},
                            buckets={"t": _policy(mode, args)}, serving=True,
                            cache_dir=args.cache, padding="trust" if "trust" in mode else "auto",
-                           attention="cudnn" if "cudnn" in mode else None)
+                           attention="cudnn" if "cudnn" in mode else None,
+                           compile_workers=int(workers.group(1)) if workers else None)
 
   import logging
 

@@ -18,6 +18,7 @@ most of that gain while leaving cores for the serving thread.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Hashable
@@ -26,6 +27,9 @@ from typing import Any
 
 logger = logging.getLogger("dynjax")
 
+
+# The nice value of the compile worker threads (0: as the process).  Experiment knob.
+COMPILE_NICE = 0
 
 class Job:
   """One pending compile: ``key`` (unique), ``build()``, and ``future`` (its result)."""
@@ -180,6 +184,11 @@ class CompileScheduler:
     return best
 
   def _work(self) -> None:
+    if COMPILE_NICE:
+      try:  # Linux: a thread's nice value (the XLA compile it runs inherits the thread)
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICE)
+      except (AttributeError, OSError):
+        pass
     while True:
       with self._cv:
         job = None
