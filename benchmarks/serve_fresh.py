@@ -361,10 +361,6 @@ def _child_dynjax(args, clock, mode):
     from dynjax.jit import _serving
 
     _serving.FULL_GPU_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
-  if "nice" in mode:  # experiment: compile worker threads at nice 10
-    from dynjax.jit import _scheduler
-
-    _scheduler.COMPILE_NICE = 10
   workers = re.search(r"cw(\d+)", mode)  # experiment: compile_workers=N
   if "noup" in mode:  # experiment: no tier-up at all (quick tier only, unless wait())
     from dynjax.jit import _serving

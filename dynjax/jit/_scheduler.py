@@ -11,14 +11,15 @@ No tracing code lives here: a job carries a ``build()`` thunk supplied by the co
 saved per second of compiling).
 
 Measured (H100 host, 16 cores, BERT-base, triton gemm off): one bucket compiles in 3.4 s
-alone; six at once take 7.5 s wall (2.7x the throughput of one at a time); three workers get
-most of that gain while leaving cores for the serving thread.
+alone; six at once take 7.5 s wall (2.7x the throughput of one at a time): urgent jobs (a
+caller or a warmup waits) use every worker.  Background jobs run one at a time
+(:data:`BACKGROUND_AT_ONCE`): while requests are served, parallel compiles slowed them more
+than the sooner buckets saved.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Hashable
@@ -28,8 +29,15 @@ from typing import Any
 logger = logging.getLogger("dynjax")
 
 
-# The nice value of the compile worker threads (0: as the process).  Experiment knob.
-COMPILE_NICE = 0
+# Background (not urgent) jobs running at once.  Urgent jobs (a caller or a warmup waits on
+# them) use every worker; the rest compile while requests are served, and parallel compiles
+# slow those requests.  H100, BERT-base fp32, a cold server warmed up from shapes at start-up
+# (4 buckets) then streaming 1,000 requests while its plan's next 4 buckets compiled in the
+# quick tier (benchmarks/serve_fresh.py, one run, jax 0.11.2): 4 at once, stream 7.26 s and
+# 6.58 ms a request; 2 at once 6.47 s; 1 at a time 5.33 s and 5.51 ms (PyTorch eager 5.84 s,
+# 5.56 ms); the same server with no compile during the stream (pow2, all 6 warmed) 4.89 s.
+# Lowering the compile threads' priority (nice 10) changed nothing (7.32 s).
+BACKGROUND_AT_ONCE = 1
 
 class Job:
   """One pending compile: ``key`` (unique), ``build()``, and ``future`` (its result)."""
@@ -174,7 +182,7 @@ class CompileScheduler:
     urgent = [j for j in self._pending.values() if j.urgent]
     if urgent:
       return min(urgent, key=lambda j: j.submitted)
-    if any(j.urgent for j in self._running.values()):
+    if any(j.urgent for j in self._running.values()) or len(self._running) >= BACKGROUND_AT_ONCE:
       return None
     best, best_v = None, 0.0
     for job in self._pending.values():
@@ -184,11 +192,6 @@ class CompileScheduler:
     return best
 
   def _work(self) -> None:
-    if COMPILE_NICE:
-      try:  # Linux: a thread's nice value (the XLA compile it runs inherits the thread)
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICE)
-      except (AttributeError, OSError):
-        pass
     while True:
       with self._cv:
         job = None

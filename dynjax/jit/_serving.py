@@ -65,9 +65,14 @@ TIER_UP_AFTER = config.tier_up_after
 TIER_UP_IDLE_S = 1.0
 # Whether a gap before a function's first call counts as a traffic gap (a start-up warmup's
 # buckets then tier up before requests come, but one still compiling when they do stalls them).
+# H200, BERT-base fp32, the cold warmed stream: 7.31 s with, 7.00 s without (one run each).
 TIER_UP_BEFORE_TRAFFIC = True
-# Options of tier 1 on top of the user's (empty: XLA's defaults).
-FULL_GPU_OPTIONS: dict = {}
+# Tier 1 on GPU: XLA's defaults with triton gemms off (cuBLAS gemms, autotuned).  Measured,
+# BERT-base fp32, jax 0.11.2 (benchmarks/serve_fresh.py): H200, the tier-up of 8 buckets
+# after a cold stream took 58-63 s against 80-85 s with the defaults, and the stream after it
+# ran 3.42-3.43 ms a request against 3.53; H100, exact shapes T=141 / 450: 2.68 / 7.55 ms
+# against 2.74 / 7.43 (compile 3.1 / 3.5 s against 6.4 / 7.0, probe_serving.py).
+FULL_GPU_OPTIONS: dict = {"xla_gpu_enable_triton_gemm": False}
 
 
 def stored_buckets(fam: Family) -> list[tuple[int, ...]]:
