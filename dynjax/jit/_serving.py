@@ -63,10 +63,14 @@ PRELOWER_MAX = 12
 # only 1-2 of them finished before the process ended.  wait() runs them at once.
 TIER_UP_AFTER = config.tier_up_after
 TIER_UP_IDLE_S = 1.0
-# Whether a gap before a function's first call counts as a traffic gap (a start-up warmup's
-# buckets then tier up before requests come, but one still compiling when they do stalls them).
-# H200, BERT-base fp32, the cold warmed stream: 7.31 s with, 7.00 s without (one run each).
-TIER_UP_BEFORE_TRAFFIC = True
+# Whether a gap before a function's first call counts as a traffic gap.  No: a start-up
+# warmup's buckets could tier up before requests come, but the one still compiling when they
+# do stalls them and holds back the plan's next buckets (background jobs run one at a time).
+# H100, BERT-base fp32, a warmed cold stream of 1,000 requests (jax 0.11.2): with it, 512
+# tiered up before the first request and 256 compiled through the first 4 s of the stream,
+# no planned bucket compiled, 739 requests ran on a larger bucket: 4.91 s (PyTorch eager 4.27);
+# without it (and no tier-up at all) another run's stream took 5.33 s (PyTorch 5.84).
+TIER_UP_BEFORE_TRAFFIC = False
 # Tier 1 on GPU: XLA's defaults with triton gemms off (cuBLAS gemms, autotuned).  Measured,
 # BERT-base fp32, jax 0.11.2 (benchmarks/serve_fresh.py): H200, the tier-up of 8 buckets
 # after a cold stream took 58-63 s against 80-85 s with the defaults, and the stream after it
