@@ -71,6 +71,15 @@ TIER_UP_IDLE_S = 1.0
 # no planned bucket compiled, 739 requests ran on a larger bucket: 4.91 s (PyTorch eager 4.27);
 # without it (and no tier-up at all) another run's stream took 5.33 s (PyTorch 5.84).
 TIER_UP_BEFORE_TRAFFIC = False
+# A background compile slows the requests served while it runs (GPU serving: host cores, the
+# GIL while it lowers, the device while its first run loads).  A tier-0 job starts when what
+# it would have saved on the traffic seen so far (Lindy: about as much traffic is to come)
+# exceeds CONTENTION times its compile seconds, or in a traffic gap.  H100, BERT-base fp32
+# (serve_fresh.py, jax 0.11.2): a warmed cold stream of 1,000 requests took 5.74 s while
+# its plan's first bucket compiled through 4.5 s of it (mean 5.44 ms; PyTorch eager 4.35 s);
+# a stream with no compile running: ~1.3x faster per request (4.52 against 10.30 ms while four
+# compiled at once).  Rough: from those runs.
+CONTENTION = 0.3
 # Tier 1 on GPU: XLA's defaults with triton gemms off (cuBLAS gemms, autotuned).  Measured,
 # BERT-base fp32, jax 0.11.2 (benchmarks/serve_fresh.py): H200, the tier-up of 8 buckets
 # after a cold stream took 58-63 s against 80-85 s with the defaults, and the stream after it
@@ -373,7 +382,11 @@ class Compiler:
     cur = np.where(np.isfinite(cur), cur, wait_cost)
     mask = np.all(np.array(bkey)[None, :] >= sizes, axis=1)
     gain = float((counts[mask] * np.maximum(cur[mask] - mine, 0.0)).sum())
-    return gain / self._compile_estimate(fam)
+    seconds = self._compile_estimate(fam)
+    if (gain < CONTENTION * seconds and not self.force_tier_up  # wait(): build it all now
+        and not self._traffic_gap(self.counters.calls_so_far())):
+      return 0.0  # not yet worth the requests it would slow (unless traffic has a gap)
+    return gain / seconds
 
   def _cost_model(self, fam: Family):
     """Seconds per call of a bucket: :func:`dynjax.bucketing._cost.fit` (``a + b*x + c*x**2``,

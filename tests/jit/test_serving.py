@@ -174,8 +174,9 @@ def test_gpu_tiers_quick_compile_first_then_full_options_replace_it(monkeypatch)
     time.sleep(0.05)
   assert sched.wait_idle(30)
   assert fam.buckets[(2, 64)].tier == 1 and fam.buckets[(2, 8)].tier == 1
-  first_full = seen.index({})
-  assert all(o == quick for o in seen[:first_full]) and all(o == {} for o in seen[first_full:])
+  full = {"xla_gpu_enable_triton_gemm": False}
+  first_full = seen.index(full)
+  assert all(o == quick for o in seen[:first_full]) and all(o == full for o in seen[first_full:])
   starts = sorted((start, start + dt) for key, start, dt in sched.log if key[2] == 1)
   assert all(b[0] >= a[1] - 1e-6 for a, b in zip(starts, starts[1:], strict=False))  # never two at once
   np.testing.assert_allclose(f(p, _x(5)), EXACT(p, _x(5)), rtol=1e-6, atol=1e-6)
@@ -184,6 +185,7 @@ def test_gpu_tiers_quick_compile_first_then_full_options_replace_it(monkeypatch)
 def test_tier_up_waits_while_requests_keep_coming(monkeypatch):
   monkeypatch.setattr(serving_mod, "on_gpu", lambda: True)
   monkeypatch.setattr(serving_mod, "TIER_UP_IDLE_S", 0.5)
+  monkeypatch.setattr(serving_mod, "CONTENTION", 0.0)  # any saving is worth a tier-0 compile
   p = _params()
   f = _serving(compile_workers=1)
   f(p, _x(5))
@@ -198,6 +200,31 @@ def test_tier_up_waits_while_requests_keep_coming(monkeypatch):
   while time.time() < deadline and fam.buckets[(2, 8)].tier == 0:
     time.sleep(0.05)
   assert fam.buckets[(2, 8)].tier == 1
+
+
+def test_a_background_compile_waits_until_worth_the_requests_it_slows(monkeypatch):
+  # A tier-0 job starts when what it would have saved on the traffic seen exceeds CONTENTION
+  # x its compile seconds, or in a traffic gap, or when wait() asks for everything.
+  monkeypatch.setattr(serving_mod, "on_gpu", lambda: True)
+  monkeypatch.setattr(serving_mod, "TIER_UP_IDLE_S", 0.5)
+  monkeypatch.setattr(serving_mod, "CONTENTION", 1e9)
+  p = _params()
+  f = _serving(compile_workers=1)
+  f(p, _x(5))
+  fam = next(iter(f._dispatcher.families.values()))
+  t_end = time.time() + 1.5
+  while time.time() < t_end:  # busy traffic: (2, 8) is planned, never worth 1e9 x a compile
+    np.testing.assert_allclose(f(p, _x(5)), EXACT(p, _x(5)), rtol=1e-6, atol=1e-6)
+    time.sleep(0.005)
+  assert (2, 8) not in fam.buckets and f.stats()["served_on_larger_bucket"] > 100
+  deadline = time.time() + 30  # traffic stops: the gap lets it compile (then tier up)
+  while time.time() < deadline and (2, 8) not in fam.buckets:
+    time.sleep(0.05)
+  assert (2, 8) in fam.buckets
+  g = _serving(compile_workers=1)
+  g(p, _x(5))
+  g.wait()  # builds every planned bucket at once, whatever its value
+  assert (2, 8) in next(iter(g._dispatcher.families.values())).buckets
 
 
 def test_tier_up_after_steady_traffic_or_wait(monkeypatch):
