@@ -820,9 +820,12 @@ def _repo_root() -> str:
 
 def _child_env() -> dict:
   """The environment of a child ``python -m benchmarks...``: the repository root on
-  ``PYTHONPATH``, so the child finds this package whatever its working directory."""
+  ``PYTHONPATH``, so the child finds this package whatever its working directory; JAX's GPU
+  memory on demand (unless set): the parent already holds 75% of the GPU, and a child that
+  pre-allocated 75% of the rest left PyTorch 31 MiB (the H200 demo's torch_eager OOM)."""
   path = os.environ.get("PYTHONPATH")
-  return {**os.environ, "PYTHONPATH": _repo_root() + (os.pathsep + path if path else "")}
+  return {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", **os.environ,
+          "PYTHONPATH": _repo_root() + (os.pathsep + path if path else "")}
 
 
 class WorkloadNotAvailable(Exception):
