@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Device call: the GPU `make demo` table (issue 18 goal 6).  The device has no network, so
 # instead of `make demo` (which installs a CUDA jax into .venv first) it runs the demo's own
-# command, the Makefile's GPU DEMO_ARGS, on the jax installed there.  ~6-7 min on the H100
-# (5 of its 8 modes took 260 s in session 4, when a 260 s limit cut it short).
+# command, the Makefile's GPU DEMO_ARGS, on the jax installed there.  310 s on the H100, 345 s
+# on the H200 (session 5).
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
