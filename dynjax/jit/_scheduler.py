@@ -39,6 +39,7 @@ logger = logging.getLogger("dynjax")
 # Lowering the compile threads' priority (nice 10) changed nothing (7.32 s).
 BACKGROUND_AT_ONCE = 1
 
+
 class Job:
   """One pending compile: ``key`` (unique), ``build()``, and ``future`` (its result)."""
 
