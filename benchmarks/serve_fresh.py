@@ -352,24 +352,17 @@ def _child_dynjax(args, clock, mode):
 
   import dynjax
   from dynjax import flax as dynjax_flax
+  from dynjax.jit import _serving  # the experiment tags below set its module constants
 
   if "t0tune" in mode:  # experiment: tier 0 autotunes cuBLAS gemms (triton gemms still off)
-    from dynjax.jit import _serving
-
     _serving.QUICK_GPU_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
-  if "t1cublas" in mode:  # experiment: tier 1 autotunes cuBLAS gemms only (triton gemms off)
-    from dynjax.jit import _serving
-
-    _serving.FULL_GPU_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
-  workers = re.search(r"cw(\d+)", mode)  # experiment: compile_workers=N
+  if "t1xla" in mode:  # experiment: tier 1 with XLA's defaults (triton gemms on; before run 12)
+    _serving.FULL_GPU_OPTIONS = {}
+  if "t1before" in mode:  # experiment: tier-up before the first call too (before run 13)
+    _serving.TIER_UP_BEFORE_TRAFFIC = True
   if "noup" in mode:  # experiment: no tier-up at all (quick tier only, unless wait())
-    from dynjax.jit import _serving
-
     _serving.TIER_UP_IDLE_S = _serving.TIER_UP_AFTER = 1e12
-  if "t1after" in mode:  # experiment: no tier-up before the first call
-    from dynjax.jit import _serving
-
-    _serving.TIER_UP_BEFORE_TRAFFIC = False
+  workers = re.search(r"cw(\d+)", mode)  # experiment: compile_workers=N
 
   def build(module):
     return dynjax_flax.jit(module, dims={"tokens": "b, t", "lengths": "b"},

@@ -166,7 +166,7 @@ class Auto(BucketPolicy):
     top = _round_up(self.max, self.multiple)
     ladder = {top}
     for i in range(1, min(WARM_LADDER, max(1, self.bucket_cap() // 2))):
-      b = -(-(top >> i) // q) * q
+      b = _round_up(top >> i, q)
       if b < max(self.min, 1):
         break
       ladder.add(b)

@@ -77,8 +77,8 @@ TIER_UP_BEFORE_TRAFFIC = False
 # exceeds CONTENTION times its compile seconds, or in a traffic gap.  H100, BERT-base fp32
 # (serve_fresh.py, jax 0.11.2): a warmed cold stream of 1,000 requests took 5.74 s while
 # its plan's first bucket compiled through 4.5 s of it (mean 5.44 ms; PyTorch eager 4.35 s);
-# a stream with no compile running: ~1.3x faster per request (4.52 against 10.30 ms while four
-# compiled at once).  Rough: from those runs.
+# another run's warmed stream again with no compile running: 4.52 ms a request against 10.30
+# while four compiled at once (2.3x).  Rough: from those runs.
 CONTENTION = 0.3
 # Tier 1 on GPU: XLA's defaults with triton gemms off (cuBLAS gemms, autotuned).  Measured,
 # BERT-base fp32, jax 0.11.2 (benchmarks/serve_fresh.py): H200, the tier-up of 8 buckets

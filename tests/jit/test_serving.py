@@ -715,16 +715,12 @@ def test_cold_auto_warmup_builds_a_ladder_the_plans_keep(tmp_path, compiles):
   fam = next(iter(f._dispatcher.families.values()))
   table = set(fam.policies[1].sizes())
   assert {8, 16, 32, 64} < table and fam.policies[1].replans >= 1
-  stored = {b[1] for b in _stored(fam)}
+  stored = {b[1] for b in serving_mod.stored_buckets(fam)}
   assert stored == table  # every bucket the calls built went to the store
   g = dynjax.jit(_model, **kw)
   g.warmup(p, _x(9))
   assert (g.stats()["compiles"], g.stats()["loaded_from_store"]) == (0, len(stored))
   assert set(next(iter(g._dispatcher.families.values())).policies[1].sizes()) == stored
-
-
-def _stored(fam):
-  return {b for b, _ in fam.store().stored()}
 
 
 def test_auto_warmup_ladder_respects_a_small_budget_and_max(compiles):
