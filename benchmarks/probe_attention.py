@@ -165,6 +165,10 @@ def attention_section(p: Probe, a, ts, dtypes, reps):
           "xla_lengths": (lambda q, k, v, m, n: jax.nn.dot_product_attention(
               q, k, v, key_value_seq_lengths=n, implementation="xla")),
       }
+      if gpu or a.small:  # dynjax's Pallas flash attention (interpreted off GPU), per block size
+        for bq, bk in a.pallas_blocks:
+          variants[f"pallas_lengths_{bq}x{bk}"] = _pallas(bq, bk, lengths=True)
+        variants["pallas_mask"] = _pallas(*a.pallas_blocks[0], lengths=False)
       if dt != "float32":
         # cuDNN takes a mask as a bias [B|1, N|1, T, S] (T and S in full).
         variants["cudnn_mask"] = lambda q, k, v, m, n: jax.nn.dot_product_attention(
@@ -210,6 +214,24 @@ def attention_section(p: Probe, a, ts, dtypes, reps):
       f.write(text)
     print(f"hlo einsum fp32 T={t}: {p.res['hlo']}", flush=True)
   p.save()
+
+
+def _pallas(bq, bk, lengths):
+  """dynjax's flash kernel with blocks ``bq x bk``: true key lengths (``lengths``) or the key
+  mask."""
+  from dynjax.bucketing import _flash
+
+  def fun(q, k, v, m, n):
+    old = _flash.BLOCK_Q, _flash.BLOCK_K
+    _flash.BLOCK_Q, _flash.BLOCK_K = bq, bk  # read when traced (compiled right after)
+    try:
+      if lengths:
+        return _flash.flash_attention(q, k, v, kv_len=n)
+      return _flash.flash_attention(q, k, v, key_mask=m)
+    finally:
+      _flash.BLOCK_Q, _flash.BLOCK_K = old
+
+  return fun
 
 
 def _reference(qkv32, mask):
@@ -472,6 +494,10 @@ def main(argv=None):
   ap.add_argument("--model_ts", default="448,320,512,384,256",
                   help="T of the whole-model section, in order of value")
   ap.add_argument("--reps", type=int, default=25)
+  ap.add_argument("--pallas_blocks", default="64x64,128x64,64x32,32x32",
+                  help="block_q x block_k of the Pallas flash kernel's rows (first: the mask row)")
+  ap.add_argument("--only_attention", action="store_true",
+                  help="the attention section only (no options/model sections)")
   ap.add_argument("--budget_s", type=float, default=None,
                   help="stop starting sections past this (default 130 s, --verify 540 s)")
   a = ap.parse_args(argv)
@@ -487,6 +513,7 @@ def main(argv=None):
             .split(",")]
     model_ts = [int(x) for x in a.model_ts.split(",")]
   a.reps = max(a.reps, 20)
+  a.pallas_blocks = [tuple(int(x) for x in b.split("x")) for b in a.pallas_blocks.split(",")]
 
   p = Probe(a.out, a.budget_s)
   import jax
@@ -507,6 +534,9 @@ def main(argv=None):
   cfg = _config(a)
   need = 3.0 if a.small else 9.0  # one whole-model compile + timing, with margin
   attention_section(p, a, a.ts, ("float32", "bfloat16"), a.reps)
+  if a.only_attention:
+    p.save()
+    return 0
   options_section(p, cfg, a.batch, model_ts[0], a.reps, need)
   variants = [("float32", "einsum"), ("float32", "none"), ("bfloat16", "einsum"),
               ("bfloat16", "cudnn"), ("bfloat16", "cudnn_lengths"), ("bfloat16", "none")]

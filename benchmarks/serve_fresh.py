@@ -32,6 +32,9 @@ Modes (``--modes``, in order; a ``*_restart`` mode reuses the cache of the mode 
   and reads its weights (the start-up a server would write; ``*_restart`` of it too).
   Every cold mode starts on a fresh cache; ``X_restart`` and ``X_warm_restart`` restart on the
   cache of whichever of ``X`` and ``X_warm`` ran last.
+* ``<mode>_again`` (e.g. ``dynjax_auto16_warm_wait_restart_again``): after the stream, the same
+  stream again at once in the same process (what the first pass paid once: new exact shapes,
+  first runs of loaded executables).
 * ``<mode>_prof``: ``<mode>`` with its first ``--profile_first`` calls under cProfile before
   the timed stream (top entries in the record; its timings are not the protocol's).
 * ``lengths``: per exact length (``--lengths``): the exact-shape AOT executable, dynjax's
@@ -41,7 +44,8 @@ Modes (``--modes``, in order; a ``*_restart`` mode reuses the cache of the mode 
   ``--reps`` synced calls, numpy in/out.
 * ``dynjax_trust_*``: the same modes with ``padding="trust"`` (the model masks by ``lengths``
   itself, as this one does: the bucket executable is exactly the hand-written one);
-  ``*cudnn*``: with ``attention="cudnn"`` (the opt-in rewrite to cuDNN's fused attention; bf16).
+  ``*cudnn*``: with ``attention="cudnn"`` (the opt-in rewrite to cuDNN's fused attention; bf16);
+  ``*pallas*``: with ``attention="pallas"`` (dynjax's Pallas flash attention; fp32 too).
   ``*t0tune*`` (an experiment, not an option): tier 0 autotunes its cuBLAS gemms (triton gemms
   stay off) instead of taking cuBLAS's heuristic choice.
 
@@ -284,7 +288,16 @@ def _child_hand(args, clock, mode):
     return np.asarray((exe or apply)(variables, buf, r.lengths))
 
   lat, stream = _serve(reqs, call, clock)
-  return _record(mode, reqs, lat, stream, clock, jax=jax.__version__)
+  extra = {"jax": jax.__version__}
+  _again(mode, reqs, call, clock, extra)
+  return _record(mode, reqs, lat, stream, clock, **extra)
+
+
+def _again(mode, reqs, call, clock, extra) -> None:
+  """``*_again``: the same stream again at once (what the first pass paid only once)."""
+  if "_again" in mode:
+    lat2, stream2 = _serve(reqs, call, clock, second="again")
+    extra["again"] = {"stream_s": stream2, "bins_ms": _bins(reqs, lat2)}
 
 
 def _abstract_model(args):
@@ -368,7 +381,8 @@ def _child_dynjax(args, clock, mode):
     return dynjax_flax.jit(module, dims={"tokens": "b, t", "lengths": "b"},
                            buckets={"t": _policy(mode, args)}, serving=True,
                            cache_dir=args.cache, padding="trust" if "trust" in mode else "auto",
-                           attention="cudnn" if "cudnn" in mode else None,
+                           attention=("cudnn" if "cudnn" in mode
+                                      else "pallas" if "pallas" in mode else None),
                            compile_workers=int(workers.group(1)) if workers else None)
 
   import logging
@@ -427,6 +441,7 @@ def _child_dynjax(args, clock, mode):
     extra["idle_s"] = _idle(f)
     lat2, stream2 = _serve(reqs, call, clock, second="after_idle")
     extra["after_idle"] = {"stream_s": stream2, "bins_ms": _bins(reqs, lat2)}
+  _again(mode, reqs, call, clock, extra)
   if "_wait" in mode and "restart" not in mode:
     t = time.perf_counter()
     f.wait()
@@ -508,6 +523,15 @@ def _child_lengths(args, clock):
     fl = dj("auto", store)  # a second function: its bucket executable loads from the store
     row["dynjax_loaded"] = med(lambda: fl(variables, tok, lens))
     row["loaded_from_store"] = fl.stats().get("loaded_from_store")
+    if jax.default_backend() == "gpu":  # the opt-in Pallas flash attention (fp32 too)
+      fp, fpt = dj("auto", attention="pallas"), dj("trust", attention="pallas")
+      row["dynjax_full_pallas"] = med(lambda: fp(variables, tok, lens))
+      row["dynjax_full_trust_pallas"] = med(lambda: fpt(variables, tok, lens))
+      want = np.asarray(exe(variables, tok, lens), np.float64)
+      for name, fn in (("pallas_auto", fp), ("pallas_trust", fpt)):
+        got = np.asarray(fn(variables, tok, lens), np.float64)
+        row[f"maxerr_{name}_vs_exact"] = float(np.abs(got - want).max()
+                                               / max(float(np.abs(want).max()), 1e-30))
     if args.dtype == "bfloat16":  # the opt-in cuDNN attention rewrite (true lengths under auto)
       fa, fat = dj("auto", attention="cudnn"), dj("trust", attention="cudnn")
       row["dynjax_full_cudnn"] = med(lambda: fa(variables, tok, lens))
@@ -625,7 +649,7 @@ def cache_key(mode: str) -> tuple[bool, str]:
   """(whether ``mode`` restarts, the mode whose cache it uses).  ``_prof`` and ``_warm`` change
   what a process does at start-up only: ``X_warm_restart`` and ``X_restart`` restart on the
   cache of ``X`` or ``X_warm``, whichever ran last (every cold mode gets a fresh cache)."""
-  m = mode.removesuffix("_prof")
+  m = mode.removesuffix("_prof").replace("_again", "")
   return m.endswith("_restart"), m.removesuffix("_restart").replace("_warm", "")
 
 
@@ -676,13 +700,15 @@ def table(results) -> str:
     cells = [f"{b[f'{lo}-{hi}']:.2f}" if b.get(f"{lo}-{hi}") is not None else "" for lo, hi in BINS]
     rows.append(f"| {rec['mode']} | {rec['start_to_last_s']:.1f} | {rec['stream_s']:.2f} | "
                 + " | ".join(cells) + tail(b, rec))
-    for key, what, secs in (("after_idle", "again, no compile running", "idle_s"),
+    for key, what, secs in (("again", "again at once", None),
+                            ("after_idle", "again, no compile running", "idle_s"),
                             ("after_wait", "after wait()", "wait_s")):
       if key in rec:
         a = rec[key]["bins_ms"]
         cells = [f"{a[f'{lo}-{hi}']:.2f}" if a.get(f"{lo}-{hi}") is not None else ""
                  for lo, hi in BINS]
-        rows.append(f"| {rec['mode']} {what} ({rec[secs]:.0f} s) | | "
+        took = f" ({rec[secs]:.0f} s)" if secs else ""
+        rows.append(f"| {rec['mode']} {what}{took} | | "
                     f"{rec[key]['stream_s']:.2f} | " + " | ".join(cells) + tail(a, rec))
   for rec in results:
     if rec.get("mode") == "lengths":

@@ -1,6 +1,7 @@
-"""Opt-in attention rewrite: scaled-dot-product attention -> ``jax.nn.dot_product_attention``.
+"""Opt-in attention rewrite: scaled-dot-product attention -> ``jax.nn.dot_product_attention``
+or dynjax's Pallas flash kernel (``_flash.py``: float32 too).
 
-``dynjax.jit(..., attention="cudnn" | "xla")``.  A small pattern matcher over a jaxpr finds
+``dynjax.jit(..., attention="cudnn" | "pallas" | "xla")``.  A small pattern matcher over a jaxpr finds
 attention written the way public Flax code writes it::
 
     s = einsum("bqhd,bkhd->bhqk", q, k) / sqrt(dh)       # dot_general, then div/mul by a constant
@@ -50,6 +51,7 @@ from jax.extend import core as jex_core
 from jax.interpreters import mlir
 
 from dynjax import _jax_private as jp
+from dynjax.bucketing import _flash
 from dynjax.bucketing._attention_match import Flat, Lit, Match, find, flatten
 from dynjax.bucketing._padding_core import (
   PaddedValue,
@@ -59,7 +61,7 @@ from dynjax.bucketing._padding_core import (
   unsupported,
 )
 
-IMPLS = ("cudnn", "xla")
+IMPLS = ("cudnn", "pallas", "xla")
 __all__ = ["IMPLS", "attention_p", "find", "flatten", "for_family", "fun_at", "rewrite_fun",
            "rewrite_jaxpr"]
 
@@ -125,6 +127,10 @@ def _full_ts(x, t, s):
 
 def _dpa(q, k, v, mask, bias, kv_len, *, scale, impl):
   t, s = q.shape[1], k.shape[1]
+  if impl == "pallas":  # the matcher admitted key-only masks [B|1, 1, 1, S] and no bias
+    assert bias is None
+    key_mask = None if mask is None else jnp.reshape(mask, (mask.shape[0], mask.shape[-1]))
+    return _flash.flash_attention(q, k, v, kv_len=kv_len, key_mask=key_mask, scale=scale)
   if impl == "cudnn":
     mask = None if mask is None else _full_ts(mask, t, s)
     bias = None if bias is None else _full_ts(bias, t, s)
@@ -259,10 +265,11 @@ def _attention_rule(ctx, eqn, invals):
   if bias is not None:  # garbage (NaN) bias on padded keys must not reach the softmax
     baval = eqn.invars[3 + int(p["has_mask"])].aval
     bias = ctx.mask(invals[3 + int(p["has_mask"])], baval, [3], np.zeros((), baval.dtype)[()])
-  if p["impl"] == "cudnn":
+  if p["impl"] in ("cudnn", "pallas"):
     kv_len = jnp.full((n_b,), s_true, jnp.int32)
-    ctx.note(eqn, f"cuDNN: key_value_seq_lengths = true {ka.shape[1]}")
-    out = _dpa(q, k, v, mask, bias, kv_len, scale=p["scale"], impl="cudnn")
+    ctx.note(eqn, f"cuDNN: key_value_seq_lengths = true {ka.shape[1]}" if p["impl"] == "cudnn"
+             else f"Pallas: keys past the true {ka.shape[1]} excluded, their blocks skipped")
+    out = _dpa(q, k, v, mask, bias, kv_len, scale=p["scale"], impl=p["impl"])
     return [PaddedValue(out)]
   valid = (jnp.arange(s_pad) < s_true)[None, None, None, :]
   if mask is None:

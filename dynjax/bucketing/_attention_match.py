@@ -478,6 +478,32 @@ def _cudnn_refusal(m: Match) -> str | None:
   return None
 
 
+def _pallas_refusal(m: Match) -> str | None:
+  """Why dynjax's Pallas flash kernel (``_flash.py``) cannot take a site (None: it can)."""
+  if jax.default_backend() != "gpu" and not PALLAS_OFF_GPU:
+    return (f"no GPU (backend {jax.default_backend()}): the Pallas kernel is Triton (off GPU "
+            "it would run in Pallas' interpret mode); use attention='xla'")
+  if m.dtype not in (np.dtype(jnp.bfloat16), np.dtype(np.float16), np.dtype(np.float32)):
+    return f"{m.dtype}: the Pallas kernel takes float32/float16/bfloat16"
+  if m.head_dim < 16 or m.head_dim & (m.head_dim - 1):
+    return f"head dim {m.head_dim}: the Pallas kernel takes powers of two >= 16"
+  if m.bias is not None:
+    return "an additive bias: the Pallas kernel takes key masks only (use attention='xla')"
+  if m.mask is not None:
+    _, small, perm, _ = m.mask
+    shape = tuple(small[i] for i in perm)  # dims may be symbolic
+    if not m.heads:
+      shape = shape[:1] + (1,) + shape[1:]
+    if not all(isinstance(d, int) and d == 1 for d in shape[1:3]):
+      return ("a mask over heads or queries: the Pallas kernel takes key-only masks (one "
+              "per batch row)")
+  return None
+
+
+# Tests only: let attention="pallas" match off GPU (the kernel then runs interpreted).
+PALLAS_OFF_GPU = False
+
+
 @dataclasses.dataclass
 class Report:
   matches: list
@@ -497,8 +523,8 @@ def find(flat: Flat, impl: str) -> Report:
       if _feeds_from_softmax(flat, n):
         notes.append(f"attention at {source_of(n.eqn)}: left unchanged: {e}")
       continue
-    if impl == "cudnn":
-      why = _cudnn_refusal(m)
+    if impl in ("cudnn", "pallas"):
+      why = _cudnn_refusal(m) if impl == "cudnn" else _pallas_refusal(m)
       if why is not None:
         notes.append(f"attention at {m.where}: left unchanged: {why}")
         continue
@@ -509,9 +535,10 @@ def find(flat: Flat, impl: str) -> Report:
       parts.append("mask")
     if m.bias is not None:
       parts.append("bias")
-    notes.append(f"attention at {m.where}: rewritten to jax.nn.dot_product_attention("
-                 f"implementation={impl!r}, {', '.join(parts)}) [{m.dtype}, head dim "
-                 f"{m.head_dim}]")
+    to = ("dynjax's Pallas flash attention (" if impl == "pallas"
+          else f"jax.nn.dot_product_attention(implementation={impl!r}, ")
+    notes.append(f"attention at {m.where}: rewritten to {to}{', '.join(parts)}) [{m.dtype}, "
+                 f"head dim {m.head_dim}]")
   # Softmaxes whose weights never reach a dot with v (dropout, another consumer).
   for n in flat.nodes:
     if n.eqn.primitive.name == "div" and _prim(flat, n.ins[0], "exp") is not None:

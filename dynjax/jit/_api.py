@@ -112,7 +112,10 @@ def jit(
       key mask or bias, ``jax.nn.softmax`` over the keys, ``einsum`` with v) into
       ``jax.nn.dot_product_attention``: ``"cudnn"`` (GPU, float16/bfloat16: cuDNN's fused
       kernel; with ``padding="auto"`` padded keys are cut by ``key_value_seq_lengths`` = the
-      true length) or ``"xla"``.  Numerics change within the dtype's tolerance (softmax in
+      true length), ``"pallas"`` (GPU, float32/float16/bfloat16, key-only masks, no bias:
+      dynjax's Pallas flash attention, which never writes the logits and, under
+      ``padding="auto"``, skips the key blocks past the true length; its gradient is XLA's)
+      or ``"xla"``.  Numerics change within the dtype's tolerance (softmax in
       float32), hence opt-in; ``explain()`` lists every site rewritten or left unchanged, and why.
 
   Returns:
@@ -219,9 +222,12 @@ class Wrapped:
     bucket a previous run stored under ``cache_dir``.
     Stored executables load in parallel (~0.05 s each for BERT-base on an H100) without
     tracing or lowering them again, so a restarted server is ready at once.
-    ``background=True`` returns at once and builds the largest bucket first; with
-    ``async_compile=True``/``serving=True`` calls are then served on the smallest built
-    bucket that fits while the rest build (``wait()`` blocks until all are done).
+    ``background=True`` returns at once and builds the buckets largest first, one at a time
+    (``max_workers`` at a time when given: the server's own start-up code keeps its cores);
+    with ``async_compile=True``/``serving=True`` calls are then served on the smallest built
+    bucket that fits while the rest build, and a call that needs a bucket no built one covers
+    builds it at once beside them (``wait()`` blocks until all are done).  A blocking warmup
+    builds ``max_workers`` (default: up to the cores) buckets at once.
 
     Arguments may be arrays or ``jax.ShapeDtypeStruct`` (as ``jax.jit(...).lower``), so a
     server can start at once, before its weights exist (Flax:

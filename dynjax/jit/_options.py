@@ -24,7 +24,7 @@ from dynjax.jit import _sharding
 PADDING_MODES = ("auto", "trust", "exact")
 OVERFLOW_MODES = ("error", "exact", "grow")
 ON_FALLBACK = ("warn", "error")
-ATTENTION = (None, "cudnn", "xla")
+ATTENTION = (None, "cudnn", "pallas", "xla")
 _AUTO_VAR = re.compile(r"^d[0-9]+$")
 
 
@@ -195,7 +195,8 @@ def _check_attention(attention, padding) -> str | None:
         f"attention={attention!r} is not valid; use one of {', '.join(map(repr, ATTENTION))}: "
         "None (default) keeps the function's own attention; \"cudnn\" rewrites scaled-dot-"
         "product attention to jax.nn.dot_product_attention(implementation=\"cudnn\") where "
-        "cuDNN takes it (GPU, float16/bfloat16) and says in explain() why elsewhere; \"xla\" "
+        "cuDNN takes it (GPU, float16/bfloat16) and says in explain() why elsewhere; \"pallas\" "
+        "to dynjax's Pallas flash attention (GPU, float32 too, key masks only); \"xla\" "
         "rewrites it to implementation=\"xla\" (any backend)")
   if attention is not None and padding == "exact":
     raise SpecError(f"attention={attention!r} needs padding=\"auto\" or \"trust\"; with "

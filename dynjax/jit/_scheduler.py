@@ -12,9 +12,11 @@ saved per second of compiling).
 
 Measured (H100 host, 16 cores, BERT-base, triton gemm off): one bucket compiles in 3.4 s
 alone; six at once take 7.5 s wall (2.7x the throughput of one at a time): urgent jobs (a
-caller or a warmup waits) use every worker.  Background jobs run one at a time
+caller or a blocking warmup waits) use every worker.  Background jobs run one at a time
 (:data:`BACKGROUND_AT_ONCE`): while requests are served, parallel compiles slowed them more
-than the sooner buckets saved.
+than the sooner buckets saved.  Warm jobs (``warmup(background=True)``: a server's start-up,
+while its own code still runs) come before background jobs, in submission order, also
+:data:`WARM_AT_ONCE` at a time; a caller that needs one makes it urgent.
 """
 
 from __future__ import annotations
@@ -38,18 +40,27 @@ logger = logging.getLogger("dynjax")
 # 5.56 ms); the same server with no compile during the stream (pow2, all 6 warmed) 4.89 s.
 # Lowering the compile threads' priority (nice 10) changed nothing (7.32 s).
 BACKGROUND_AT_ONCE = 1
+# Warm jobs (``warmup(background=True)``) running at once, unless the warmup names
+# ``max_workers``.  A server warms up while its own start-up code (reading weights, building
+# state) runs in Python; parallel compiles took that thread's time.  H100, BERT-base fp32
+# (serve_fresh.py, jax 0.11.2, run 12): the same start-up code (building the request list)
+# took 9.8 s beside dynjax's four concurrent warmup compiles, 5.8 s beside a hand-written
+# warmup thread compiling one bucket at a time, and 7.3 s in PyTorch's process.
+WARM_AT_ONCE = 1
 
 
 class Job:
   """One pending compile: ``key`` (unique), ``build()``, and ``future`` (its result)."""
 
-  __slots__ = ("key", "build", "future", "urgent", "submitted", "started", "info")
+  __slots__ = ("key", "build", "future", "urgent", "warm", "submitted", "started", "info")
 
-  def __init__(self, key: Hashable, build: Callable[[], Any], urgent: bool, info: Any):
+  def __init__(self, key: Hashable, build: Callable[[], Any], urgent: bool, info: Any,
+               warm: bool = False):
     self.key = key
     self.build = build
     self.future: Future = Future()
     self.urgent = urgent
+    self.warm = warm  # a background warmup's job: before value-ordered jobs, in order
     self.submitted = time.perf_counter()
     self.started: float | None = None
     self.info = info
@@ -76,6 +87,7 @@ class CompileScheduler:
     self._running: dict[Hashable, Job] = {}
     self._threads: list[threading.Thread] = []
     self._closed = False
+    self.warm_at_once = WARM_AT_ONCE
     self.done = 0
     self.failed = 0
     self.busy_seconds = 0.0
@@ -84,17 +96,18 @@ class CompileScheduler:
 
   # -- submitting --------------------------------------------------------------------------
   def submit(self, key: Hashable, build: Callable[[], Any], urgent: bool = False,
-             info: Any = None) -> Future:
+             info: Any = None, warm: bool = False) -> Future:
     """Queues ``build`` under ``key`` (or returns the future of the job already queued or
-    running under it; ``urgent`` raises a queued job's priority)."""
+    running under it; ``urgent`` or ``warm`` raises a queued job's priority)."""
     with self._cv:
       job = self._pending.get(key) or self._running.get(key)
       if job is not None:
-        if urgent and not job.urgent:
-          job.urgent = True
+        if (urgent and not job.urgent) or (warm and not job.warm):
+          job.urgent = job.urgent or urgent
+          job.warm = job.warm or warm
           self._cv.notify()
         return job.future
-      job = Job(key, build, urgent, info)
+      job = Job(key, build, urgent, info, warm)
       self._pending[key] = job
       self._ensure_threads()
       self._cv.notify()
@@ -146,7 +159,7 @@ class CompileScheduler:
     with self._cv:
       while True:
         ready = [j for j in self._pending.values()
-                 if include_waiting or j.urgent or self._safe_value(j) > 0]
+                 if include_waiting or j.urgent or j.warm or self._safe_value(j) > 0]
         if not self._running and not ready:
           return True
         left = None if deadline is None else deadline - time.perf_counter()
@@ -183,7 +196,14 @@ class CompileScheduler:
     urgent = [j for j in self._pending.values() if j.urgent]
     if urgent:
       return min(urgent, key=lambda j: j.submitted)
-    if any(j.urgent for j in self._running.values()) or len(self._running) >= BACKGROUND_AT_ONCE:
+    if any(j.urgent for j in self._running.values()):
+      return None
+    warm = [j for j in self._pending.values() if j.warm]
+    if warm:  # a start-up warmup: in order (largest bucket first), a few at a time
+      if len(self._running) >= self.warm_at_once:
+        return None
+      return min(warm, key=lambda j: j.submitted)
+    if len(self._running) >= BACKGROUND_AT_ONCE:
       return None
     best, best_v = None, 0.0
     for job in self._pending.values():

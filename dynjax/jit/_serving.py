@@ -302,16 +302,17 @@ class Compiler:
         sched = self.scheduler
     return sched
 
-  def schedule(self, fam: Family, bkey, tier: int, urgent: bool = False):
+  def schedule(self, fam: Family, bkey, tier: int, urgent: bool = False, warm: bool = False):
     """A future of the bucket's entry: queued for the background compiler (done at once when
-    the tier-0 entry is already built)."""
+    the tier-0 entry is already built); ``urgent``: a caller waits; ``warm``: a background
+    warmup's job (see ``_scheduler``)."""
     if tier == 0 and (fam.fid, bkey) in self.cache:
       f = concurrent.futures.Future()
       f.set_result(self.cache.get((fam.fid, bkey)))
       return f
     return self.sched().submit((fam.fid, bkey, tier),
                                functools.partial(self.build_entry, fam, bkey, tier),
-                               urgent=urgent, info=(fam, bkey, tier))
+                               urgent=urgent, info=(fam, bkey, tier), warm=warm)
 
   def _covering_futures(self, fam: Family, bkey) -> list:
     return [f for (fid, b, tier), f in self.sched().in_flight().items()
@@ -436,8 +437,11 @@ class Compiler:
     todo = sorted(set(todo) | set(stored))
     before, loads_before = self.cache.compiles, self.cache.loads
     t0 = time.perf_counter()
-    if background:
-      futs = [self.schedule(fam, b, 0, urgent=True)
+    if background:  # in order, largest first, max_workers (default 1) at a time
+      sched = self.sched()
+      if max_workers:
+        sched.warm_at_once = max_workers
+      futs = [self.schedule(fam, b, 0, warm=True)
               for b in sorted(todo, key=math.prod, reverse=True)]
       return {"buckets": todo, "pending": sum(not f.done() for f in futs), "seconds": 0.0}
     show = config.progress if progress is None else progress

@@ -242,7 +242,7 @@ def test_nothing_found():
 
 def test_option_errors():
   with pytest.raises(SpecError, match=r"attention='flash' is not valid; use one of None, "
-                                      r"'cudnn', 'xla'"):
+                                      r"'cudnn', 'pallas', 'xla'"):
     dynjax.jit(flax_attention, attention="flash")
   with pytest.raises(SpecError, match=r"attention='xla' needs padding=\"auto\" or \"trust\""):
     dynjax.jit(flax_attention, padding="exact", attention="xla")

@@ -731,3 +731,58 @@ def test_auto_warmup_ladder_respects_a_small_budget_and_max(compiles):
     f = dynjax.jit(_model, dims={"x": "b, t, 4"}, buckets={"b": [2], "t": pol})
     info = f.warmup(_params(), _x(5))
     assert sorted(b[1] for b in info["buckets"]) == want, pol
+
+
+def test_scheduler_runs_warm_jobs_in_order_a_few_at_a_time_and_a_caller_promotes_one():
+  # warmup(background=True) at a server's start-up: its jobs go before value-ordered ones, in
+  # submission order, warm_at_once at a time (the start-up code keeps its cores); a caller
+  # that needs a queued one makes it urgent, and it starts beside the running one.
+  gates = {k: threading.Event() for k in ("w1", "w2", "w3", "w4")}
+  started, lock = [], threading.Lock()
+  sched = CompileScheduler(4, lambda job: 1.0)
+
+  def job(name):
+    def build():
+      with lock:
+        started.append((name, sorted(sched.running())))
+      gates[name].wait(5) if name in gates else None
+      return name
+    return build
+
+  futs = {k: sched.submit(k, job(k), warm=True) for k in ("w1", "w2", "w3")}
+  bg = sched.submit("bg", job("bg"))  # worth 1.0, but warm jobs come first
+  time.sleep(0.3)
+  assert [s[0] for s in started] == ["w1"]  # one at a time
+  assert not sched.wait_idle(0.05)  # queued warm jobs count as work to wait for
+  sched.submit("w3", job("w3"), urgent=True)  # a caller needs w3 now
+  time.sleep(0.3)
+  assert [s[0] for s in started] == ["w1", "w3"]
+  gates["w1"].set()
+  gates["w3"].set()
+  time.sleep(0.3)
+  assert [s[0] for s in started] == ["w1", "w3", "w2"]  # bg still waits behind w2
+  gates["w2"].set()
+  assert bg.result(5) == "bg" and started[-1][0] == "bg"
+  assert all(f.result(5) for f in futs.values())
+  sched.close()
+
+
+def test_background_warmup_builds_largest_first_one_at_a_time_and_serves(compiles):
+  f = _serving()
+  p = _params()
+  info = f.warmup(p, _x(5), background=True)
+  assert info["pending"] >= 1
+  assert f.wait(30)
+  sched = f._dispatcher.compiler.scheduler
+  log = sorted(sched.log, key=lambda r: r[1])
+  assert [k[1] for k, _, _ in log] == sorted((k[1] for k, _, _ in log), reverse=True)
+  for (_, s0, d0), (_, s1, _) in zip(log, log[1:], strict=False):
+    assert s1 >= s0 + d0 - 1e-3  # never two at once
+  assert f.stats()["compiles"] == len(log) == 5
+  for t in (3, 30, 64):
+    np.testing.assert_allclose(f(p, _x(t)), EXACT(p, _x(t)), rtol=1e-6, atol=1e-6)
+  assert f.stats()["compiles"] == 5
+  g = _serving()
+  g.warmup(p, _x(5), background=True, max_workers=3)
+  assert g._dispatcher.compiler.scheduler.warm_at_once == 3
+  assert g.wait(30) and g.stats()["compiles"] == 5
