@@ -80,8 +80,8 @@ def _kernel(q_ref, k_ref, v_ref, valid_ref, nblk_ref, o_ref, *, scale, block_k):
     return o_next, m_next, l_next
 
   n = nblk_ref[0]
-  o, _, l = lax.fori_loop(0, n, body, (o0, m0, l0))
-  o = o / jnp.where(l == 0.0, 1.0, l)[:, None]  # no real key at all: 0 (sizes of 0 run exact)
+  o, _, denom = lax.fori_loop(0, n, body, (o0, m0, l0))
+  o = o / jnp.where(denom == 0.0, 1.0, denom)[:, None]  # no real key at all: 0 (sizes of 0 run exact)
   o_ref[...] = o.astype(o_ref.dtype)
 
 
