@@ -222,14 +222,9 @@ def _pallas(bq, bk, lengths):
   from dynjax.bucketing import _flash
 
   def fun(q, k, v, m, n):
-    old = _flash.BLOCK_Q, _flash.BLOCK_K
-    _flash.BLOCK_Q, _flash.BLOCK_K = bq, bk  # read when traced (compiled right after)
-    try:
-      if lengths:
-        return _flash.flash_attention(q, k, v, kv_len=n)
-      return _flash.flash_attention(q, k, v, key_mask=m)
-    finally:
-      _flash.BLOCK_Q, _flash.BLOCK_K = old
+    if lengths:
+      return _flash.flash_attention(q, k, v, kv_len=n, blocks=(bq, bk))
+    return _flash.flash_attention(q, k, v, key_mask=m, blocks=(bq, bk))
 
   return fun
 

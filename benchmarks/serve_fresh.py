@@ -514,7 +514,7 @@ def _child_lengths(args, clock):
       from dynjax.jit import _serving
 
       for name, opts in (("exact_quick", _serving.QUICK_GPU_OPTIONS),
-                         ("exact_triton_off", {"xla_gpu_enable_triton_gemm": False})):
+                         ("exact_triton_off", _serving.FULL_GPU_OPTIONS)):  # tier 1's today
         e = apply.lower(variables, tok, lens).compile(compiler_options=dict(opts))
         row[name] = med(lambda e=e: np.asarray(e(variables, tok, lens)))
     row |= {

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
 
+from dynjax.bucketing import _flash
 from dynjax.bucketing._padding_core import is_dynamic_dim, source_of
 
 _INLINE = {P.jit_p, P.closed_call_p, P.custom_jvp_call_p, P.custom_vjp_call_p}
@@ -483,10 +484,9 @@ def _pallas_refusal(m: Match) -> str | None:
   if jax.default_backend() != "gpu" and not PALLAS_OFF_GPU:
     return (f"no GPU (backend {jax.default_backend()}): the Pallas kernel is Triton (off GPU "
             "it would run in Pallas' interpret mode); use attention='xla'")
-  if m.dtype not in (np.dtype(jnp.bfloat16), np.dtype(np.float16), np.dtype(np.float32)):
-    return f"{m.dtype}: the Pallas kernel takes float32/float16/bfloat16"
-  if m.head_dim < 16 or m.head_dim & (m.head_dim - 1):
-    return f"head dim {m.head_dim}: the Pallas kernel takes powers of two >= 16"
+  why = _flash.operand_refusal(m.dtype, m.head_dim)
+  if why is not None:
+    return why
   if m.bias is not None:
     return "an additive bias: the Pallas kernel takes key masks only (use attention='xla')"
   if m.mask is not None:

@@ -16,8 +16,8 @@ keys), a key past the true length scores ``-inf`` (it does not exist unpadded). 
 stops at the last block holding a real key.  Dots run at the ambient matmul precision (TF32
 for float32 under JAX's default, as XLA's and PyTorch's ``"high"``).
 
-Backward: JAX's reference (``jax.nn.dot_product_attention(implementation="xla")`` with the same
-masks) under ``jax.custom_vjp``: gradients are exact, not fused.
+Backward: :func:`reference` (the same attention with the logits materialised, through XLA)
+under ``jax.custom_vjp``: gradients are exact, not fused.
 
 Shapes: q, k, v ``[B, T, N, H]`` (one dtype; ``H`` a power of two, else the caller keeps XLA);
 ``T``/``S`` are padded here to the block sizes (the padded queries are sliced off, the padded
@@ -33,28 +33,41 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.experimental import pallas as pl
+
+# ``jax.experimental.pallas`` is imported where a kernel is built, not here: it added ~30 ms to
+# ``import dynjax`` (2-core box), which every process pays and few use.
 
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
-BLOCK_Q = 128  # H100, fp32 and bf16: 128x64 the fastest of 64x64, 128x64, 64x32, 32x32 at T=256 and 448 in 3 of 4 (probe_flash_run1)
+# Default blocks (query rows x key rows).  H100, fp32 and bf16 at T=256 and 448: 128x64 was
+# the fastest of 64x64, 128x64, 64x32, 32x32 in 3 of 4 (benchmarks/results/probe_flash_run1).
+BLOCK_Q = 128
 BLOCK_K = 64
+
+
+def operand_refusal(dtype, head_dim: int) -> str | None:
+  """Why the kernel cannot take operands of this dtype and head dim (None: it can); the
+  attention matcher asks it too."""
+  if jnp.dtype(dtype) not in (jnp.float32, jnp.bfloat16, jnp.float16):
+    return f"{jnp.dtype(dtype)}: the kernel takes float32/float16/bfloat16"
+  if head_dim < 16 or head_dim & (head_dim - 1):
+    return f"head dim {head_dim} (the kernel takes powers of two >= 16)"
+  return None
 
 
 def supported(q, k, v) -> str | None:
   """Why the kernel cannot take these operands (None: it can)."""
   if not (q.dtype == k.dtype == v.dtype):
     return f"mixed dtypes {q.dtype}/{k.dtype}/{v.dtype}"
-  if q.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
-    return f"dtype {q.dtype}"
-  h = q.shape[-1]
-  if h != k.shape[-1] or h != v.shape[-1] or h < 16 or h & (h - 1):
-    return f"head dim {h} (the kernel takes powers of two >= 16)"
+  if not (q.shape[-1] == k.shape[-1] == v.shape[-1]):
+    return f"head dims {q.shape[-1]}/{k.shape[-1]}/{v.shape[-1]} differ"
   if k.shape[2] != q.shape[2]:
     return "grouped heads"
-  return None
+  return operand_refusal(q.dtype, q.shape[-1])
 
 
 def _kernel(q_ref, k_ref, v_ref, valid_ref, nblk_ref, o_ref, *, scale, block_k):
+  from jax.experimental import pallas as pl  # noqa: PLC0415 - see the module's imports
+
   q = q_ref[...]
   bq, h = q.shape
   m0 = jnp.full((bq,), -jnp.inf, jnp.float32)
@@ -98,11 +111,13 @@ def _valid(b, s, s_pad, kv_len, key_mask):
   return jnp.where(keep, 1, jnp.where(real, 0, -1)).astype(jnp.int32), limit
 
 
-def _forward(q, k, v, kv_len, key_mask, scale, interpret):
+def _forward(q, k, v, kv_len, key_mask, scale, interpret, blocks):
+  from jax.experimental import pallas as pl  # noqa: PLC0415 - see the module's imports
+
   b, t, n, h = q.shape
   s = k.shape[1]
-  bq = min(BLOCK_Q, pl.next_power_of_2(t))
-  bk = min(BLOCK_K, pl.next_power_of_2(s))
+  bq = min(blocks[0], pl.next_power_of_2(t))
+  bk = min(blocks[1], pl.next_power_of_2(s))
   t_pad, s_pad = -(-t // bq) * bq, -(-s // bk) * bk
   if t_pad != t:
     q = jnp.pad(q, ((0, 0), (0, t_pad - t), (0, 0), (0, 0)))
@@ -152,16 +167,17 @@ def reference(q, k, v, kv_len, key_mask, scale):
                     preferred_element_type=jnp.float32).astype(q.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _attend(q, k, v, kv_len, key_mask, scale, interpret):
-  return _forward(q, k, v, kv_len, key_mask, scale, interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _attend(q, k, v, kv_len, key_mask, scale, interpret, blocks):
+  return _forward(q, k, v, kv_len, key_mask, scale, interpret, blocks)
 
 
-def _attend_fwd(q, k, v, kv_len, key_mask, scale, interpret):
-  return _forward(q, k, v, kv_len, key_mask, scale, interpret), (q, k, v, kv_len, key_mask)
+def _attend_fwd(q, k, v, kv_len, key_mask, scale, interpret, blocks):
+  return (_forward(q, k, v, kv_len, key_mask, scale, interpret, blocks),
+          (q, k, v, kv_len, key_mask))
 
 
-def _attend_bwd(scale, interpret, res, g):
+def _attend_bwd(scale, interpret, blocks, res, g):
   q, k, v, kv_len, key_mask = res
   _, vjp = jax.vjp(lambda q, k, v: reference(q, k, v, kv_len, key_mask, scale), q, k, v)
   dq, dk, dv = vjp(g)
@@ -172,10 +188,12 @@ def _attend_bwd(scale, interpret, res, g):
 _attend.defvjp(_attend_fwd, _attend_bwd)
 
 
-def flash_attention(q, k, v, *, kv_len=None, key_mask=None, scale=None, interpret=None):
+def flash_attention(q, k, v, *, kv_len=None, key_mask=None, scale=None, interpret=None,
+                    blocks=None):
   """Attention of ``q, k, v [B, T, N, H]`` over the keys ``s < kv_len[b]`` ([B] ints, or all),
   with a key-only boolean ``key_mask`` broadcastable to ``[B, S]`` (False: masked, as
-  ``jnp.where(mask, logits, finfo.min)``); ``scale`` defaults to ``1/sqrt(H)``.
+  ``jnp.where(mask, logits, finfo.min)``); ``scale`` defaults to ``1/sqrt(H)``, ``blocks``
+  (query rows, key rows; powers of two) to ``(BLOCK_Q, BLOCK_K)``.
 
   Example:
     >>> out = flash_attention(q, k, v, kv_len=jnp.array([5, 9]))   # [2, T, N, H]
@@ -186,13 +204,16 @@ def flash_attention(q, k, v, *, kv_len=None, key_mask=None, scale=None, interpre
   scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
   if interpret is None:
     interpret = jax.default_backend() != "gpu"
-  return _attend_jit(q, k, v, kv_len, key_mask, scale=scale, interpret=bool(interpret))
+  blocks = (BLOCK_Q, BLOCK_K) if blocks is None else tuple(int(x) for x in blocks)
+  return _attend_jit(q, k, v, kv_len, key_mask, scale=scale, interpret=bool(interpret),
+                     blocks=blocks)
 
 
 # One jit around the kernel: a model's layers call it with the same shapes, so JAX traces and
 # lowers the Pallas kernel once per executable, not once per layer (Pallas' Triton lowering is
-# Python, ~80 ms a call on the 2-core box: 12 BERT layers cost 0.95 s of GIL per bucket
-# without it, what a start-up warmup took from the server's own start-up code).
-@functools.partial(jax.jit, static_argnames=("scale", "interpret"))
-def _attend_jit(q, k, v, kv_len, key_mask, *, scale, interpret):
-  return _attend(q, k, v, kv_len, key_mask, scale, interpret)
+# Python and holds the GIL: 12 BERT-base layers lowered for cuda on the 2-core box took
+# 0.18-0.23 s a bucket without it, 0.027 s with it; a start-up warmup takes that time from the
+# server's own start-up code).
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "blocks"))
+def _attend_jit(q, k, v, kv_len, key_mask, *, scale, interpret, blocks):
+  return _attend(q, k, v, kv_len, key_mask, scale, interpret, blocks)

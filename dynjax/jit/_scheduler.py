@@ -12,7 +12,7 @@ saved per second of compiling).
 
 Measured (H100 host, 16 cores, BERT-base, triton gemm off): one bucket compiles in 3.4 s
 alone; six at once take 7.5 s wall (2.7x the throughput of one at a time): urgent jobs (a
-caller or a blocking warmup waits) use every worker.  Background jobs run one at a time
+caller waits on them, or a restart loads its stored buckets) use every worker.  Background jobs run one at a time
 (:data:`BACKGROUND_AT_ONCE`): while requests are served, parallel compiles slowed them more
 than the sooner buckets saved.  Warm jobs (``warmup(background=True)``: a server's start-up,
 while its own code still runs) come before background jobs, in submission order, also
@@ -31,8 +31,8 @@ from typing import Any
 logger = logging.getLogger("dynjax")
 
 
-# Background (not urgent) jobs running at once.  Urgent jobs (a caller or a warmup waits on
-# them) use every worker; the rest compile while requests are served, and parallel compiles
+# Background (not urgent) jobs running at once.  Urgent jobs (a caller waits on them, or a
+# restart loads its stored buckets) use every worker; the rest compile while requests are served, and parallel compiles
 # slow those requests.  H100, BERT-base fp32, a cold server warmed up from shapes at start-up
 # (4 buckets) then streaming 1,000 requests while its plan's next 4 buckets compiled in the
 # quick tier (benchmarks/serve_fresh.py, one run, jax 0.11.2): 4 at once, stream 7.26 s and

@@ -41,7 +41,7 @@ import numpy as np
 from dynjax._config import config
 from dynjax.bucketing import _cost
 from dynjax.jit._family import BucketEntry, Family
-from dynjax.jit._scheduler import CompileScheduler
+from dynjax.jit._scheduler import WARM_AT_ONCE, CompileScheduler
 
 # Quick compiles on GPU (serving, tier 0): cuBLAS gemms chosen by cuBLAS's heuristics, no
 # autotuning.  H100, BERT-base, jax 0.11.2 (benchmarks/probe_serving.py, probe_contention.py):
@@ -437,10 +437,9 @@ class Compiler:
     todo = sorted(set(todo) | set(stored))
     before, loads_before = self.cache.compiles, self.cache.loads
     t0 = time.perf_counter()
-    if background:  # in order, largest first, max_workers (default 1) at a time
+    if background:  # in order, largest first, max_workers (default WARM_AT_ONCE) at a time
       sched = self.sched()
-      if max_workers:
-        sched.warm_at_once = max_workers
+      sched.warm_at_once = max_workers or WARM_AT_ONCE
       futs = [self.schedule(fam, b, 0, warm=True)
               for b in sorted(todo, key=math.prod, reverse=True)]
       return {"buckets": todo, "pending": sum(not f.done() for f in futs), "seconds": 0.0}

@@ -38,8 +38,8 @@ def test_kernel_matches_the_model_at_the_true_length(t, s):
   rng = np.random.default_rng(s)
   user = rng.random((B, s)) > 0.3
   user[1, :] = False  # every real key masked: uniform over the real keys, as unpadded
-  for mask in (None, user):
-    got = _flash.flash_attention(q, k, v, kv_len=jnp.asarray(kv_len),
+  for mask, blocks in ((None, None), (user, None), (user, (16, 16))):  # 16: many key blocks
+    got = _flash.flash_attention(q, k, v, kv_len=jnp.asarray(kv_len), blocks=blocks,
                                  key_mask=None if mask is None else jnp.asarray(mask))
     assert got.shape == q.shape
     for b in range(B):
@@ -47,7 +47,7 @@ def test_kernel_matches_the_model_at_the_true_length(t, s):
       km = None if mask is None else jnp.asarray(mask[b:b + 1, :n])
       want = _model_attention(q[b:b + 1], k[b:b + 1, :n], v[b:b + 1, :n], km)
       np.testing.assert_allclose(got[b:b + 1], want, rtol=2e-5, atol=2e-5,
-                                 err_msg=f"t={t} s={s} b={b} mask={mask is not None}")
+                                 err_msg=f"t={t} s={s} b={b} mask={mask is not None} {blocks}")
 
 
 def test_kernel_without_lengths_bf16_and_scale():

@@ -786,3 +786,5 @@ def test_background_warmup_builds_largest_first_one_at_a_time_and_serves(compile
   g.warmup(p, _x(5), background=True, max_workers=3)
   assert g._dispatcher.compiler.scheduler.warm_at_once == 3
   assert g.wait(30) and g.stats()["compiles"] == 5
+  g.warmup(p, _x(5), background=True)  # a later warmup without max_workers: one at a time
+  assert g._dispatcher.compiler.scheduler.warm_at_once == serving_mod.WARM_AT_ONCE == 1
