@@ -46,7 +46,8 @@ Modes (``--modes``, in order; a ``*_restart`` mode reuses the cache of the mode 
   itself, as this one does: the bucket executable is exactly the hand-written one);
   ``*cudnn*``: with ``attention="cudnn"`` (the opt-in rewrite to cuDNN's fused attention; bf16);
   ``*pallas*``: with ``attention="pallas"`` (dynjax's Pallas flash attention; fp32 too).
-  ``*t0tune*`` (an experiment, not an option): tier 0 autotunes its cuBLAS gemms (triton gemms
+  ``*_noprerun*``: ``DYNJAX_PRERUN=0`` (background builds do not run their executables once
+  on zeros before they serve).  ``*t0tune*`` (an experiment, not an option): tier 0 autotunes its cuBLAS gemms (triton gemms
   stay off) instead of taking cuBLAS's heuristic choice.
 
 Per mode: start -> 1,000th answer (s), the stream (first request to last answer, s), the mean
@@ -430,6 +431,7 @@ def _child_dynjax(args, clock, mode):
   lat, stream = _serve(reqs, call, clock)
   st = f.stats()
   extra = {"stats": {k: st.get(k) for k in ("compiles", "loaded_from_store", "policies",
+                                             "preruns",
                                              "served_on_larger_bucket", "waited_for_compile",
                                              "wait_seconds", "padded_fraction")},
            "per_bucket_calls": st.get("per_bucket_calls"),
@@ -582,6 +584,8 @@ def _spawn(args, mode, cache) -> dict:
   if cache:
     cmd += ["--cache", cache]
   env = dict(os.environ, SERVE_FRESH_T0=repr(time.time()))
+  if "_noprerun" in mode:  # background builds do not run their executables ahead
+    env["DYNJAX_PRERUN"] = "0"
   proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
   _CHILD[0] = proc
   try:
@@ -649,7 +653,7 @@ def cache_key(mode: str) -> tuple[bool, str]:
   """(whether ``mode`` restarts, the mode whose cache it uses).  ``_prof`` and ``_warm`` change
   what a process does at start-up only: ``X_warm_restart`` and ``X_restart`` restart on the
   cache of ``X`` or ``X_warm``, whichever ran last (every cold mode gets a fresh cache)."""
-  m = mode.removesuffix("_prof").replace("_again", "")
+  m = mode.removesuffix("_prof").replace("_again", "").replace("_noprerun", "")
   return m.endswith("_restart"), m.removesuffix("_restart").replace("_warm", "")
 
 

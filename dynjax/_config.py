@@ -8,6 +8,7 @@
 | DYNJAX_CHECK_EVERY    | integer >= 1           | with check: compare one call in N against the exact function (default 1) |
 | DYNJAX_PROGRESS       | 0 / 1                  | progress bar in ``warmup`` (default 1 when stderr is a terminal) |
 | DYNJAX_TIER_UP_AFTER  | integer >= 0           | serving on GPU: full-option recompiles start after N calls since the last quick compile, or at the first 1-second gap in traffic (default 1000) |
+| DYNJAX_PRERUN         | 0 / 1                  | GPU: an executable built in the background (warmup, background compile, tier-up, a restart's loads) runs once on zeros before it serves (default 1) |
 
 Nothing here changes compiled output, so none of it is part of the executable cache key.
 """
@@ -57,6 +58,7 @@ class Config:
   check_every: int
   progress: bool
   tier_up_after: int = 1000
+  prerun: bool = True
 
   @classmethod
   def from_env(cls) -> Config:
@@ -67,6 +69,7 @@ class Config:
         check_every=_int("DYNJAX_CHECK_EVERY", 1, 1),
         progress=_bool("DYNJAX_PROGRESS", sys.stderr.isatty()),
         tier_up_after=_int("DYNJAX_TIER_UP_AFTER", 1000, 0),
+        prerun=_bool("DYNJAX_PRERUN", True),
     )
 
 

@@ -204,7 +204,7 @@ def reject_abstract(name: str, binder: Binder, dyn) -> None:
     if type(x) is jax.ShapeDtypeStruct:
       raise SpecError(
           f"{name}(): argument {path} is a jax.ShapeDtypeStruct{tuple(x.shape)} "
-          f"{np.dtype(x.dtype).name}, but a call needs an array. Abstract arguments describe "
+          f"{x.dtype}, but a call needs an array. Abstract arguments describe "
           f"shapes for {name}.lower(...), .trace(...) and .warmup(...) (e.g. a warmup at start-up "
           "before the weights exist); pass arrays to call it.")
 
@@ -216,6 +216,8 @@ def aval(x) -> jax.ShapeDtypeStruct:
   if isinstance(x, np.ndarray):
     return jax.ShapeDtypeStruct(x.shape, canonical(x.dtype))
   if type(x) is jax.ShapeDtypeStruct:  # trace/lower/warmup with abstract arguments (as jax.jit)
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended):  # a PRNG key: not a numpy dtype
+      return x
     return jax.ShapeDtypeStruct(x.shape, canonical(np.dtype(x.dtype)), weak_type=x.weak_type)
   if isinstance(x, jax.Array):
     return jax.ShapeDtypeStruct(x.shape, x.dtype)

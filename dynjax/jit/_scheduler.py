@@ -52,7 +52,8 @@ WARM_AT_ONCE = 1
 class Job:
   """One pending compile: ``key`` (unique), ``build()``, and ``future`` (its result)."""
 
-  __slots__ = ("key", "build", "future", "urgent", "warm", "submitted", "started", "info")
+  __slots__ = ("key", "build", "future", "urgent", "warm", "submitted", "started", "info",
+               "waited_for")
 
   def __init__(self, key: Hashable, build: Callable[[], Any], urgent: bool, info: Any,
                warm: bool = False):
@@ -61,6 +62,7 @@ class Job:
     self.future: Future = Future()
     self.urgent = urgent
     self.warm = warm  # a background warmup's job: before value-ordered jobs, in order
+    self.waited_for = False  # an urgent submit found it queued or running: a caller waits
     self.submitted = time.perf_counter()
     self.started: float | None = None
     self.info = info
@@ -102,6 +104,7 @@ class CompileScheduler:
     with self._cv:
       job = self._pending.get(key) or self._running.get(key)
       if job is not None:
+        job.waited_for = job.waited_for or urgent
         if (urgent and not job.urgent) or (warm and not job.warm):
           job.urgent = job.urgent or urgent
           job.warm = job.warm or warm
@@ -112,6 +115,12 @@ class CompileScheduler:
       self._ensure_threads()
       self._cv.notify()
       return job.future
+
+  def waited_for(self, key: Hashable) -> bool:
+    """Whether a caller started waiting for the job under ``key`` after it was queued."""
+    with self._cv:
+      job = self._running.get(key) or self._pending.get(key)
+      return job is not None and job.waited_for
 
   def cancel(self, key: Hashable) -> bool:
     """Drops a job that has not started (its future is cancelled)."""

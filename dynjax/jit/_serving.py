@@ -40,6 +40,7 @@ import numpy as np
 
 from dynjax._config import config
 from dynjax.bucketing import _cost
+from dynjax.jit import _prerun
 from dynjax.jit._family import BucketEntry, Family
 from dynjax.jit._scheduler import WARM_AT_ONCE, CompileScheduler
 
@@ -112,6 +113,7 @@ class Compiler:
     self.force_tier_up = False
     self.calls_at_compile = 0  # calls so far when the last tier-0 compile finished
     self._gap_probe = (-1, 0.0)  # (calls, since when) for _traffic_gap
+    self.prerunner = _prerun.Prerunner()
 
   # -- a call's entry ----------------------------------------------------------------------
   def ready(self, fam: Family, bkey) -> BucketEntry | None:
@@ -131,15 +133,20 @@ class Compiler:
       return entry, b, False
     return self.build_entry(fam, bkey), bkey, False  # new, or evicted: (re)build, wait
 
-  def build_entry(self, fam: Family, bkey, tier: int = 0) -> BucketEntry:
-    """Builds (loads or compiles) one bucket; ``tier`` 1 replaces a quick tier-0 executable."""
+  def build_entry(self, fam: Family, bkey, tier: int = 0, prerun: bool = False) -> BucketEntry:
+    """Builds (loads or compiles) one bucket; ``tier`` 1 replaces a quick tier-0 executable.
+    ``prerun``: nobody waits for this build, so its executable runs once on zeros before it
+    serves (``_prerun``; skipped if a caller started waiting for it meanwhile)."""
     if tier == 0:
-      entry = self.cache.get_or_build((fam.fid, bkey), lambda: self._build(fam, bkey, 0))
+      entry = self.cache.get_or_build(
+          (fam.fid, bkey), lambda: self._first_run(fam, bkey, 0, self._build(fam, bkey, 0),
+                                                   prerun))
       if entry.source == "compiled":
         self.calls_at_compile = self.counters.calls_so_far()
     else:
       t0 = time.perf_counter()
-      entry = self._build(fam, bkey, tier, stored_min=tier)
+      entry = self._first_run(fam, bkey, tier, self._build(fam, bkey, tier, stored_min=tier),
+                              prerun)
       self.cache.put((fam.fid, bkey), entry, time.perf_counter() - t0)
     fam.buckets[bkey] = entry
     fam.gen += 1
@@ -149,6 +156,15 @@ class Compiler:
         and self.scheduler is not None):
       fam.tiered.add(bkey)
       self.schedule(fam, bkey, entry.tier + 1)
+    return entry
+
+  def _first_run(self, fam: Family, bkey, tier: int, entry: BucketEntry,
+                 prerun: bool) -> BucketEntry:
+    """``entry``, run once on zeros first when ``prerun`` and no caller started waiting for
+    it meanwhile (a waiting caller runs it itself, on its own request)."""
+    if prerun and not (self.scheduler is not None
+                       and self.scheduler.waited_for((fam.fid, bkey, tier))):
+      self.prerunner.run(fam, bkey, entry)
     return entry
 
   def _build(self, fam: Family, bkey, tier: int, stored_min: int = 0) -> BucketEntry:
@@ -202,7 +218,8 @@ class Compiler:
       self._adopt(fam, b)
     own = fam.bucket_of(sizes, observe=False) if stored else None
     for b in sorted(stored, key=lambda b: b != own):  # urgent jobs run in submission order
-      self.schedule(fam, b, 0, urgent=True)  # loads in parallel (~0.05-0.2 s a bucket)
+      # loads in parallel (~0.05-0.2 s a bucket); the others' first runs happen here too
+      self.schedule(fam, b, 0, urgent=True, prerun=b != own)
 
   def _serve(self, fam: Family, bkey):
     """Serves a call whose own bucket is not compiled: the smallest compiled bucket that
@@ -302,16 +319,21 @@ class Compiler:
         sched = self.scheduler
     return sched
 
-  def schedule(self, fam: Family, bkey, tier: int, urgent: bool = False, warm: bool = False):
+  def schedule(self, fam: Family, bkey, tier: int, urgent: bool = False, warm: bool = False,
+               prerun: bool | None = None):
     """A future of the bucket's entry: queued for the background compiler (done at once when
     the tier-0 entry is already built); ``urgent``: a caller waits; ``warm``: a background
-    warmup's job (see ``_scheduler``)."""
+    warmup's job (see ``_scheduler``); ``prerun`` (default: not ``urgent``): the executable
+    runs once on zeros before it serves."""
+    if prerun is None:
+      prerun = not urgent
     if tier == 0 and (fam.fid, bkey) in self.cache:
       f = concurrent.futures.Future()
       f.set_result(self.cache.get((fam.fid, bkey)))
       return f
     return self.sched().submit((fam.fid, bkey, tier),
-                               functools.partial(self.build_entry, fam, bkey, tier),
+                               functools.partial(self.build_entry, fam, bkey, tier,
+                                                 prerun=prerun),
                                urgent=urgent, info=(fam, bkey, tier), warm=warm)
 
   def _covering_futures(self, fam: Family, bkey) -> list:
@@ -447,7 +469,7 @@ class Compiler:
     workers = max_workers or min(len(todo), max(2, os.cpu_count() or 2))
     done = 0
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-      futs = [pool.submit(self.build_entry, fam, b) for b in todo]
+      futs = [pool.submit(self.build_entry, fam, b, prerun=True) for b in todo]
       for f in concurrent.futures.as_completed(futs):
         f.result()
         done += 1

@@ -135,6 +135,7 @@ def stats_dict(d) -> dict:
       "executables": len(cache),
       "loaded_from_store": cache.loads,
       "served_on_larger_bucket": c["larger"],
+      "preruns": d.compiler.prerunner.describe(),
       "waited_for_compile": counters.waits,
       "wait_seconds": counters.wait_seconds,
       "background": (None if sched is None else {

@@ -69,3 +69,5 @@ def test_warm_and_prof_tags_share_the_cache_of_the_mode_they_restart():
   assert sf.cache_key("torch_eager") == (False, "torch_eager")
   assert sf.cache_key("dynjax_auto16_warm_wait_restart_again") == (True, "dynjax_auto16_wait")
   assert sf.cache_key("hand_warm_restart_again") == (True, "hand")
+  assert sf.cache_key("dynjax_pallas_auto16_warm_wait_restart_again_noprerun") == (
+      True, "dynjax_pallas_auto16_wait")
