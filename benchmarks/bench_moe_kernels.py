@@ -11,7 +11,8 @@ Parts (``--parts``, in the order given):
           packed group sizes, and the grouped layer (k=1, 2; forward + grads) in bf16 against the
           float32 dense reference.
   sweep   each of the FFN's two GEMMs alone ([8192, 1024] x [E, 1024, 4096] and [8192, 4096] x
-          [E, 4096, 1024], bf16, the routing's loads), per --mgpu / --triton tiling, and cuBLAS'
+          [E, 4096, 1024], bf16, the routing's loads), per --mgpu / --hopper / --triton tiling,
+          and cuBLAS'
           dense [8192, 1024] x [1024, 4096] for scale.  Four calls inside one executable on
           rotating inputs, time / 4: no dispatch in the figure.
   pieces  the layer split: router, layout + row gather, GEMM 1 (+ GELU), GEMM 2, combine, and the
@@ -138,33 +139,46 @@ def run_check(args) -> dict:
   ct = jnp.asarray(rng.standard_normal((rows, f)), jnp.float32)
   full = sizes.copy()
   full[-1] += rows - sizes.sum()  # the mgpu backend gives the rows past the end to the last group
-  gs, gfull = jnp.asarray(sizes), jnp.asarray(full)
-  t = _gmm.MGPU_TILING
+  # "hopper": tile-aligned groups (128-row tiles), the rows past them belong to the last group.
+  tiled = ((sizes + 127) // 128) * 128
+  tiled_full = tiled.copy()
+  tiled_full[-1] += rows - tiled.sum()
+  gs = jnp.asarray(sizes)
+  for backend, t, gref in (("mgpu", _gmm.MGPU_TILING, jnp.asarray(full)),
+                           ("hopper", _gmm.HOPPER_TILING, jnp.asarray(tiled_full))):
+    if backend not in args.check_kernels.split(","):
+      continue
 
-  def ref(a, b):
-    return jax.lax.ragged_dot(a.astype(jnp.float32), b.astype(jnp.float32), gfull)
+    def ref(a, b, gref=gref):
+      return jax.lax.ragged_dot(a.astype(jnp.float32), b.astype(jnp.float32), gref)
 
-  def mg(a, b):
-    return route.gmm(a, b, gs, tiling=t, backend="mgpu")
+    def mg(a, b, t=t, backend=backend):
+      return route.gmm(a, b, gs, tiling=t, backend=backend)
 
-  try:
-    y = jax.jit(mg)(lhs, rhs)
-    res["gmm_fwd_rel_err"] = rel_err(y, jax.jit(ref)(lhs, rhs))
-    res["gmm_fwd_all_finite"] = bool(jnp.all(jnp.isfinite(y.astype(jnp.float32))))
-    got = jax.jit(jax.grad(lambda a, b: jnp.sum(mg(a, b).astype(jnp.float32) * ct), (0, 1)))(
-        lhs, rhs)
-    want = jax.jit(jax.grad(lambda a, b: jnp.sum(ref(a, b) * ct), (0, 1)))(lhs, rhs)
-    res["gmm_dlhs_rel_err"] = rel_err(got[0], want[0])
-    res["gmm_drhs_rel_err"] = rel_err(got[1], want[1])
-  except Exception as e:
-    res["gmm_error"] = f"{type(e).__name__}: {str(e)[:1500]}"
+    pre = "gmm" if backend == "mgpu" else f"gmm_{backend}"
+    try:
+      y = jax.jit(mg)(lhs, rhs)
+      res[f"{pre}_fwd_rel_err"] = rel_err(y, jax.jit(ref)(lhs, rhs))
+      res[f"{pre}_fwd_all_finite"] = bool(jnp.all(jnp.isfinite(y.astype(jnp.float32))))
+      if backend == "hopper":  # the fused activation in the epilogue
+        ya = jax.jit(lambda a, b, t=t: route.gmm(a, b, gs, tiling=t, backend="hopper",
+                                                 activation=jax.nn.gelu))(lhs, rhs)
+        res[f"{pre}_fwd_gelu_rel_err"] = rel_err(ya, jax.nn.gelu(jax.jit(ref)(lhs, rhs)))
+      got = jax.jit(jax.grad(lambda a, b, mg=mg: jnp.sum(mg(a, b).astype(jnp.float32) * ct),
+                             (0, 1)))(lhs, rhs)
+      want = jax.jit(jax.grad(lambda a, b, ref=ref: jnp.sum(ref(a, b) * ct), (0, 1)))(lhs, rhs)
+      res[f"{pre}_dlhs_rel_err"] = rel_err(got[0], want[0])
+      res[f"{pre}_drhs_rel_err"] = rel_err(got[1], want[1])
+    except Exception as e:
+      res[f"{pre}_error"] = f"{type(e).__name__}: {str(e)[:1500]}"
   e, n, dm, fm = (8, 200, 128, 256) if args.small else (8, 1000, 256, 512)
   params, x, logits, ks = layer_inputs(e, n, dm, fm, n_keys=5)
   ctl = jax.random.normal(ks[4], (n, dm))
   mask = jnp.arange(n) < n - 37
-  for k in (1, 2):
+  for kernel, k in [(kn, k) for kn in args.check_kernels.split(",") for k in (1, 2)]:
     moe = route.Routed(route.Experts(route.ffn()), route.Router(e, k=k, renormalize=k > 1),
-                       mode="grouped", kernel="mgpu")
+                       mode="grouped", kernel=kernel)
+    pre = f"layer_k{k}" if kernel == "mgpu" else f"layer_{kernel}_k{k}"
 
     def ours(p, x, lg, moe=moe):
       pb = {key: val.astype(jnp.bfloat16) for key, val in p.items()}
@@ -175,10 +189,10 @@ def run_check(args) -> dict:
 
     try:
       errs = grad_rel_errs(ours, dense_k, (params, x, logits), ctl)
-      res[f"layer_k{k}_bf16_max_rel_err(loss,dW1,dW2,dx,dlogits)"] = max(errs)
-      res[f"layer_k{k}_bf16_rel_errs"] = [float(v) for v in errs]
+      res[f"{pre}_bf16_max_rel_err(loss,dW1,dW2,dx,dlogits)"] = max(errs)
+      res[f"{pre}_bf16_rel_errs"] = [float(v) for v in errs]
     except Exception as ex:
-      res[f"layer_k{k}_error"] = f"{type(ex).__name__}: {str(ex)[:1500]}"
+      res[f"{pre}_error"] = f"{type(ex).__name__}: {str(ex)[:1500]}"
   for key, v in res.items():
     print(f"  {key:52s} {v:.2e}" if isinstance(v, float) else f"  {key:52s} {v}", flush=True)
   return res
@@ -213,7 +227,7 @@ class Setting:
     return route.Routed(self.experts, self.router, mode="grouped", kernel=kernel, tiling=tiling)
 
 
-SWEEP_BEST: dict[str, tuple[str, float]] = {}  # setting -> (tiling, gemm1 + gemm2 ms)
+SWEEP_BEST: dict[tuple[str, str], tuple[str, float]] = {}  # (backend, setting) -> (tiling, ms)
 
 
 def run_sweep(args) -> dict:
@@ -237,6 +251,7 @@ def run_sweep(args) -> dict:
     res = {"loads": np.asarray(loads).tolist()}
     print(f"\n== sweep {setting} (k=1)  [{elapsed():.0f} s]", flush=True)
     cands = [("mgpu", parse(t)) for t in filter(None, args.mgpu.split(","))] + \
+            [("hopper", parse(t)) for t in filter(None, args.hopper.split(","))] + \
             [("pallas", parse(t)) for t in filter(None, args.triton.split(","))]
     for backend, t in cands:
       if elapsed() > args.budget:
@@ -249,13 +264,14 @@ def run_sweep(args) -> dict:
         label = f"gemm{gi + 1} {backend} {name(t)} ({rows} rows)"
         timed(label, res, fn, [[x[:rows] for x in src]], args.iters, REPS)
         both.append(res[label].get("median_ms"))
-      if backend == "mgpu" and None not in both:  # --mgpu-layer best: the fastest pair
-        best = SWEEP_BEST.get(setting)
+      if backend in ("mgpu", "hopper") and None not in both:  # --*-layer best: fastest pair
+        best = SWEEP_BEST.get((backend, setting))
         if best is None or sum(both) < best[1]:
-          SWEEP_BEST[setting] = (name(t), sum(both))
+          SWEEP_BEST[(backend, setting)] = (name(t), sum(both))
     out[setting] = res
-    if setting in SWEEP_BEST:
-      res["best_mgpu"] = SWEEP_BEST[setting]
+    for backend in ("mgpu", "hopper"):
+      if (backend, setting) in SWEEP_BEST:
+        res[f"best_{backend}"] = SWEEP_BEST[(backend, setting)]
   return out
 
 
@@ -358,14 +374,15 @@ def layer_one(s: Setting, args) -> dict:
   auto = s.routed("auto").grouped_kernel(s.params, jnp.bfloat16, n * k)
   variants = {f"grouped auto={auto} {name(route.Tiling.auto(n * k, e, auto))}":
               s.routed("auto")}
-  if auto != "mgpu" and "mgpu" in args.layer_kernels:
-    variants[f"grouped mgpu {name(route.Tiling.auto(n * k, e, 'mgpu'))}"] = s.routed("mgpu")
-  for tt in filter(None, args.mgpu_layer.split(",")):
-    if tt == "best":  # the sweep's fastest mgpu tiling for this setting (this run)
-      if s.name not in SWEEP_BEST:
-        continue
-      tt = SWEEP_BEST[s.name][0]
-    variants[f"grouped mgpu {tt}"] = s.routed("mgpu", parse(tt))
+  for kn in ("mgpu", "hopper"):
+    if auto != kn and kn in args.layer_kernels:
+      variants[f"grouped {kn} {name(route.Tiling.auto(n * k, e, kn))}"] = s.routed(kn)
+    for tt in filter(None, getattr(args, f"{kn}_layer").split(",")):
+      if tt == "best":  # the sweep's fastest tiling of this kernel for this setting (this run)
+        if (kn, s.name) not in SWEEP_BEST:
+          continue
+        tt = SWEEP_BEST[(kn, s.name)][0]
+      variants[f"grouped {kn} {tt}"] = s.routed(kn, parse(tt))
   if auto != "pallas" and "pallas" in args.layer_kernels:
     variants[f"grouped pallas (Triton) {name(route.Tiling.auto(n * k, e))}"] = \
         s.routed("pallas")
@@ -388,7 +405,10 @@ def layer_one(s: Setting, args) -> dict:
     if label.startswith("capacity"):
       extra["dropped_fraction"] = float(np.maximum(loads - cap, 0).sum() / (n * k))
     try:
-      extra["rel_err_vs_ragged_dot"] = rel_err(jf(s.params, x0, b0), ref)
+      t0 = time.perf_counter()
+      y0 = jax.block_until_ready(jf(s.params, x0, b0))
+      extra["first_call_s"] = time.perf_counter() - t0  # trace + compile + one run
+      extra["rel_err_vs_ragged_dot"] = rel_err(y0, ref)
     except Exception:
       pass
     timed(label, res, lambda x, b, jf=jf: jf(s.params, x, b), s.inputs, args.iters, **extra)
@@ -417,6 +437,10 @@ def main(argv=None) -> dict:
   ap.add_argument("--mgpu", default="128x64x128x4x4g1,128x64x128x4x6g1,128x64x128x4x4g4,"
                   "64x64x256x4x4g1,64x64x128x4x4g1,128x128x128x4x3g1",
                   help="mgpu tilings for the sweep: tm x tk x tn x warps x stages g grid_block_n")
+  ap.add_argument("--hopper", default="128x64x128x4x4g8,128x64x64x4x4g8,128x64x128x4x5g8,"
+                  "128x64x128x4x4g1,128x64x128x4x4g16",
+                  help="hopper tilings for the sweep (an output tile is tm x 2 tn; g: the "
+                  "snake's width in row tiles)")
   ap.add_argument("--triton", default="128x64x128x8x3,128x64x128x8x4,128x128x128x8x3,"
                   "64x64x128x4x4")
   ap.add_argument("--sweep-settings", default="uniform8,uniform64")
@@ -426,8 +450,12 @@ def main(argv=None) -> dict:
   ap.add_argument("--k", default="1,2")
   ap.add_argument("--mgpu-layer", default="",
                   help="extra mgpu tilings in the layer part ('best': the sweep's fastest)")
+  ap.add_argument("--hopper-layer", default="",
+                  help="extra hopper tilings in the layer part ('best': the sweep's fastest)")
+  ap.add_argument("--check-kernels", default="mgpu,hopper",
+                  help="kernels the check part compares with the references")
   ap.add_argument("--layer-extra", default="", help="ragged_dot,dense")
-  ap.add_argument("--layer-kernels", default="mgpu,pallas",
+  ap.add_argument("--layer-kernels", default="mgpu,hopper,pallas",
                   help="kernels timed beside the auto choice in the layer part")
   ap.add_argument("--train", default="uniform8")
   ap.add_argument("--iters", type=int, default=20)
@@ -439,7 +467,7 @@ def main(argv=None) -> dict:
   if args.small:
     args.d, args.ffn, args.tokens = 128, 256, 512
     args.iters, args.rotate = 2, 2
-    args.mgpu, args.triton = "32x32x64x4x2g2", "32x32x64x4x2"
+    args.mgpu, args.triton, args.hopper = "32x32x64x4x2g2", "32x32x64x4x2", ""
   else:
     args.d, args.ffn, args.tokens = 1024, 4096, 8192
   args.rotate = max(args.rotate, REPS) if "pieces" in args.parts else args.rotate

@@ -13,6 +13,9 @@ Kernels, chosen by ``backend``:
   zeros.  On CPU the same kernel runs in Pallas interpret mode (slow: for tests).
 - ``"pallas"`` on TPU: ``jax.experimental.pallas.ops.tpu.megablox.gmm`` on the same layout
   (group sizes = the tile-padded sizes).
+- ``"hopper"`` on Hopper GPUs: a warp-specialized Mosaic GPU kernel (JAX's Hopper matmul with a
+  group per row tile; see ``_hopper.py``) on the same tile-aligned layout; backward as
+  ``"pallas"``.
 - ``"mgpu"`` on Hopper GPUs: JAX's Mosaic GPU ragged-dot kernels (wgmma + TMA; see
   ``_mgpu.py``), on *packed* groups (row alignment 1: no tile padding at all).
 - ``"xla"``: ``lax.ragged_dot`` on the same layout (portable; rows past the last group are 0).
@@ -34,7 +37,7 @@ from jax.experimental import pallas as pl
 
 from dynjax._errors import RoutingError
 
-BACKENDS = ("auto", "pallas", "mgpu", "xla")
+BACKENDS = ("auto", "pallas", "hopper", "mgpu", "xla")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +94,8 @@ class Tiling:
     """
     if backend == "mgpu":
       return MGPU_TILING
+    if backend == "hopper":
+      return HOPPER_TILING
     # Measured (H100, jax 0.11.2, bf16, d=1024, ffn=4096, 8,192 tokens, k=1, the whole
     # grouped layer): 8 experts: 128x64x128 w8 s3 0.556 ms (128x64x256 0.656, 64-row tiles
     # 0.77); 64 experts uniform: 64x64x128 w4 s4 0.926 ms (128x64x128 1.244); but 64 experts
@@ -99,6 +104,10 @@ class Tiling:
       return cls()
     return cls(tm=64, tk=64, tn=128, num_warps=4, num_stages=4)
 
+
+# "hopper": 128-row tiles of 2 x 128 columns (two compute warpgroups), 64-deep k blocks, 4
+# copies in flight, a snake 8 row tiles wide.
+HOPPER_TILING = Tiling(tm=128, tk=64, tn=128, num_warps=4, num_stages=4, grid_block_n=8)
 
 # Measured (H100, jax 0.11.2, bf16, 8 experts, 8,192 rows; GEMM 1 / GEMM 2 ms, min of 20): s4 g1
 # 0.210 / 0.234, s6 g1 0.205 / 0.209, s4 g4 0.197 / 0.210 (a slice copy included in each).
@@ -306,6 +315,30 @@ def _bwd(tiling, activation, res, dy):
 _gmm_pallas_vjp.defvjp(_fwd, _bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _gmm_hopper_vjp(lhs, rhs, tile_group, group_start, group_count, tiling, activation):
+  from dynjax.route._hopper import hopper_gmm  # noqa: PLC0415 - Mosaic GPU, Hopper only
+
+  return hopper_gmm(lhs, rhs, group_start + group_count, tiling, activation)
+
+
+def _hopper_fwd(lhs, rhs, tile_group, group_start, group_count, tiling, activation):
+  from dynjax.route._hopper import hopper_gmm  # noqa: PLC0415
+
+  pre = hopper_gmm(lhs, rhs, group_start + group_count, tiling)
+  out = pre if activation is None else activation(pre).astype(pre.dtype)
+  return out, (lhs, rhs, tile_group, group_start, group_count, pre)
+
+
+def _hopper_bwd(tiling, activation, res, dy):
+  # The Triton kernels on the same tile-aligned layout (the same blocks; Triton's warps and
+  # stages: Tiling's defaults, the "pallas" backend's 128-row tiling).
+  return _bwd(Tiling(tm=tiling.tm, tk=tiling.tk, tn=tiling.tn), activation, res, dy)
+
+
+_gmm_hopper_vjp.defvjp(_hopper_fwd, _hopper_bwd)
+
+
 def group_tiles(group_sizes: jax.Array, num_row_tiles: int, tm: int):
   """``(tile_group [T], group_start [G], group_count [G])`` of tile-aligned groups.
 
@@ -335,7 +368,9 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, tiling: Tilin
     group_sizes: int32 ``[G]`` (traced is fine).
     tiling: block sizes (:class:`Tiling`).
     backend: ``"pallas"`` (Triton on GPU, megablox on TPU, interpret mode on CPU: slow, for
-      tests), ``"mgpu"`` (Hopper: JAX's Mosaic GPU ragged dot, packed groups), ``"xla"``
+      tests), ``"hopper"`` (Hopper, bf16/f16: a warp-specialized Mosaic GPU kernel, the same
+      tile-aligned groups; rows past the last group's tiles belong to the last group, in the
+      forward and the backward), ``"mgpu"`` (Hopper: JAX's Mosaic GPU ragged dot, packed groups), ``"xla"``
       (``lax.ragged_dot`` on the tile-padded sizes) or ``"auto"`` (see
       :func:`resolve_backend`).
     activation: optional elementwise function applied to the output, ``activation(lhs @ rhs)``
@@ -356,6 +391,22 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, tiling: Tilin
     raise RoutingError(f"dynjax.route.gmm: lhs has {m} rows, expected a multiple of the row "
                        f"tile tm={tm}; pad the rows (see dynjax.route.grouped_layout)")
   sizes = group_sizes.astype(jnp.int32)
+  if backend == "hopper":
+    from dynjax.route._hopper import unavailable_reason  # noqa: PLC0415
+
+    why = unavailable_reason(lhs.dtype)
+    if why is not None:
+      raise RoutingError(f"dynjax.route.gmm: backend='hopper' cannot run here: {why}; use "
+                         "backend='pallas' (Triton) or 'xla'")
+    # Row tiles past the last group's belong to the last group, forward and backward (the
+    # kernel computes them with its weights rather than branching to store zeros).
+    tile_group, start, count = group_tiles(sizes, m // tm, tm)
+    last = rhs.shape[0] - 1
+    tile_group = jnp.minimum(tile_group, last)
+    count = count.at[last].set(m // tm - start[last])
+    fused = activation if tiling.fuse_activation else None
+    out = _gmm_hopper_vjp(lhs, rhs.astype(lhs.dtype), tile_group, start, count, tiling, fused)
+    return out if fused is activation else activation(out).astype(out.dtype)
   if backend == "mgpu":
     from dynjax.route._mgpu import gmm_mgpu
 

@@ -56,7 +56,7 @@ from dynjax.route._profile import Profile
 from dynjax.route._router import Router, Routing
 
 MODES = ("exact-sync", "profiled", "grouped")
-KERNELS = ("auto", "pallas", "mgpu", "xla", "batched")
+KERNELS = ("auto", "pallas", "hopper", "mgpu", "xla", "batched")
 
 
 def _is_tracer(x) -> bool:

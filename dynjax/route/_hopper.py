@@ -1,0 +1,200 @@
+"""The ``"hopper"`` backend of :func:`dynjax.route.gmm`: a warp-specialized grouped GEMM (Hopper).
+
+The ``"mgpu"`` backend runs JAX's Mosaic GPU ragged dot: one warpgroup per program computes a
+``tm x tn`` tile and issues its own copies, and a row tile that holds the end of one group and
+the start of the next is computed once per group.  This kernel is JAX's warp-specialized Hopper
+matmul (``jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu``: a memory warpgroup streams the
+operands through the tensor memory accelerator, two compute warpgroups each own half of a
+``tm x 2*tn`` output tile and run wgmma, a persistent grid of one program per SM walks the tiles
+in a snake order) on the *tile-aligned* layout of the ``"pallas"`` backend: every ``tm``-row
+tile belongs to one group, so a tile reads its group's weights ``rhs[g]`` and stores whole tiles
+(no ragged store ladder, no tile computed twice).  The group of a tile comes from the tile ends
+of the groups (``G`` scalar reads per tile).  Tiles past the last group are computed with the
+last group's weights (their ``lhs`` rows are the layout's zeros).
+
+The activation of the FFN's first GEMM runs on the float32 accumulator before the store when the
+layer is not differentiated.  The backward reuses the Triton kernels of the ``"pallas"`` backend
+on the same layout (``dlhs = gmm(dy, rhs^T)``, ``drhs`` by ``tgmm``).
+
+Only on Hopper (compute capability 9.x) with bfloat16/float16 operands; the kernel is built by
+Mosaic GPU (no interpret mode: the CPU tests lower it for CUDA, and the GPU run checks its
+numbers).  Cost (H100, jax 0.11.2): see ``_gmm.resolve_backend``.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from dynjax._errors import RoutingError
+
+NUM_SMS = 132  # H100 SXM; the persistent grid (one program per SM) reads the device's count
+_DTYPES = (jnp.bfloat16, jnp.float16)
+# Tests set this to True: :func:`hopper_gmm` runs :func:`reference` (the same tile -> group
+# rule in XLA) and the device check is lifted, so the CPU tests cover everything around it.
+TEST_KERNEL = False
+
+
+def reference(lhs, rhs, tile_end, tiling, activation=None):
+  """What the kernel computes, in XLA: each ``tm``-row tile times its group's ``rhs``."""
+  m, k = lhs.shape
+  tm = tiling.tm
+  tiles = jnp.arange(m // tm, dtype=jnp.int32)
+  g = jnp.sum(tile_end[:-1][None, :] <= tiles[:, None], axis=1)
+  out = jnp.einsum("tmk,tkn->tmn", lhs.reshape(-1, tm, k).astype(jnp.float32),
+                   rhs[g].astype(jnp.float32))
+  if activation is not None:
+    out = activation(out)
+  return out.reshape(m, -1).astype(lhs.dtype)
+
+
+def unavailable_reason(dtype) -> str | None:
+  """Why the kernel cannot run on the default device for ``dtype`` (None: it can)."""
+  if TEST_KERNEL:
+    return None
+  dev = jax.devices()[0]
+  if dev.platform != "gpu":
+    return f"the default device is {dev.platform}, not a GPU"
+  cc = str(getattr(dev, "compute_capability", ""))
+  if not cc.startswith("9."):
+    return f"the GPU has compute capability {cc or 'unknown'}, the kernel is for Hopper (9.x)"
+  if jnp.dtype(dtype) not in [jnp.dtype(d) for d in _DTYPES]:
+    return f"dtype {jnp.dtype(dtype).name}: the kernel takes bfloat16 or float16"
+  try:
+    _plgpu()
+  except ImportError as e:
+    return f"this jax ({jax.__version__}) has no Mosaic GPU Pallas ({e})"
+  return None
+
+
+def _plgpu():
+  from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: PLC0415 - GPU only
+
+  return plgpu
+
+
+def _num_sms() -> int:
+  dev = jax.devices()[0]
+  return int(getattr(dev, "core_count", 0) or NUM_SMS) if dev.platform == "gpu" else NUM_SMS
+
+
+def _body(tile_end_gmem, a_gmem, b_gmem, out_gmem, *, tm, tn, tk, stages, num_groups,
+          activation, m_iters, n_iters, epi, snake):
+  """One program per SM; the loop over output tiles ``(m_idx, n_idx)`` of ``tm x 2 tn``."""
+  from jax.experimental import pallas as pl  # noqa: PLC0415
+
+  plgpu = _plgpu()
+  dtype = a_gmem.dtype
+  itemsize = jnp.dtype(dtype).itemsize
+  k_iters = a_gmem.shape[1] // tk
+  swizzle = plgpu.find_swizzle(tk * itemsize * 8)
+  transforms = (plgpu.TilingTransform((8, swizzle // itemsize)),
+                plgpu.SwizzleTransform(swizzle))
+  epi_m, epi_n = min(epi, tm), min(epi, tn)
+  out_swizzle = plgpu.find_swizzle(epi_n * itemsize * 8)
+  out_transforms = (plgpu.TilingTransform((8, out_swizzle // itemsize)),
+                    plgpu.SwizzleTransform(out_swizzle))
+  slots = min(2, (tm * tn) // (epi_m * epi_n))
+
+  def pipeline(body, context):
+    return plgpu.emit_pipeline_warp_specialized(
+        body, grid=(k_iters,), memory_registers=40,
+        in_specs=[
+            plgpu.BlockSpec((tm, tk), lambda k: (0, k), transforms=transforms,
+                            memory_space=plgpu.SMEM),
+            plgpu.BlockSpec((tk, 2 * tn), lambda k: (k, 0), transforms=transforms,
+                            memory_space=plgpu.SMEM),
+        ],
+        wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=stages, compute_context=context)
+
+  ignore = lambda *_, **__: None  # noqa: E731 - allocations do not depend on the bodies
+
+  @functools.partial(
+      pl.run_scoped,
+      allocs=pipeline(ignore, ignore).get_allocations(a_gmem, b_gmem.at[0]),
+      out_smem=plgpu.SMEM((2, slots, epi_m, epi_n), dtype, transforms=out_transforms),
+      collective_axes="wg")
+  def _scope(allocs, out_smem):
+    wg = lax.axis_index("wg")
+
+    @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
+    def _tiles(info):
+      (lin,) = info.index if hasattr(info, "index") else info
+      m_idx, n_idx = plgpu.planar_snake(lin, (m_iters, n_iters), 1, snake)
+      g = jnp.int32(0)
+      for i in range(num_groups - 1):  # the tile's group: how many groups end at or before it
+        g = g + (tile_end_gmem[i] <= m_idx).astype(jnp.int32)
+      m_slice = pl.ds(m_idx * tm, tm)
+      n_slice = pl.ds(n_idx * 2 * tn, 2 * tn)
+      wg_n = pl.ds(wg * tn, tn)
+
+      def context(run):
+        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tm, tn), jnp.float32))
+        def _acc(acc_ref):
+          run(acc_ref)
+          acc = acc_ref[...]
+          if activation is not None:
+            acc = activation(acc)
+          acc = acc.astype(dtype)
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          for mi in range(tm // epi_m):
+            for ni in range(tn // epi_n):
+              rs = slice(mi * epi_m, (mi + 1) * epi_m)
+              cs = slice(ni * epi_n, (ni + 1) * epi_n)
+              slot = (mi * (tn // epi_n) + ni) % 2
+              plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+              out_smem[wg, slot] = acc[rs, cs]
+              plgpu.commit_smem()
+              plgpu.copy_smem_to_gmem(out_smem.at[wg, slot],
+                                      out_gmem.at[m_slice, n_slice].at[:, wg_n].at[rs, cs])
+
+      def mma(_, a_smem, b_smem, acc_ref):
+        plgpu.wgmma(acc_ref, a_smem, b_smem.at[:, wg_n])
+        plgpu.wgmma_wait(0)
+        return acc_ref
+
+      pipeline(mma, context)(a_gmem.at[m_slice, :], b_gmem.at[g, :, n_slice],
+                             allocations=allocs)
+
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def hopper_gmm(lhs, rhs, tile_end, tiling, activation=None):
+  """``out[tile t] = activation(lhs[tile t] @ rhs[g(t)])`` over ``tiling.tm``-row tiles.
+
+  ``tile_end`` int32 ``[G]``: one past the last row tile of each group (cumulative); a tile at
+  or past ``tile_end[G-1]`` is computed with ``rhs[G-1]``.  Not differentiable by itself (see
+  :func:`dynjax.route.gmm`).  ``tiling``: ``tm`` rows x ``2 tn`` columns an output tile (two
+  compute warpgroups of ``tn`` columns), ``tk``, ``num_stages`` copies in flight,
+  ``grid_block_n`` the snake's tile width (row tiles a sweep covers).
+  """
+  m, k = lhs.shape
+  g, k2, n = rhs.shape
+  tm, tn, tk = tiling.tm, tiling.tn, tiling.tk
+  bad = [f"{name}={v} (a multiple of {b})"
+         for name, v, b in (("M", m, tm), ("K", k, tk), ("N", n, 2 * tn)) if v % b]
+  if bad or k != k2:
+    raise RoutingError(f"dynjax.route.gmm: backend='hopper' needs {', '.join(bad) or 'K equal'}"
+                       f" for lhs {lhs.shape} and rhs {rhs.shape} with {tiling}; use "
+                       "backend='pallas'")
+  if TEST_KERNEL:
+    return reference(lhs, rhs, tile_end.astype(jnp.int32), tiling, activation)
+  plgpu = _plgpu()
+  body = functools.partial(
+      _body, tm=tm, tn=tn, tk=tk, stages=tiling.num_stages, num_groups=g,
+      activation=activation, m_iters=m // tm, n_iters=n // (2 * tn), epi=64,
+      snake=max(1, tiling.grid_block_n))
+  out = jax.ShapeDtypeStruct((m, n), lhs.dtype)
+  # jax 0.10 renamed out_shape to out_type (the old name warns, and may go).
+  named = {"out_type" if "out_type" in inspect.signature(plgpu.kernel).parameters
+           else "out_shape": out}
+  kernel = plgpu.kernel(
+      body, **named, grid=(_num_sms(),),
+      grid_names=("sm",), num_threads=3, thread_name="wg",
+      compiler_params=plgpu.CompilerParams(
+          lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+  return kernel(tile_end.astype(jnp.int32), lhs, rhs)
