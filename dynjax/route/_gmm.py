@@ -83,6 +83,8 @@ class Tiling:
     """The default tiling for ``rows`` routed rows (cells x k) over ``num_groups`` groups.
 
     ``backend="mgpu"``: 128x64x128 blocks, 4 copies in flight, 4 column tiles per row tile.
+    ``backend="hopper"``: ``HOPPER_TILING`` (128-row tiles) or, under the rule below,
+    ``HOPPER_TILING_MANY`` (64-row tiles).
 
     Tile alignment pads each group by ``tm / 2`` rows on average: 128-row tiles while that is
     at most 1/8 of the rows (8 experts, 8,192 rows: 6%), else 64-row tiles (64 experts, 8,192
@@ -94,8 +96,8 @@ class Tiling:
     """
     if backend == "mgpu":
       return MGPU_TILING
-    if backend == "hopper":
-      return HOPPER_TILING
+    if backend == "hopper":  # 128-row tiles, or 64 under the rule below
+      return HOPPER_TILING if num_groups * 128 / 2 <= rows / 8 else HOPPER_TILING_MANY
     # Measured (H100, jax 0.11.2, bf16, d=1024, ffn=4096, 8,192 tokens, k=1, the whole
     # grouped layer): 8 experts: 128x64x128 w8 s3 0.556 ms (128x64x256 0.656, 64-row tiles
     # 0.77); 64 experts uniform: 64x64x128 w4 s4 0.926 ms (128x64x128 1.244); but 64 experts
@@ -108,6 +110,7 @@ class Tiling:
 # "hopper": 128-row tiles of 2 x 128 columns (two compute warpgroups), 64-deep k blocks, 4
 # copies in flight, a snake 8 row tiles wide.
 HOPPER_TILING = Tiling(tm=128, tk=64, tn=128, num_warps=4, num_stages=4, grid_block_n=8)
+HOPPER_TILING_MANY = dataclasses.replace(HOPPER_TILING, tm=64)  # many paths: less padding
 
 # Measured (H100, jax 0.11.2, bf16, 8 experts, 8,192 rows; GEMM 1 / GEMM 2 ms, min of 20): s4 g1
 # 0.210 / 0.234, s6 g1 0.205 / 0.209, s4 g4 0.197 / 0.210 (a slice copy included in each).
@@ -128,27 +131,36 @@ def buffer_rows(rows: int, num_groups: int, tiling: Tiling, backend: str) -> int
   return num_tiles(rows, num_groups, tiling.tm) * tiling.tm
 
 
-# "auto" takes the Mosaic GPU kernel on Hopper only where its extra row tiles cost little: it
-# computes a row tile that holds the end of one group and the start of the next once per group,
-# so ``num_groups - 1`` tiles more than the rows need (tile-aligned groups do not avoid it: the
-# kernel then spends those grid steps on no group).  Measured (H100, jax 0.11.2, bf16, d=1024,
-# ffn=4096, 8,192 tokens, the whole layer, side by side): 8 experts uniform k=1: mgpu 0.589 ms,
-# Triton 0.664 (a second run: 0.662 / 0.816); Zipf(1.2) 0.596 / 0.624 (0.594 / 0.712); k=2
-# 0.983 / 1.117; training step k=1 1.62 / 1.81; but 64 experts (63 extra tiles on 64): mgpu
-# 1.19 ms, Triton 0.93 (an earlier run).  Each Mosaic GPU kernel also compiles in ~7 s (Triton
-# ~1 s).
+# "auto" on a Hopper GPU in bf16/f16 takes "hopper" (the warp-specialized kernel) where the
+# widths tile (K a multiple of tk, N of 2 tn).  Measured (H100, jax 0.11.2, bf16, d=1024,
+# ffn=4096, 8,192 tokens, the whole layer side by side, run 4 of bench_moe_kernels), median ms,
+# hopper / mgpu / capacity 1.25 (drops tokens): 8 experts uniform k=1 0.501 / 0.547 / 0.482,
+# Zipf(1.2) 0.490 / 0.719 / 0.500, uniform k=2 0.741 / 0.989 / 0.786, Zipf k=2 0.746 / 1.314 /
+# 0.760; 64 experts uniform k=1 0.991 / 1.001 (Triton 1.007) / 0.754, k=2 1.192 / 1.218 / 1.004.
+# Its two kernels compile in ~1.5 s each (mgpu's: 2-7 s).  Otherwise JAX's Mosaic GPU ragged dot
+# ("mgpu") where its ``num_groups - 1`` extra row tiles (a tile holding the end of one group and
+# the start of the next is computed once per group) are at most ``MGPU_MAX_EXTRA_TILES`` of the
+# rows: 8 experts uniform k=1 mgpu 0.589 ms, Triton 0.664; 64 experts mgpu 1.19, Triton 0.93
+# (an earlier run).
 MGPU_MAX_EXTRA_TILES = 1 / 8
 
 
+def hopper_fits(widths, tiling: Tiling | None = None) -> bool:
+  """Whether every ``(K, N)`` of ``widths`` tiles for the ``"hopper"`` kernel."""
+  t = tiling or HOPPER_TILING
+  return all(k % t.tk == 0 and n % (2 * t.tn) == 0 for k, n in widths)
+
+
 def resolve_backend(backend: str, dtype, rows: int | None = None,
-                    num_groups: int | None = None) -> str:
-  """``"auto"`` -> ``"xla"`` on CPU, ``"pallas"`` on TPU; on GPU ``"mgpu"`` where the Mosaic GPU
-  kernel runs (Hopper, bf16/f16) and its ``num_groups - 1`` extra row tiles are at most
-  ``MGPU_MAX_EXTRA_TILES`` of the ``rows`` (unknown ``rows``: assumed many), else ``"pallas"``.
-  Other names unchanged.
+                    num_groups: int | None = None, widths=None) -> str:
+  """``"auto"`` -> ``"xla"`` on CPU, ``"pallas"`` on TPU; on GPU ``"hopper"`` where that
+  kernel runs (Hopper, bf16/f16) and the ``(K, N)`` pairs of ``widths`` tile for it (None:
+  assumed to), else ``"mgpu"`` where JAX's Mosaic GPU ragged dot runs and its
+  ``num_groups - 1`` extra row tiles are at most ``MGPU_MAX_EXTRA_TILES`` of the ``rows``
+  (unknown ``rows``: assumed many), else ``"pallas"``.  Other names unchanged.
 
   Example:
-    >>> resolve_backend("auto", jnp.bfloat16, rows=8192, num_groups=8)   # H100: "mgpu"
+    >>> resolve_backend("auto", jnp.bfloat16, rows=8192, num_groups=8)   # H100: "hopper"
   """
   if backend != "auto":
     return backend
@@ -156,8 +168,10 @@ def resolve_backend(backend: str, dtype, rows: int | None = None,
   if platform == "cpu":
     return "xla"
   if platform == "gpu":
-    from dynjax.route import _mgpu
+    from dynjax.route import _hopper, _mgpu
 
+    if _hopper.unavailable_reason(dtype) is None and (widths is None or hopper_fits(widths)):
+      return "hopper"
     few = rows is None or num_groups is None or (
         (num_groups - 1) * MGPU_TILING.tm <= MGPU_MAX_EXTRA_TILES * rows)
     if few and _mgpu.unavailable_reason(dtype) is None:
@@ -315,28 +329,70 @@ def _bwd(tiling, activation, res, dy):
 _gmm_pallas_vjp.defvjp(_fwd, _bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _gmm_hopper_vjp(lhs, rhs, tile_group, group_start, group_count, tiling, activation):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _gmm_hopper_vjp(lhs, rhs, tile_group, group_start, group_count, tiling, activation, skip):
   from dynjax.route._hopper import hopper_gmm  # noqa: PLC0415 - Mosaic GPU, Hopper only
 
-  return hopper_gmm(lhs, rhs, group_start + group_count, tiling, activation)
+  return hopper_gmm(lhs, rhs, group_start + group_count, tiling, activation, skip)
 
 
-def _hopper_fwd(lhs, rhs, tile_group, group_start, group_count, tiling, activation):
+def _hopper_fwd(lhs, rhs, tile_group, group_start, group_count, tiling, activation, skip):
   from dynjax.route._hopper import hopper_gmm  # noqa: PLC0415
 
-  pre = hopper_gmm(lhs, rhs, group_start + group_count, tiling)
+  pre = hopper_gmm(lhs, rhs, group_start + group_count, tiling, None, skip)
   out = pre if activation is None else activation(pre).astype(pre.dtype)
   return out, (lhs, rhs, tile_group, group_start, group_count, pre)
 
 
-def _hopper_bwd(tiling, activation, res, dy):
-  # The Triton kernels on the same tile-aligned layout (the same blocks; Triton's warps and
-  # stages: Tiling's defaults, the "pallas" backend's 128-row tiling).
-  return _bwd(Tiling(tm=tiling.tm, tk=tiling.tk, tn=tiling.tn), activation, res, dy)
+def _hopper_bwd(tiling, activation, skip, res, dy):
+  """JAX's Mosaic GPU ragged dots on the tile-aligned sizes where this jax has them (ragged
+  groups that never straddle a tile; measured faster than the Triton backward: H100, 8
+  experts, a training step of the layer 1.39 ms with them, 1.73 with Triton), else the Triton
+  kernels on the same layout.  Rows past the groups' tiles: with ``skip`` nobody reads them
+  (their cotangents are the layout's zeros and their gradients are dropped), so the sizes stop
+  at the groups; without, the forward gave them to the last group and so does the backward."""
+  from dynjax.route import _mgpu  # noqa: PLC0415
+
+  lhs, rhs, tile_group, group_start, group_count, pre = res
+  k = _mgpu.kernels()
+  if k["ragged_dot"] is None or _mgpu.unavailable_reason(lhs.dtype) is not None:
+    return _bwd(Tiling(tm=tiling.tm, tk=tiling.tk, tn=tiling.tn), activation, res, dy)
+  if activation is not None:
+    _, act_vjp = jax.vjp(lambda h: activation(h).astype(h.dtype), pre)
+    (dy,) = act_vjp(dy.astype(pre.dtype))
+  dy = dy.astype(lhs.dtype)
+  sizes = group_count * tiling.tm
+  # The ragged dot's row block = our row tile: no group straddles a block.
+  t = dataclasses.replace(MGPU_TILING, tm=tiling.tm, tk=min(MGPU_TILING.tk, tiling.tk),
+                          tn=min(MGPU_TILING.tn, tiling.tn))
+  dlhs = _mgpu._ragged(dy, rhs, sizes, t, transpose_rhs=True)  # noqa: SLF001 - our module
+  drhs = _mgpu._transposed(lhs, dy, sizes, t).astype(rhs.dtype)  # noqa: SLF001
+  return dlhs, drhs, None, None, None
 
 
 _gmm_hopper_vjp.defvjp(_hopper_fwd, _hopper_bwd)
+
+
+def hopper_grouped(lhs, rhs, sizes, tiling: Tiling, activation, skip_unused: bool):
+  """The ``"hopper"`` backend of :func:`gmm` (``skip_unused``: see ``grouped_ffn``)."""
+  from dynjax.route._hopper import unavailable_reason  # noqa: PLC0415
+
+  why = unavailable_reason(lhs.dtype)
+  if why is not None:
+    raise RoutingError(f"dynjax.route.gmm: backend='hopper' cannot run here: {why}; use "
+                       "backend='pallas' (Triton) or 'xla'")
+  m, tm = lhs.shape[0], tiling.tm
+  tile_group, start, count = group_tiles(sizes, m // tm, tm)
+  if not skip_unused:
+    # Row tiles past the last group's belong to the last group, forward and backward (the
+    # kernel computes them with its weights rather than branching to store zeros).
+    last = rhs.shape[0] - 1
+    tile_group = jnp.minimum(tile_group, last)
+    count = count.at[last].set(m // tm - start[last])
+  fused = activation if tiling.fuse_activation else None
+  out = _gmm_hopper_vjp(lhs, rhs.astype(lhs.dtype), tile_group, start, count, tiling, fused,
+                        skip_unused)
+  return out if fused is activation else activation(out).astype(out.dtype)
 
 
 def group_tiles(group_sizes: jax.Array, num_row_tiles: int, tm: int):
@@ -384,7 +440,8 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, tiling: Tilin
   if backend not in BACKENDS:
     raise RoutingError(f"dynjax.route.gmm: backend must be one of "
                        f"{', '.join(map(repr, BACKENDS))}, got {backend!r}")
-  backend = resolve_backend(backend, lhs.dtype)
+  k_dim, n_dim = rhs.shape[1], rhs.shape[2]
+  backend = resolve_backend(backend, lhs.dtype, widths=((k_dim, n_dim),))
   m = lhs.shape[0]
   tm = tiling.tm
   if m % tm:
@@ -392,21 +449,7 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, tiling: Tilin
                        f"tile tm={tm}; pad the rows (see dynjax.route.grouped_layout)")
   sizes = group_sizes.astype(jnp.int32)
   if backend == "hopper":
-    from dynjax.route._hopper import unavailable_reason  # noqa: PLC0415
-
-    why = unavailable_reason(lhs.dtype)
-    if why is not None:
-      raise RoutingError(f"dynjax.route.gmm: backend='hopper' cannot run here: {why}; use "
-                         "backend='pallas' (Triton) or 'xla'")
-    # Row tiles past the last group's belong to the last group, forward and backward (the
-    # kernel computes them with its weights rather than branching to store zeros).
-    tile_group, start, count = group_tiles(sizes, m // tm, tm)
-    last = rhs.shape[0] - 1
-    tile_group = jnp.minimum(tile_group, last)
-    count = count.at[last].set(m // tm - start[last])
-    fused = activation if tiling.fuse_activation else None
-    out = _gmm_hopper_vjp(lhs, rhs.astype(lhs.dtype), tile_group, start, count, tiling, fused)
-    return out if fused is activation else activation(out).astype(out.dtype)
+    return hopper_grouped(lhs, rhs, sizes, tiling, activation, skip_unused=False)
   if backend == "mgpu":
     from dynjax.route._mgpu import gmm_mgpu
 

@@ -18,7 +18,15 @@ import jax
 import jax.numpy as jnp
 
 from dynjax._errors import RoutingError
-from dynjax.route._gmm import Tiling, buffer_rows, gmm, num_tiles, resolve_backend, row_alignment
+from dynjax.route._gmm import (
+  Tiling,
+  buffer_rows,
+  gmm,
+  hopper_grouped,
+  num_tiles,
+  resolve_backend,
+  row_alignment,
+)
 from dynjax.route._router import Routing
 
 
@@ -94,9 +102,18 @@ def grouped_ffn(params, x: jax.Array, routing: Routing, *, activation, tiling: T
   rows = buffer_rows(n * routing.paths.shape[1], num_paths, tiling, backend)
   lay = grouped_layout(routing, num_paths, row_alignment(tiling, backend), rows)
   xs = jnp.take(x, lay.table, axis=0, mode="fill", fill_value=0)
-  h = gmm(xs, w1.astype(x.dtype), lay.group_sizes, tiling=tiling, backend=backend,
-          activation=activation)
-  ys = gmm(h, w2.astype(x.dtype), lay.group_sizes, tiling=tiling, backend=backend)
+  if backend == "hopper":
+    # Row tiles past the paths' are not computed at all: the combine reads only the cells'
+    # rows, and their gradients are dropped by the row gather's transpose (the table sends
+    # them nowhere).  The static buffer bounds every routing: at 64 paths ~1/4 of its tiles
+    # are unused on a uniform routing.
+    sizes = lay.group_sizes.astype(jnp.int32)
+    h = hopper_grouped(xs, w1.astype(x.dtype), sizes, tiling, activation, skip_unused=True)
+    ys = hopper_grouped(h, w2.astype(x.dtype), sizes, tiling, None, skip_unused=True)
+  else:
+    h = gmm(xs, w1.astype(x.dtype), lay.group_sizes, tiling=tiling, backend=backend,
+            activation=activation)
+    ys = gmm(h, w2.astype(x.dtype), lay.group_sizes, tiling=tiling, backend=backend)
   acc = jnp.promote_types(ys.dtype, jnp.float32)
   valid = routing.paths < num_paths
   gates = jnp.where(valid, routing.gates, 0).astype(acc)

@@ -101,10 +101,13 @@ class Routed:
     overflow_chunk: rows per step of the overflow path.
     record: record loads into the profile on every ``"exact-sync"`` call.
     kernel: ``"grouped"`` mode: ``"pallas"`` (grouped-GEMM kernel: Triton on GPU, megablox on
-      TPU, interpret mode on CPU), ``"mgpu"`` (Hopper: JAX's Mosaic GPU ragged dot, paths packed
-      with no tile padding), ``"xla"`` (``lax.ragged_dot`` on the same layout), ``"batched"``
-      (the ``"profiled"`` path) or ``"auto"`` (on GPU/TPU when the widths divide by the
-      tiling: ``"mgpu"`` on Hopper in bf16/f16, else ``"pallas"``; else ``"batched"``).
+      TPU, interpret mode on CPU), ``"hopper"`` (Hopper, bf16/f16: a warp-specialized Mosaic GPU
+      kernel on the same tile-aligned layout; widths multiples of 256), ``"mgpu"`` (Hopper:
+      JAX's Mosaic GPU ragged dot, paths packed with no tile padding), ``"xla"``
+      (``lax.ragged_dot`` on the same layout), ``"batched"`` (the ``"profiled"`` path) or
+      ``"auto"`` (on GPU/TPU when the widths divide by the tiling: ``"hopper"`` on Hopper in
+      bf16/f16 where the widths tile for it, else ``"mgpu"`` or ``"pallas"``; else
+      ``"batched"``).
     tiling: ``"grouped"`` mode: the grouped GEMM's :class:`Tiling`; default: per call shape,
       128-row tiles when few paths share many cells, else 64-row tiles.
 
@@ -348,8 +351,8 @@ class Routed:
 
   def grouped_kernel(self, params, dtype=None, rows: int | None = None) -> str:
     """The kernel ``mode="grouped"`` runs for these parameters, cells of ``dtype`` (default: the
-    weights') and ``rows`` routed rows (cells x k; None: many): ``"pallas"``, ``"mgpu"``,
-    ``"xla"`` or ``"batched"`` (``kernel="auto"`` resolved for the default device, the dtype,
+    weights') and ``rows`` routed rows (cells x k; None: many): ``"pallas"``, ``"hopper"``,
+    ``"mgpu"``, ``"xla"`` or ``"batched"`` (``kernel="auto"`` resolved for the default device, the dtype,
     the widths and the rows per path: see :func:`dynjax.route._gmm.resolve_backend`)."""
     if self.kernel != "auto":
       return self.kernel
@@ -360,7 +363,8 @@ class Routed:
     if not all(v % t.tk == 0 and v % t.tn == 0 for v in (d, f)):
       return "batched"
     return resolve_backend("auto", jnp.result_type(params["w1"]) if dtype is None else dtype,
-                           rows, self.router.num_paths)
+                           rows, self.router.num_paths,
+                           widths=None if self.tiling is not None else ((d, f), (f, d)))
 
   def grouped(self, params, x, routing: Routing) -> jax.Array:
     """The ``"grouped"`` layer for a given routing (traceable, differentiable, dropless).

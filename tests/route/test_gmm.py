@@ -126,7 +126,7 @@ def test_gmm_errors():
       "lhs has 24 rows, expected a multiple of the row tile tm=16")):
     route.gmm(lhs, rhs, jnp.array([3, 4]), tiling=TILING)
   with pytest.raises(RoutingError, match=re.escape(
-      "backend must be one of 'auto', 'pallas', 'mgpu', 'xla', got 'cuda'")):
+      "backend must be one of 'auto', 'pallas', 'hopper', 'mgpu', 'xla', got 'cuda'")):
     route.gmm(lhs, rhs, jnp.array([3, 4]), backend="cuda")
   with pytest.raises(RoutingError, match=re.escape("block sizes must be powers of two, got "
                                                    "tm=48, tn=0")):
@@ -216,7 +216,7 @@ def test_grouped_kernel_auto_is_batched_on_cpu_and_errors():
   np.testing.assert_allclose(np.asarray(moe(params, x, logits)),
                              np.asarray(dense(params, x, logits, 1)), rtol=1e-5, atol=1e-5)
   with pytest.raises(RoutingError, match=re.escape(
-      "kernel must be one of 'auto', 'pallas', 'mgpu', 'xla', 'batched', got 'cuda'")):
+      "kernel must be one of 'auto', 'pallas', 'hopper', 'mgpu', 'xla', 'batched', got 'cuda'")):
     route.Routed(route.Experts(route.ffn()), route.Router(E), mode="grouped", kernel="cuda")
   with pytest.raises(RoutingError, match=re.escape(
       "mode='grouped' with kernel='pallas' runs the expert FFN as grouped GEMMs")):

@@ -20,16 +20,29 @@ import pytest
 
 from dynjax import route
 from dynjax._errors import RoutingError
-from dynjax.route import _hopper
+from dynjax.route import _hopper, _mgpu
 from tests.route.test_gmm import dense  # the independent dense reference
+from tests.route.test_gmm_mgpu import CALLS, fake_ragged_dot, fake_transposed
 
 TILING = route.Tiling(tm=16, tk=16, tn=16, num_stages=2, grid_block_n=2)  # tiles 16 x 32
 K_DIM, N_DIM = 32, 64
 
 
-@pytest.fixture
-def stand_in(monkeypatch):
+@pytest.fixture(params=["mgpu backward", "triton backward"])
+def stand_in(request, monkeypatch):
+  """The kernel's stand-in; the backward through JAX's Mosaic GPU ragged dots (their
+  ``lax.ragged_dot`` stand-ins) or, where this jax has none, the Triton kernels."""
   monkeypatch.setattr(_hopper, "TEST_KERNEL", True)
+  if request.param == "mgpu backward":
+    monkeypatch.setattr(_mgpu, "TEST_KERNELS", {
+        "ragged_dot": fake_ragged_dot, "transposed_ragged_dot": fake_transposed,
+        "transpose_rhs": True, "error": None})
+  else:
+    monkeypatch.setattr(_mgpu, "TEST_KERNELS", {
+        "ragged_dot": None, "transposed_ragged_dot": None, "transpose_rhs": False,
+        "error": "none in this jax"})
+  CALLS.clear()
+  return request.param
 
 
 def _ref(a, b, sizes, m, tm):
@@ -93,17 +106,31 @@ def test_grouped_mode_hopper_equals_dense_with_grads_and_mask(stand_in, k):
     return jax.jit(jax.value_and_grad(lambda p, x, lg: jnp.sum(fn(p, x, lg) * ct), (0, 1, 2)))(
         params, x, logits)
 
+  # The layer skips the row tiles past the paths' (the stand-in writes NaN there, as an
+  # unwritten buffer may hold): nothing of them reaches the values or the gradients.
   got = grads(lambda p, x, lg: moe(p, x, lg, mask=mask))
   want = grads(lambda p, x, lg: dense(p, x, lg, k, mask.astype(jnp.float32)))
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+  if stand_in == "mgpu backward":  # dlhs and drhs of both GEMMs on the tile-aligned sizes
+    assert sorted({c[0] for c in CALLS}) == ["ragged_dot", "transposed"]
 
 
-@pytest.mark.parametrize("activation", [None, jax.nn.gelu])
-def test_the_kernel_lowers_for_cuda(activation):
+def test_column_tiles_fill_the_waves():
+  # GEMM 2 of the FFN at 8,192 rows (71 row tiles, N=1024): 284 tiles of 2 x 128 columns fill
+  # 2.15 waves of 132 programs; 64-column tiles fill 4.3.  GEMM 1 (N=4096) keeps 128.
+  assert _hopper.column_tile(71, 1024, 128) == 64
+  assert _hopper.column_tile(71, 4096, 128) == 128
+  assert _hopper.column_tile(16, 1024, 128) == 64  # a short bucket: 64 tiles on 132 SMs
+  assert _hopper.column_tile(71, 1024, 64) == 64  # never below 64
+  assert _hopper.column_tile(33, 1024, 128) == 128  # 132 tiles: one full wave
+
+
+@pytest.mark.parametrize("activation,skip", [(None, False), (jax.nn.gelu, True)])
+def test_the_kernel_lowers_for_cuda(activation, skip):
   # The Mosaic GPU program is built at lowering (a CUDA lowering works on a CPU machine).
   t = route.Tiling(tm=128, tk=64, tn=128, num_stages=4, grid_block_n=8)
-  fn = jax.jit(lambda a, b, te: _hopper.hopper_gmm(a, b, te, t, activation))
+  fn = jax.jit(lambda a, b, te: _hopper.hopper_gmm(a, b, te, t, activation, skip))
   lowered = fn.trace(jax.ShapeDtypeStruct((512, 256), jnp.bfloat16),
                      jax.ShapeDtypeStruct((8, 256, 512), jnp.bfloat16),
                      jax.ShapeDtypeStruct((8,), jnp.int32)).lower(lowering_platforms=("cuda",))
@@ -125,3 +152,24 @@ def test_shapes_the_kernel_cannot_tile_are_refused(stand_in):
                                                    "32)")):
     route.gmm(jnp.zeros((32, K_DIM)), jnp.zeros((2, K_DIM, 48)), jnp.array([3, 4]),
               tiling=TILING, backend="hopper")
+
+
+def test_auto_takes_hopper_where_it_runs_and_the_widths_tile(monkeypatch):
+  from dynjax.route import _gmm
+
+  monkeypatch.setattr(_gmm, "_platform", lambda: "gpu")
+  monkeypatch.setattr(_hopper, "TEST_KERNEL", True)
+  assert _gmm.resolve_backend("auto", jnp.bfloat16, 8192, 8) == "hopper"
+  assert _gmm.resolve_backend("auto", jnp.bfloat16, 8192, 64, widths=((1024, 4096),)) == "hopper"
+  # N=1000 does not tile (2 x 128 columns); neither does K=1000: the next kernel in line.
+  assert _gmm.resolve_backend("auto", jnp.bfloat16, 8192, 8, widths=((1024, 1000),)) != "hopper"
+  assert _gmm.resolve_backend("auto", jnp.bfloat16, 8192, 8, widths=((1000, 1024),)) != "hopper"
+  assert route.Tiling.auto(8192, 8, "hopper").tm == 128
+  assert route.Tiling.auto(8192, 64, "hopper").tm == 64
+  moe = route.Routed(route.Experts(route.ffn()), route.Router(8), mode="grouped")
+  wide = {"w1": jnp.zeros((8, 256, 512), jnp.bfloat16)}
+  narrow = {"w1": jnp.zeros((8, 128, 384), jnp.bfloat16)}  # 128 does not tile 2 x 128
+  with monkeypatch.context() as m:  # the layer's choice as on a GPU
+    m.setattr(jax, "default_backend", lambda: "gpu")
+    assert moe.grouped_kernel(wide, jnp.bfloat16, 4096) == "hopper"
+    assert moe.grouped_kernel(narrow, jnp.bfloat16, 4096) != "hopper"
