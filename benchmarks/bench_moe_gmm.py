@@ -99,8 +99,11 @@ def zipf_probs(n: int, s: float) -> np.ndarray:
 
 
 def parse_tiling(s: str) -> route.Tiling:
+  """``tm x tk x tn x warps x stages [g grid_block_n]`` (also bench_moe_kernels.py's)."""
+  s, _, g = s.partition("g")
   tm, tk, tn, w, st = (int(v) for v in s.split("x"))
-  return route.Tiling(tm=tm, tk=tk, tn=tn, num_warps=w, num_stages=st)
+  return route.Tiling(tm=tm, tk=tk, tn=tn, num_warps=w, num_stages=st,
+                      grid_block_n=int(g) if g else 1)
 
 
 def tiling_name(t: route.Tiling) -> str:
@@ -426,10 +429,12 @@ def run_e2e(args) -> dict:
   on_gpu = jax.default_backend() != "cpu"
   variants = {}
   for v in args.e2e_variants.split(","):
-    if v.startswith("grouped"):  # grouped (auto kernel), grouped-pallas, grouped-mgpu
-      kernel = v.partition("-")[2] or ("auto" if on_gpu else "xla")
+    if v.startswith("grouped"):  # grouped (auto kernel), grouped-pallas, grouped-hopper:TILING
+      kernel, _, tiling = v.partition("-")[2].partition(":")
+      kernel = kernel or ("auto" if on_gpu else "xla")
       variants[f"dynjax {v} (gmm kernel)"] = ("grouped", route.Routed(
-          experts, router, mode="grouped", kernel=kernel))
+          experts, router, mode="grouped", kernel=kernel,
+          tiling=parse_tiling(tiling) if tiling else None))
     elif v == "profiled":
       variants["dynjax profiled"] = ("profiled", route.Routed(
           experts, router, mode="profiled",
@@ -561,8 +566,10 @@ def main(argv=None) -> dict:
   ap.add_argument("--zipf", type=float, default=1.2)
   ap.add_argument("--e2e-requests", type=int, default=200)
   ap.add_argument("--e2e-variants", default="grouped,ragged_dot,dense,profiled",
-                  help="grouped (kernel auto), grouped-pallas, grouped-mgpu, ragged_dot, dense, "
-                       "profiled; the first grouped one also times the training step")
+                  help="grouped (kernel auto), grouped-pallas, grouped-mgpu, grouped-hopper, "
+                       "grouped-KERNEL:TILING (tm x tk x tn x warps x stages g grid_block_n), "
+                       "ragged_dot, dense, profiled; the first grouped one also times the "
+                       "training step")
   ap.add_argument("--budget", type=float, default=1e9, help="seconds; later rows are skipped")
   ap.add_argument("--seed", type=int, default=0)
   args = ap.parse_args(argv)

@@ -52,6 +52,9 @@ from benchmarks.bench_moe_gmm import (  # noqa: E402
   timeit,
   zipf_probs,
 )
+from benchmarks.bench_moe_gmm import (
+  parse_tiling as parse,
+)
 from dynjax import route  # noqa: E402
 from dynjax.route import _gmm, _mgpu  # noqa: E402
 
@@ -61,14 +64,6 @@ REPS = 4
 
 def elapsed() -> float:
   return time.perf_counter() - T0
-
-
-def parse(s: str) -> route.Tiling:
-  """``tm x tk x tn x warps x stages [g grid_block_n]``."""
-  s, _, g = s.partition("g")
-  tm, tk, tn, w, st = (int(v) for v in s.split("x"))
-  return route.Tiling(tm=tm, tk=tk, tn=tn, num_warps=w, num_stages=st,
-                      grid_block_n=int(g) if g else 1)
 
 
 def name(t: route.Tiling) -> str:

@@ -83,7 +83,7 @@ class Tiling:
     """The default tiling for ``rows`` routed rows (cells x k) over ``num_groups`` groups.
 
     ``backend="mgpu"``: 128x64x128 blocks, 4 copies in flight, 4 column tiles per row tile.
-    ``backend="hopper"``: ``HOPPER_TILING`` (128-row tiles) or, under the rule below,
+    ``backend="hopper"``: ``HOPPER_TILING`` (128-row tiles) up to 16 groups, else
     ``HOPPER_TILING_MANY`` (64-row tiles).
 
     Tile alignment pads each group by ``tm / 2`` rows on average: 128-row tiles while that is
@@ -96,8 +96,12 @@ class Tiling:
     """
     if backend == "mgpu":
       return MGPU_TILING
-    if backend == "hopper":  # 128-row tiles, or 64 under the rule below
-      return HOPPER_TILING if num_groups * 128 / 2 <= rows / 8 else HOPPER_TILING_MANY
+    if backend == "hopper":
+      # By the paths alone (one tiling, so one kernel, for every call shape): 128-row tiles
+      # up to 16 paths, else 64.  Measured (H100, 8,192 tokens, k=1): 8 experts 128-row 0.50-
+      # 0.51 ms, 64-row 0.58-0.64; 64 experts 64-row 0.74, 128-row 0.80 (tile padding: 64
+      # paths x 64 rows on average at 128-row tiles).
+      return HOPPER_TILING if num_groups <= 16 else HOPPER_TILING_MANY
     # Measured (H100, jax 0.11.2, bf16, d=1024, ffn=4096, 8,192 tokens, k=1, the whole
     # grouped layer): 8 experts: 128x64x128 w8 s3 0.556 ms (128x64x256 0.656, 64-row tiles
     # 0.77); 64 experts uniform: 64x64x128 w4 s4 0.926 ms (128x64x128 1.244); but 64 experts
@@ -111,6 +115,7 @@ class Tiling:
 # copies in flight, a snake 8 row tiles wide.
 HOPPER_TILING = Tiling(tm=128, tk=64, tn=128, num_warps=4, num_stages=4, grid_block_n=8)
 HOPPER_TILING_MANY = dataclasses.replace(HOPPER_TILING, tm=64)  # many paths: less padding
+HOPPER_MIN_ROWS = 8192  # the grouped layer's buffer for the "hopper" kernel: see buffer_rows
 
 # Measured (H100, jax 0.11.2, bf16, 8 experts, 8,192 rows; GEMM 1 / GEMM 2 ms, min of 20): s4 g1
 # 0.210 / 0.234, s6 g1 0.205 / 0.209, s4 g4 0.197 / 0.210 (a slice copy included in each).
@@ -128,7 +133,16 @@ def buffer_rows(rows: int, num_groups: int, tiling: Tiling, backend: str) -> int
   if backend == "mgpu":
     unit = max(tiling.tm, tiling.tk)
     return max(unit, -(-rows // unit) * unit)
-  return num_tiles(rows, num_groups, tiling.tm) * tiling.tm
+  bound = num_tiles(rows, num_groups, tiling.tm) * tiling.tm
+  if backend == "hopper":
+    # At least HOPPER_MIN_ROWS: the kernel walks only the groups' tiles (a bound read at run
+    # time), so extra rows cost no compute, and every call shape below it shares one buffer
+    # shape, hence one kernel: Mosaic GPU compiles a kernel once a process (cached by its
+    # hash), ~1-1.5 s each on the H100, two a layer.  A serving model with 6 length buckets
+    # compiled 12 before.  The price: the row gather writes the extra rows' zeros (16 MB at
+    # d=1024 bf16: ~10 us on the H100).
+    return max(bound, -(-HOPPER_MIN_ROWS // tiling.tm) * tiling.tm)
+  return bound
 
 
 # "auto" on a Hopper GPU in bf16/f16 takes "hopper" (the warp-specialized kernel) where the
@@ -333,30 +347,34 @@ _gmm_pallas_vjp.defvjp(_fwd, _bwd)
 def _gmm_hopper_vjp(lhs, rhs, tile_group, group_start, group_count, tiling, activation, skip):
   from dynjax.route._hopper import hopper_gmm  # noqa: PLC0415 - Mosaic GPU, Hopper only
 
-  return hopper_gmm(lhs, rhs, group_start + group_count, tiling, activation, skip)
+  return hopper_gmm(lhs, rhs, group_start + group_count, tiling, activation, bool(skip))
 
 
 def _hopper_fwd(lhs, rhs, tile_group, group_start, group_count, tiling, activation, skip):
   from dynjax.route._hopper import hopper_gmm  # noqa: PLC0415
 
-  pre = hopper_gmm(lhs, rhs, group_start + group_count, tiling, None, skip)
+  pre = hopper_gmm(lhs, rhs, group_start + group_count, tiling, None, bool(skip))
   out = pre if activation is None else activation(pre).astype(pre.dtype)
   return out, (lhs, rhs, tile_group, group_start, group_count, pre)
 
 
 def _hopper_bwd(tiling, activation, skip, res, dy):
-  """JAX's Mosaic GPU ragged dots on the tile-aligned sizes where this jax has them (ragged
-  groups that never straddle a tile; measured faster than the Triton backward: H100, 8
-  experts, a training step of the layer 1.39 ms with them, 1.73 with Triton), else the Triton
-  kernels on the same layout.  Rows past the groups' tiles: with ``skip`` nobody reads them
-  (their cotangents are the layout's zeros and their gradients are dropped), so the sizes stop
-  at the groups; without, the forward gave them to the last group and so does the backward."""
+  """``drhs``: JAX's Mosaic GPU transposed ragged dot on the tile-aligned sizes (it walks only
+  the groups' rows) where this jax has it; ``dlhs``: its ragged dot on the transposed weights,
+  except where the buffer has more rows than any routing fills (``skip`` is then the rows a
+  routing can fill: that kernel spends a full tile on every row tile past the groups), which
+  run the Triton kernel (a tile past the groups stores zeros and computes nothing).  Measured
+  (H100, 8 experts, a training step of the layer): 1.39-1.55 ms with the Mosaic GPU backward,
+  1.73 with Triton's.  Rows past the groups' tiles: with ``skip`` nobody reads them (their
+  cotangents are the layout's zeros and their gradients are dropped), so the sizes stop at the
+  groups; without, the forward gave them to the last group and so does the backward."""
   from dynjax.route import _mgpu  # noqa: PLC0415
 
   lhs, rhs, tile_group, group_start, group_count, pre = res
+  triton = Tiling(tm=tiling.tm, tk=tiling.tk, tn=tiling.tn)
   k = _mgpu.kernels()
   if k["ragged_dot"] is None or _mgpu.unavailable_reason(lhs.dtype) is not None:
-    return _bwd(Tiling(tm=tiling.tm, tk=tiling.tk, tn=tiling.tn), activation, res, dy)
+    return _bwd(triton, activation, res, dy)
   if activation is not None:
     _, act_vjp = jax.vjp(lambda h: activation(h).astype(h.dtype), pre)
     (dy,) = act_vjp(dy.astype(pre.dtype))
@@ -365,7 +383,10 @@ def _hopper_bwd(tiling, activation, skip, res, dy):
   # The ragged dot's row block = our row tile: no group straddles a block.
   t = dataclasses.replace(MGPU_TILING, tm=tiling.tm, tk=min(MGPU_TILING.tk, tiling.tk),
                           tn=min(MGPU_TILING.tn, tiling.tn))
-  dlhs = _mgpu._ragged(dy, rhs, sizes, t, transpose_rhs=True)  # noqa: SLF001 - our module
+  if skip and lhs.shape[0] > skip:
+    dlhs = _pallas_gmm(dy, rhs, tile_group, triton, transpose_rhs=True)
+  else:
+    dlhs = _mgpu._ragged(dy, rhs, sizes, t, transpose_rhs=True)  # noqa: SLF001 - our module
   drhs = _mgpu._transposed(lhs, dy, sizes, t).astype(rhs.dtype)  # noqa: SLF001
   return dlhs, drhs, None, None, None
 
@@ -373,8 +394,10 @@ def _hopper_bwd(tiling, activation, skip, res, dy):
 _gmm_hopper_vjp.defvjp(_hopper_fwd, _hopper_bwd)
 
 
-def hopper_grouped(lhs, rhs, sizes, tiling: Tiling, activation, skip_unused: bool):
-  """The ``"hopper"`` backend of :func:`gmm` (``skip_unused``: see ``grouped_ffn``)."""
+def hopper_grouped(lhs, rhs, sizes, tiling: Tiling, activation, skip_unused: int = 0):
+  """The ``"hopper"`` backend of :func:`gmm`.  ``skip_unused`` (the grouped layer): the row
+  tiles past the groups' are not computed (their rows are left unwritten), and its value is
+  the rows a routing can fill (``lhs`` may have more: see ``buffer_rows``)."""
   from dynjax.route._hopper import unavailable_reason  # noqa: PLC0415
 
   why = unavailable_reason(lhs.dtype)
@@ -449,7 +472,7 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, tiling: Tilin
                        f"tile tm={tm}; pad the rows (see dynjax.route.grouped_layout)")
   sizes = group_sizes.astype(jnp.int32)
   if backend == "hopper":
-    return hopper_grouped(lhs, rhs, sizes, tiling, activation, skip_unused=False)
+    return hopper_grouped(lhs, rhs, sizes, tiling, activation)
   if backend == "mgpu":
     from dynjax.route._mgpu import gmm_mgpu
 

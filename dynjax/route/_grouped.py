@@ -108,8 +108,9 @@ def grouped_ffn(params, x: jax.Array, routing: Routing, *, activation, tiling: T
     # them nowhere).  The static buffer bounds every routing: at 64 paths ~1/4 of its tiles
     # are unused on a uniform routing.
     sizes = lay.group_sizes.astype(jnp.int32)
-    h = hopper_grouped(xs, w1.astype(x.dtype), sizes, tiling, activation, skip_unused=True)
-    ys = hopper_grouped(h, w2.astype(x.dtype), sizes, tiling, None, skip_unused=True)
+    fill = num_tiles(n * routing.paths.shape[1], num_paths, tiling.tm) * tiling.tm
+    h = hopper_grouped(xs, w1.astype(x.dtype), sizes, tiling, activation, skip_unused=fill)
+    ys = hopper_grouped(h, w2.astype(x.dtype), sizes, tiling, None, skip_unused=fill)
   else:
     h = gmm(xs, w1.astype(x.dtype), lay.group_sizes, tiling=tiling, backend=backend,
             activation=activation)

@@ -89,8 +89,14 @@ def test_gmm_hopper_forward_backward_on_tile_aligned_groups(stand_in, sizes):
 E, D, F, N = 4, 32, 64, 40
 
 
-@pytest.mark.parametrize("k", [1, 2])
-def test_grouped_mode_hopper_equals_dense_with_grads_and_mask(stand_in, k):
+@pytest.mark.parametrize("k,min_rows", [(1, 0), (2, 0), (1, 256), (2, 256)])
+def test_grouped_mode_hopper_equals_dense_with_grads_and_mask(stand_in, k, min_rows,
+                                                              monkeypatch):
+  # min_rows 256: the buffer has more rows than a routing can fill (one kernel for every call
+  # shape below it); dlhs then runs the Triton kernel, which skips the tiles past the groups.
+  from dynjax.route import _gmm
+
+  monkeypatch.setattr(_gmm, "HOPPER_MIN_ROWS", min_rows)
   ks = jax.random.split(jax.random.PRNGKey(k), 4)
   params = {"w1": jax.random.normal(ks[0], (E, D, F)) / np.sqrt(D),
             "w2": jax.random.normal(ks[1], (E, F, D)) / np.sqrt(F)}
@@ -112,8 +118,12 @@ def test_grouped_mode_hopper_equals_dense_with_grads_and_mask(stand_in, k):
   want = grads(lambda p, x, lg: dense(p, x, lg, k, mask.astype(jnp.float32)))
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
-  if stand_in == "mgpu backward":  # dlhs and drhs of both GEMMs on the tile-aligned sizes
-    assert sorted({c[0] for c in CALLS}) == ["ragged_dot", "transposed"]
+  bound = _gmm.num_tiles(N * k, E, 16) * 16
+  rows = _gmm.buffer_rows(N * k, E, TILING, "hopper")
+  assert rows == max(min_rows, bound)
+  if stand_in == "mgpu backward":  # drhs (and dlhs where no row is extra) on the tiled sizes
+    want_calls = ["transposed"] if rows > bound else ["ragged_dot", "transposed"]
+    assert sorted({c[0] for c in CALLS}) == want_calls
 
 
 def test_column_tiles_fill_the_waves():
@@ -165,7 +175,11 @@ def test_auto_takes_hopper_where_it_runs_and_the_widths_tile(monkeypatch):
   assert _gmm.resolve_backend("auto", jnp.bfloat16, 8192, 8, widths=((1024, 1000),)) != "hopper"
   assert _gmm.resolve_backend("auto", jnp.bfloat16, 8192, 8, widths=((1000, 1024),)) != "hopper"
   assert route.Tiling.auto(8192, 8, "hopper").tm == 128
+  assert route.Tiling.auto(512, 8, "hopper").tm == 128  # by the paths alone: one kernel
   assert route.Tiling.auto(8192, 64, "hopper").tm == 64
+  assert _gmm.buffer_rows(512, 8, route.Tiling.auto(512, 8, "hopper"), "hopper") == 8192
+  assert _gmm.buffer_rows(16384, 8, route.Tiling.auto(16384, 8, "hopper"), "hopper") == (
+      16384 + 8 * 127) // 128 * 128
   moe = route.Routed(route.Experts(route.ffn()), route.Router(8), mode="grouped")
   wide = {"w1": jnp.zeros((8, 256, 512), jnp.bfloat16)}
   narrow = {"w1": jnp.zeros((8, 128, 384), jnp.bfloat16)}  # 128 does not tile 2 x 128
