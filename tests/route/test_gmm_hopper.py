@@ -89,14 +89,16 @@ def test_gmm_hopper_forward_backward_on_tile_aligned_groups(stand_in, sizes):
 E, D, F, N = 4, 32, 64, 40
 
 
-@pytest.mark.parametrize("k,min_rows", [(1, 0), (2, 0), (1, 256), (2, 256)])
-def test_grouped_mode_hopper_equals_dense_with_grads_and_mask(stand_in, k, min_rows,
+@pytest.mark.parametrize("k,min_rows,pow2", [(1, 0, 0), (2, 0, 0), (2, 256, 0), (1, 64, 4096)])
+def test_grouped_mode_hopper_equals_dense_with_grads_and_mask(stand_in, k, min_rows, pow2,
                                                               monkeypatch):
-  # min_rows 256: the buffer has more rows than a routing can fill (one kernel for every call
-  # shape below it); dlhs then runs the Triton kernel, which skips the tiles past the groups.
+  # min_rows 256 (or a power of two past 64): the buffer has more rows than a routing can fill
+  # (one kernel for many call shapes); dlhs then runs the Triton kernel, which skips the tiles
+  # past the groups.
   from dynjax.route import _gmm
 
   monkeypatch.setattr(_gmm, "HOPPER_MIN_ROWS", min_rows)
+  monkeypatch.setattr(_gmm, "HOPPER_POW2_ROWS", pow2)
   ks = jax.random.split(jax.random.PRNGKey(k), 4)
   params = {"w1": jax.random.normal(ks[0], (E, D, F)) / np.sqrt(D),
             "w2": jax.random.normal(ks[1], (E, F, D)) / np.sqrt(F)}
@@ -120,7 +122,8 @@ def test_grouped_mode_hopper_equals_dense_with_grads_and_mask(stand_in, k, min_r
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
   bound = _gmm.num_tiles(N * k, E, 16) * 16
   rows = _gmm.buffer_rows(N * k, E, TILING, "hopper")
-  assert rows == max(min_rows, bound)
+  assert rows == (min_rows if bound <= min_rows else
+                  1 << (bound - 1).bit_length() if bound <= pow2 else bound)
   if stand_in == "mgpu backward":  # drhs (and dlhs where no row is extra) on the tiled sizes
     want_calls = ["transposed"] if rows > bound else ["ragged_dot", "transposed"]
     assert sorted({c[0] for c in CALLS}) == want_calls
@@ -178,8 +181,11 @@ def test_auto_takes_hopper_where_it_runs_and_the_widths_tile(monkeypatch):
   assert route.Tiling.auto(512, 8, "hopper").tm == 128  # by the paths alone: one kernel
   assert route.Tiling.auto(8192, 64, "hopper").tm == 64
   assert _gmm.buffer_rows(512, 8, route.Tiling.auto(512, 8, "hopper"), "hopper") == 8192
-  assert _gmm.buffer_rows(16384, 8, route.Tiling.auto(16384, 8, "hopper"), "hopper") == (
-      16384 + 8 * 127) // 128 * 128
+  # Past 8,192 rows the next power of two (one kernel a class), past 65,536 the bound.
+  assert _gmm.buffer_rows(8192, 8, route.Tiling.auto(8192, 8, "hopper"), "hopper") == 16384
+  assert _gmm.buffer_rows(16384, 8, route.Tiling.auto(16384, 8, "hopper"), "hopper") == 32768
+  assert _gmm.buffer_rows(65536, 8, route.Tiling.auto(65536, 8, "hopper"), "hopper") == (
+      65536 + 8 * 127) // 128 * 128
   moe = route.Routed(route.Experts(route.ffn()), route.Router(8), mode="grouped")
   wide = {"w1": jnp.zeros((8, 256, 512), jnp.bfloat16)}
   narrow = {"w1": jnp.zeros((8, 128, 384), jnp.bfloat16)}  # 128 does not tile 2 x 128
