@@ -13,16 +13,18 @@ Modes (what each costs is in WORKSPACE.md, "Routing"):
   overflow path, computed exactly.
 - ``"grouped"``: no capacities at all.  Cells are laid out by path, each path's rows padded to a
   multiple of the row tile only (packed, no padding, for the Hopper ``"mgpu"`` kernel), and the
-  expert FFN runs as two grouped GEMMs (:func:`dynjax.route.gmm`: JAX's Mosaic GPU ragged dot
-  or our Pallas/Triton kernel on GPU, megablox on TPU).  One traceable function, no host
-  sync, no profile, no overflow path.  Needs ``Experts(ffn(...))``; ``kernel="auto"`` falls back
-  to the ``"profiled"`` batched path on CPU (where the Pallas kernel only interprets).
+  expert FFN runs as two grouped GEMMs (:func:`dynjax.route.gmm`: on Hopper in bf16/f16 the
+  warp-specialized ``"hopper"`` kernel, else JAX's Mosaic GPU ragged dot or our Pallas/Triton
+  kernel on GPU, megablox on TPU).  One traceable function, no host sync, no profile, no
+  overflow path.  Needs ``Experts(ffn(...))``; ``kernel="auto"`` falls back to the
+  ``"profiled"`` batched path on CPU (where the Pallas kernel only interprets).
 
 Measured (H100, jax 0.11.2, bf16 FFN layer d=1024, ffn=4096, 8,192 tokens; benchmarks/
-bench_moe_kernels.py, one run side by side): k=1, 8 experts: grouped (auto = Mosaic GPU) 0.662 ms,
-grouped Triton 0.816, capacity 1.25 0.556; 64 experts (auto = Triton): 0.923 / capacity 0.739;
-k=2, 8 experts: 0.983 / 1.117 / 0.799.  An earlier run (bench_moe_gmm.py, Triton only): k=1,
-8 experts: grouped 0.556, profiled 0.665, exact-sync 1.379; 64 experts: 0.926 / 0.948 / 1.627.
+bench_moe_kernels.py, side by side, two runs): k=1, 8 experts: grouped (auto = hopper) 0.509 /
+0.548 ms, grouped mgpu 0.609 / 0.620, capacity 1.25 (drops) 0.530 / 0.587; 64 experts: 0.743 /
+0.802, mgpu 0.925 / 1.065, capacity 0.702 / 0.854; k=2, 8 experts: 0.720 / 0.708, capacity
+0.951.  An earlier run (bench_moe_gmm.py, Triton only): k=1, 8 experts: grouped 0.556, profiled
+0.665, exact-sync 1.379; 64 experts: 0.926 / 0.948 / 1.627.
 """
 
 from __future__ import annotations
