@@ -33,7 +33,6 @@ from jax import lax
 from dynjax._errors import RoutingError
 
 NUM_SMS = 132  # H100 SXM; the persistent grid (one program per SM) reads the device's count
-_DTYPES = (jnp.bfloat16, jnp.float16)
 # Tests set this to True: :func:`hopper_gmm` runs :func:`reference` (the same tile -> group
 # rule in XLA) and the device check is lifted, so the CPU tests cover everything around it.
 TEST_KERNEL = False
@@ -56,14 +55,11 @@ def unavailable_reason(dtype) -> str | None:
   """Why the kernel cannot run on the default device for ``dtype`` (None: it can)."""
   if TEST_KERNEL:
     return None
-  dev = jax.devices()[0]
-  if dev.platform != "gpu":
-    return f"the default device is {dev.platform}, not a GPU"
-  cc = str(getattr(dev, "compute_capability", ""))
-  if not cc.startswith("9."):
-    return f"the GPU has compute capability {cc or 'unknown'}, the kernel is for Hopper (9.x)"
-  if jnp.dtype(dtype) not in [jnp.dtype(d) for d in _DTYPES]:
-    return f"dtype {jnp.dtype(dtype).name}: the kernel takes bfloat16 or float16"
+  from dynjax.route._mgpu import hopper_refusal  # noqa: PLC0415
+
+  why = hopper_refusal(dtype)
+  if why is not None:
+    return why
   try:
     _plgpu()
   except ImportError as e:

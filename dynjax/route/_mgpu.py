@@ -64,18 +64,27 @@ def kernels() -> dict:
   return _KERNELS
 
 
-def unavailable_reason(dtype) -> str | None:
-  """Why the Mosaic GPU backend cannot run on the default device for ``dtype`` (None: it can)."""
-  if TEST_KERNELS is not None:
-    return None
+def hopper_refusal(dtype) -> str | None:
+  """Why a Hopper bf16/f16 kernel cannot run on the default device for ``dtype`` (None: it
+  can): the ``"mgpu"`` and ``"hopper"`` backends' shared device check."""
   dev = jax.devices()[0]
   if dev.platform != "gpu":
     return f"the default device is {dev.platform}, not a GPU"
   cc = str(getattr(dev, "compute_capability", ""))
   if not cc.startswith("9."):
-    return f"the GPU has compute capability {cc or 'unknown'}, the kernel is for Hopper (9.0)"
+    return f"the GPU has compute capability {cc or 'unknown'}, the kernel is for Hopper (9.x)"
   if jnp.dtype(dtype) not in [jnp.dtype(d) for d in _DTYPES]:
     return f"dtype {jnp.dtype(dtype).name}: the kernel takes bfloat16 or float16"
+  return None
+
+
+def unavailable_reason(dtype) -> str | None:
+  """Why the Mosaic GPU backend cannot run on the default device for ``dtype`` (None: it can)."""
+  if TEST_KERNELS is not None:
+    return None
+  why = hopper_refusal(dtype)
+  if why is not None:
+    return why
   k = kernels()
   if k["ragged_dot"] is None:
     return f"this jax ({jax.__version__}) has no Mosaic GPU ragged dot ({k['error']})"

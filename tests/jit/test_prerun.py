@@ -14,22 +14,12 @@ import pytest
 import dynjax
 from dynjax import _config
 from dynjax.jit import _prerun
+from tests.jit.test_serving import _model, _params
 
 
 @pytest.fixture
 def on_cpu_too(monkeypatch):
   monkeypatch.setattr(_prerun, "PLATFORMS", ("gpu", "cpu"))
-
-
-def _model(params, x):
-  h = jnp.tanh(x @ params["w"] + params["b"])
-  return jax.nn.softmax(h, axis=-1).sum(1)
-
-
-def _params(d=4):
-  rng = np.random.RandomState(0)
-  return {"w": jnp.asarray(rng.randn(d, d).astype(np.float32)),
-          "b": jnp.asarray(rng.randn(d).astype(np.float32))}
 
 
 def _x(t, b=2, d=4):

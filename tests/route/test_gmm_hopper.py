@@ -21,8 +21,14 @@ import pytest
 from dynjax import route
 from dynjax._errors import RoutingError
 from dynjax.route import _hopper, _mgpu
-from tests.route.test_gmm import dense  # the independent dense reference
-from tests.route.test_gmm_mgpu import CALLS, fake_ragged_dot, fake_transposed
+from tests.route.test_gmm_mgpu import (
+  CALLS,
+  E,
+  N,
+  check_layer_against_dense,
+  fake_ragged_dot,
+  fake_transposed,
+)
 
 TILING = route.Tiling(tm=16, tk=16, tn=16, num_stages=2, grid_block_n=2)  # tiles 16 x 32
 K_DIM, N_DIM = 32, 64
@@ -86,9 +92,6 @@ def test_gmm_hopper_forward_backward_on_tile_aligned_groups(stand_in, sizes):
   np.testing.assert_allclose(np.asarray(ga), np.asarray(wa), rtol=1e-4, atol=1e-5)
 
 
-E, D, F, N = 4, 32, 64, 40
-
-
 @pytest.mark.parametrize("k,min_rows,pow2", [(1, 0, 0), (2, 0, 0), (2, 256, 0), (1, 64, 4096)])
 def test_grouped_mode_hopper_equals_dense_with_grads_and_mask(stand_in, k, min_rows, pow2,
                                                               monkeypatch):
@@ -99,27 +102,9 @@ def test_grouped_mode_hopper_equals_dense_with_grads_and_mask(stand_in, k, min_r
 
   monkeypatch.setattr(_gmm, "HOPPER_MIN_ROWS", min_rows)
   monkeypatch.setattr(_gmm, "HOPPER_POW2_ROWS", pow2)
-  ks = jax.random.split(jax.random.PRNGKey(k), 4)
-  params = {"w1": jax.random.normal(ks[0], (E, D, F)) / np.sqrt(D),
-            "w2": jax.random.normal(ks[1], (E, F, D)) / np.sqrt(F)}
-  x = jax.random.normal(ks[2], (N, D))
-  logits = jax.random.normal(ks[3], (N, E)) + jnp.asarray([2.0, 0.0, 0.0, -30.0])
-  mask = jnp.arange(N) < 33
-  moe = route.Routed(route.Experts(route.ffn()), route.Router(E, k=k, renormalize=k > 1),
-                     mode="grouped", kernel="hopper", tiling=TILING)
-  assert moe.grouped_kernel(params) == "hopper"
-  ct = jax.random.normal(jax.random.PRNGKey(7), (N, D))
-
-  def grads(fn):
-    return jax.jit(jax.value_and_grad(lambda p, x, lg: jnp.sum(fn(p, x, lg) * ct), (0, 1, 2)))(
-        params, x, logits)
-
   # The layer skips the row tiles past the paths' (the stand-in writes NaN there, as an
   # unwritten buffer may hold): nothing of them reaches the values or the gradients.
-  got = grads(lambda p, x, lg: moe(p, x, lg, mask=mask))
-  want = grads(lambda p, x, lg: dense(p, x, lg, k, mask.astype(jnp.float32)))
-  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+  check_layer_against_dense("hopper", k, TILING)
   bound = _gmm.num_tiles(N * k, E, 16) * 16
   rows = _gmm.buffer_rows(N * k, E, TILING, "hopper")
   assert rows == (min_rows if bound <= min_rows else

@@ -97,8 +97,9 @@ E, D, F, N = 4, 32, 64, 40
 
 
 
-@pytest.mark.parametrize("k", [1, 2])
-def test_grouped_mode_mgpu_equals_dense_with_grads_and_mask(kernels, k):
+def check_layer_against_dense(kernel: str, k: int, tiling) -> None:
+  """The grouped layer with ``kernel``: values and gradients (params, cells, logits) equal the
+  dense reference's, on a routing with an empty path and a mask."""
   ks = jax.random.split(jax.random.PRNGKey(k), 4)
   params = {"w1": jax.random.normal(ks[0], (E, D, F)) / np.sqrt(D),
             "w2": jax.random.normal(ks[1], (E, F, D)) / np.sqrt(F)}
@@ -106,8 +107,8 @@ def test_grouped_mode_mgpu_equals_dense_with_grads_and_mask(kernels, k):
   logits = jax.random.normal(ks[3], (N, E)) + jnp.asarray([2.0, 0.0, 0.0, -30.0])
   mask = jnp.arange(N) < 33
   moe = route.Routed(route.Experts(route.ffn()), route.Router(E, k=k, renormalize=k > 1),
-                     mode="grouped", kernel="mgpu", tiling=TILING)
-  assert moe.grouped_kernel(params) == "mgpu"
+                     mode="grouped", kernel=kernel, tiling=tiling)
+  assert moe.grouped_kernel(params) == kernel
   ct = jax.random.normal(jax.random.PRNGKey(7), (N, D))
 
   def grads(fn):
@@ -118,6 +119,11 @@ def test_grouped_mode_mgpu_equals_dense_with_grads_and_mask(kernels, k):
   want = grads(lambda p, x, lg: dense(p, x, lg, k, mask.astype(jnp.float32)))
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_grouped_mode_mgpu_equals_dense_with_grads_and_mask(kernels, k):
+  check_layer_against_dense("mgpu", k, TILING)
   # Packed rows: N*k routed rows rounded up to one 16-row tile, not one tile per path.
   assert ("ragged_dot", -(-N * k // 16) * 16, False, 2) in CALLS
 
