@@ -135,16 +135,6 @@ def test_the_kernel_lowers_for_cuda(activation, skip):
   assert "mosaic_gpu" in lowered.as_text()
 
 
-def test_hopper_backend_says_why_it_cannot_run_here():
-  if jax.default_backend() != "cpu":
-    pytest.skip("CPU message")
-  with pytest.raises(RoutingError, match=re.escape(
-      "backend='hopper' cannot run here: the default device is cpu, not a GPU; use "
-      "backend='pallas' (Triton) or 'xla'")):
-    route.gmm(jnp.zeros((16, K_DIM), jnp.bfloat16), jnp.zeros((2, K_DIM, N_DIM), jnp.bfloat16),
-              jnp.array([3, 4]), tiling=TILING, backend="hopper")
-
-
 def test_shapes_the_kernel_cannot_tile_are_refused(stand_in):
   with pytest.raises(RoutingError, match=re.escape("backend='hopper' needs N=48 (a multiple of "
                                                    "32)")):

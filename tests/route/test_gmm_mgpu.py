@@ -136,14 +136,15 @@ def test_mgpu_layout_is_packed():
   assert route.Tiling.auto(8192, 64, "mgpu").tm == 128
 
 
-def test_mgpu_backend_says_why_it_cannot_run_here():
+@pytest.mark.parametrize("backend", ["mgpu", "hopper"])
+def test_hopper_backends_say_why_they_cannot_run_here(backend):
   if jax.default_backend() != "cpu":
     pytest.skip("CPU message")
   with pytest.raises(RoutingError, match=re.escape(
-      "backend='mgpu' cannot run here: the default device is cpu, not a GPU; use "
+      f"backend='{backend}' cannot run here: the default device is cpu, not a GPU; use "
       "backend='pallas' (Triton) or 'xla'")):
     route.gmm(jnp.zeros((16, K_DIM), jnp.bfloat16), jnp.zeros((2, K_DIM, N_DIM), jnp.bfloat16),
-              jnp.array([3, 4]), tiling=TILING, backend="mgpu")
+              jnp.array([3, 4]), tiling=TILING, backend=backend)
   assert route.gmm(jnp.zeros((16, K_DIM)), jnp.zeros((2, K_DIM, N_DIM)), jnp.array([3, 4]),
                    tiling=TILING).shape == (16, N_DIM)  # "auto" on CPU: XLA
 
