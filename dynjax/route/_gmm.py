@@ -153,11 +153,11 @@ def buffer_rows(rows: int, num_groups: int, tiling: Tiling, backend: str) -> int
 
 # "auto" on a Hopper GPU in bf16/f16 takes "hopper" (the warp-specialized kernel) where the
 # widths tile (K a multiple of tk, N of 2 tn).  Measured (H100, jax 0.11.2, bf16, d=1024,
-# ffn=4096, 8,192 tokens, the whole layer side by side, run 4 of bench_moe_kernels), median ms,
-# hopper / mgpu / capacity 1.25 (drops tokens): 8 experts uniform k=1 0.501 / 0.547 / 0.482,
-# Zipf(1.2) 0.490 / 0.719 / 0.500, uniform k=2 0.741 / 0.989 / 0.786, Zipf k=2 0.746 / 1.314 /
-# 0.760; 64 experts uniform k=1 0.991 / 1.001 (Triton 1.007) / 0.754, k=2 1.192 / 1.218 / 1.004.
-# Its two kernels compile in ~1.5 s each (mgpu's: 2-7 s).  Otherwise JAX's Mosaic GPU ragged dot
+# ffn=4096, 8,192 tokens, the whole layer side by side; runs 5 / 6 of bench_moe_kernels,
+# session 7), median ms, hopper / mgpu / capacity 1.25 (drops tokens): 8 experts uniform k=1
+# 0.509 / 0.609 / 0.530 and 0.548 / 0.620 / 0.587; Zipf(1.2) 0.564 / 0.633 / 0.542; uniform
+# k=2 0.720 / 0.935 / 0.951; 64 experts uniform k=1 0.743 / 0.925 / 0.702 and 0.802 / 1.065 /
+# 0.854 (Triton 1.007 in run 4).  Its two kernels compile in ~1-1.5 s each (mgpu's: 2-7 s).  Otherwise JAX's Mosaic GPU ragged dot
 # ("mgpu") where its ``num_groups - 1`` extra row tiles (a tile holding the end of one group and
 # the start of the next is computed once per group) are at most ``MGPU_MAX_EXTRA_TILES`` of the
 # rows: 8 experts uniform k=1 mgpu 0.589 ms, Triton 0.664; 64 experts mgpu 1.19, Triton 0.93
@@ -172,10 +172,11 @@ def hopper_fits(widths, tiling: Tiling | None = None) -> bool:
 
 
 def resolve_backend(backend: str, dtype, rows: int | None = None,
-                    num_groups: int | None = None, widths=None) -> str:
+                    num_groups: int | None = None, widths=None,
+                    tiling: Tiling | None = None) -> str:
   """``"auto"`` -> ``"xla"`` on CPU, ``"pallas"`` on TPU; on GPU ``"hopper"`` where that
-  kernel runs (Hopper, bf16/f16) and the ``(K, N)`` pairs of ``widths`` tile for it (None:
-  assumed to), else ``"mgpu"`` where JAX's Mosaic GPU ragged dot runs and its
+  kernel runs (Hopper, bf16/f16) and the ``(K, N)`` pairs of ``widths`` tile for it at
+  ``tiling`` (default ``HOPPER_TILING``; None widths: assumed to), else ``"mgpu"`` where JAX's Mosaic GPU ragged dot runs and its
   ``num_groups - 1`` extra row tiles are at most ``MGPU_MAX_EXTRA_TILES`` of the ``rows``
   (unknown ``rows``: assumed many), else ``"pallas"``.  Other names unchanged.
 
@@ -190,7 +191,8 @@ def resolve_backend(backend: str, dtype, rows: int | None = None,
   if platform == "gpu":
     from dynjax.route import _hopper, _mgpu
 
-    if _hopper.unavailable_reason(dtype) is None and (widths is None or hopper_fits(widths)):
+    if _hopper.unavailable_reason(dtype) is None and (
+        widths is None or hopper_fits(widths, tiling)):
       return "hopper"
     few = rows is None or num_groups is None or (
         (num_groups - 1) * MGPU_TILING.tm <= MGPU_MAX_EXTRA_TILES * rows)
@@ -455,8 +457,8 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, tiling: Tilin
     backend: ``"pallas"`` (Triton on GPU, megablox on TPU, interpret mode on CPU: slow, for
       tests), ``"hopper"`` (Hopper, bf16/f16: a warp-specialized Mosaic GPU kernel, the same
       tile-aligned groups; rows past the last group's tiles belong to the last group, in the
-      forward and the backward), ``"mgpu"`` (Hopper: JAX's Mosaic GPU ragged dot, packed groups), ``"xla"``
-      (``lax.ragged_dot`` on the tile-padded sizes) or ``"auto"`` (see
+      forward and the backward), ``"mgpu"`` (Hopper: JAX's Mosaic GPU ragged dot, packed
+      groups), ``"xla"`` (``lax.ragged_dot`` on the tile-padded sizes) or ``"auto"`` (see
       :func:`resolve_backend`).
     activation: optional elementwise function applied to the output, ``activation(lhs @ rhs)``
       (fused into the Pallas GPU kernel's epilogue when not differentiated and
@@ -469,8 +471,7 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, tiling: Tilin
   if backend not in BACKENDS:
     raise RoutingError(f"dynjax.route.gmm: backend must be one of "
                        f"{', '.join(map(repr, BACKENDS))}, got {backend!r}")
-  k_dim, n_dim = rhs.shape[1], rhs.shape[2]
-  backend = resolve_backend(backend, lhs.dtype, widths=((k_dim, n_dim),))
+  backend = resolve_backend(backend, lhs.dtype, widths=(rhs.shape[1:],), tiling=tiling)
   m = lhs.shape[0]
   tm = tiling.tm
   if m % tm:

@@ -98,7 +98,9 @@ def grouped_ffn(params, x: jax.Array, routing: Routing, *, activation, tiling: T
                        f"{tuple(x.shape)}; flatten the leading axes")
   if not n:
     return jnp.zeros((0, w2.shape[2]), x.dtype)
-  backend = resolve_backend(backend, x.dtype, n * routing.paths.shape[1], num_paths)
+  d, f = w1.shape[1:]
+  backend = resolve_backend(backend, x.dtype, n * routing.paths.shape[1], num_paths,
+                            widths=((d, f), (f, d)), tiling=tiling)
   rows = buffer_rows(n * routing.paths.shape[1], num_paths, tiling, backend)
   lay = grouped_layout(routing, num_paths, row_alignment(tiling, backend), rows)
   xs = jnp.take(x, lay.table, axis=0, mode="fill", fill_value=0)

@@ -365,8 +365,8 @@ class Routed:
     if not all(v % t.tk == 0 and v % t.tn == 0 for v in (d, f)):
       return "batched"
     return resolve_backend("auto", jnp.result_type(params["w1"]) if dtype is None else dtype,
-                           rows, self.router.num_paths,
-                           widths=None if self.tiling is not None else ((d, f), (f, d)))
+                           rows, self.router.num_paths, widths=((d, f), (f, d)),
+                           tiling=self.tiling)
 
   def grouped(self, params, x, routing: Routing) -> jax.Array:
     """The ``"grouped"`` layer for a given routing (traceable, differentiable, dropless).
