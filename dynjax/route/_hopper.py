@@ -10,11 +10,13 @@ in a snake order) on the *tile-aligned* layout of the ``"pallas"`` backend: ever
 tile belongs to one group, so a tile reads its group's weights ``rhs[g]`` and stores whole tiles
 (no ragged store ladder, no tile computed twice).  The group of a tile comes from the tile ends
 of the groups (``G`` scalar reads per tile).  Tiles past the last group are computed with the
-last group's weights (their ``lhs`` rows are the layout's zeros).
+last group's weights, or (``skip_unused``, the grouped layer) not at all: the loop then runs
+over the groups' row tiles only, a bound read from device memory at run time, so a buffer
+sized for any routing costs no compute beyond the routing it holds.
 
 The activation of the FFN's first GEMM runs on the float32 accumulator before the store when the
-layer is not differentiated.  The backward reuses the Triton kernels of the ``"pallas"`` backend
-on the same layout (``dlhs = gmm(dy, rhs^T)``, ``drhs`` by ``tgmm``).
+layer is not differentiated.  The backward (``_gmm._hopper_bwd``) runs JAX's Mosaic GPU ragged
+dots on the tile-aligned sizes, or the Triton kernels of the ``"pallas"`` backend.
 
 Only on Hopper (compute capability 9.x) with bfloat16/float16 operands; the kernel is built by
 Mosaic GPU (no interpret mode: the CPU tests lower it for CUDA, and the GPU run checks its
