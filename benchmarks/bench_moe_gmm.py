@@ -491,10 +491,15 @@ def run_e2e(args) -> dict:
       ts.append(time.perf_counter() - t1)
     ts = np.asarray(ts) * 1e3
     outputs[label] = ys
+    st = fn.stats()
     out["methods"][label] = {"mean_ms": float(ts.mean()), "median_ms": float(np.median(ts)),
-                             "p90_ms": float(np.percentile(ts, 90)), "cold_s": cold}
-    print(f"  {label:32s} mean {ts.mean():8.3f} ms  p50 {np.median(ts):8.3f}  cold {cold:6.1f} s",
-          flush=True)
+                             "p90_ms": float(np.percentile(ts, 90)), "cold_s": cold,
+                             # of the cold pass: the buckets' builds (trace excluded: lowering
+                             # and XLA compile, Mosaic GPU kernels included), and how many
+                             "build_s": float(st.get("compile_seconds", 0.0)),
+                             "builds": int(st.get("compiles", 0))}
+    print(f"  {label:32s} mean {ts.mean():8.3f} ms  p50 {np.median(ts):8.3f}  cold {cold:6.1f} s"
+          f"  (builds {st.get('compiles', 0)}: {st.get('compile_seconds', 0.0):.1f} s)", flush=True)
   ref = outputs.get("dense MoE")
   for label, m in out["methods"].items():
     if ref is not None and label in outputs:
