@@ -355,13 +355,13 @@ _gmm_pallas_vjp.defvjp(_fwd, _bwd)
 def _gmm_hopper_vjp(lhs, rhs, tile_group, group_start, group_count, tiling, activation, skip):
   from dynjax.route._hopper import hopper_gmm  # noqa: PLC0415 - Mosaic GPU, Hopper only
 
-  return hopper_gmm(lhs, rhs, group_start + group_count, tiling, activation, bool(skip))
+  return hopper_gmm(lhs, rhs, group_start + group_count, tiling, activation, skip)
 
 
 def _hopper_fwd(lhs, rhs, tile_group, group_start, group_count, tiling, activation, skip):
   from dynjax.route._hopper import hopper_gmm  # noqa: PLC0415
 
-  pre = hopper_gmm(lhs, rhs, group_start + group_count, tiling, None, bool(skip))
+  pre = hopper_gmm(lhs, rhs, group_start + group_count, tiling, None, skip)
   out = pre if activation is None else activation(pre).astype(pre.dtype)
   return out, (lhs, rhs, tile_group, group_start, group_count, pre)
 

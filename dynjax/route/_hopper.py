@@ -173,7 +173,7 @@ def column_tile(m_tiles: int, n: int, tn: int, sms: int = NUM_SMS) -> int:
   (N=4096, 8.6 waves) 0.181 ms, 64-column tiles 0.201.
   """
   def fill(t):
-    tiles = m_tiles * (n // (2 * t))
+    tiles = max(1, m_tiles) * (n // (2 * t))
     return tiles / (-(-tiles // sms) * sms)
 
   half = tn // 2
@@ -182,12 +182,13 @@ def column_tile(m_tiles: int, n: int, tn: int, sms: int = NUM_SMS) -> int:
   return tn
 
 
-def hopper_gmm(lhs, rhs, tile_end, tiling, activation=None, skip_unused: bool = False):
+def hopper_gmm(lhs, rhs, tile_end, tiling, activation=None, skip_unused: int = 0):
   """``out[tile t] = activation(lhs[tile t] @ rhs[g(t)])`` over ``tiling.tm``-row tiles.
 
   ``tile_end`` int32 ``[G]``: one past the last row tile of each group (cumulative); a tile at
-  or past ``tile_end[G-1]`` is computed with ``rhs[G-1]``, or with ``skip_unused`` not at all
-  (its rows are left unwritten: for callers that never read them).  Not differentiable by
+  or past ``tile_end[G-1]`` is computed with ``rhs[G-1]``, or with ``skip_unused`` (the rows
+  any routing can fill, which may be fewer than ``lhs`` has) not at all (its rows are left
+  unwritten: for callers that never read them).  Not differentiable by
   itself (see :func:`dynjax.route.gmm`).  ``tiling``: ``tm`` rows x ``2 tn`` columns an output
   tile (two compute warpgroups of ``tn`` columns; :func:`column_tile` may halve ``tn``),
   ``tk``, ``num_stages`` copies in flight, ``grid_block_n`` the snake's tile width (row tiles
@@ -210,11 +211,13 @@ def hopper_gmm(lhs, rhs, tile_end, tiling, activation=None, skip_unused: bool = 
     return out
   plgpu = _plgpu()
   sms = _num_sms()
-  tn = column_tile(m // tm, n, tn, sms)
+  # The waves are those of the rows a routing can fill, not of a buffer rounded up past them
+  # (8,192 tokens, k=1, 8 experts: 71 row tiles of a 16,384-row buffer).
+  tn = column_tile(min(m, skip_unused or m) // tm, n, tn, sms)
   body = functools.partial(
       _body, tm=tm, tn=tn, tk=tk, stages=tiling.num_stages, num_groups=g,
       activation=activation, m_iters=m // tm, n_iters=n // (2 * tn), epi=64,
-      snake=max(1, tiling.grid_block_n), skip_unused=skip_unused)
+      snake=max(1, tiling.grid_block_n), skip_unused=bool(skip_unused))
   out = jax.ShapeDtypeStruct((m, n), lhs.dtype)
   # jax 0.10 renamed out_shape to out_type (the old name warns, and may go).
   named = {"out_type" if "out_type" in inspect.signature(plgpu.kernel).parameters

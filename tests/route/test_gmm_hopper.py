@@ -122,9 +122,25 @@ def test_column_tiles_fill_the_waves():
   assert _hopper.column_tile(16, 1024, 128) == 64  # a short bucket: 64 tiles on 132 SMs
   assert _hopper.column_tile(71, 1024, 64) == 64  # never below 64
   assert _hopper.column_tile(33, 1024, 128) == 128  # 132 tiles: one full wave
+  assert _hopper.column_tile(0, 1024, 128) == 64  # no rows: as one row tile
 
 
-@pytest.mark.parametrize("activation,skip", [(None, False), (jax.nn.gelu, True)])
+def test_the_waves_are_those_of_the_rows_a_routing_fills(monkeypatch):
+  # The layer's buffer is rounded up past what a routing fills (8,192 tokens, k=1, 8 experts:
+  # 9,088 rows -> 16,384): the column tile follows the 71 row tiles, not the buffer's 128.
+  seen = []
+  monkeypatch.setattr(_hopper, "column_tile",
+                      lambda m_tiles, n, tn, sms=132: seen.append(m_tiles) or tn)
+  t = route.Tiling(tm=128, tk=64, tn=128, num_stages=4, grid_block_n=8)
+  for skip in (9088, 0):
+    jax.jit(lambda a, b, te, skip=skip: _hopper.hopper_gmm(a, b, te, t, None, skip)).trace(
+        jax.ShapeDtypeStruct((16384, 256), jnp.bfloat16),
+        jax.ShapeDtypeStruct((8, 256, 1024), jnp.bfloat16),
+        jax.ShapeDtypeStruct((8,), jnp.int32)).lower(lowering_platforms=("cuda",))
+  assert seen == [71, 128]
+
+
+@pytest.mark.parametrize("activation,skip", [(None, 0), (jax.nn.gelu, 384)])
 def test_the_kernel_lowers_for_cuda(activation, skip):
   # The Mosaic GPU program is built at lowering (a CUDA lowering works on a CPU machine).
   t = route.Tiling(tm=128, tk=64, tn=128, num_stages=4, grid_block_n=8)
