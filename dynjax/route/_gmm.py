@@ -116,7 +116,12 @@ class Tiling:
 HOPPER_TILING = Tiling(tm=128, tk=64, tn=128, num_warps=4, num_stages=4, grid_block_n=8)
 HOPPER_TILING_MANY = dataclasses.replace(HOPPER_TILING, tm=64)  # many paths: less padding
 HOPPER_MIN_ROWS = 8192  # the grouped layer's buffer for the "hopper" kernel: see buffer_rows
-HOPPER_POW2_ROWS = 65536
+# Power-of-two buffer classes up to this many rows: off.  H100 (session 7) e2e: no cold-start
+# gain (its length buckets fall in 2 classes either way: 22.3 s floor only, 24.5 s with the
+# classes, another host), and a buffer rounded past the rows a routing fills sends the layer's
+# dlhs to the Triton kernel (the ragged dot spends a full tile on every row tile past the
+# groups).  A serving model with many buckets past 8,192 rows would compile fewer kernels.
+HOPPER_POW2_ROWS = 0
 
 # Measured (H100, jax 0.11.2, bf16, 8 experts, 8,192 rows; GEMM 1 / GEMM 2 ms, min of 20): s4 g1
 # 0.210 / 0.234, s6 g1 0.205 / 0.209, s4 g4 0.197 / 0.210 (a slice copy included in each).
@@ -136,14 +141,13 @@ def buffer_rows(rows: int, num_groups: int, tiling: Tiling, backend: str) -> int
     return max(unit, -(-rows // unit) * unit)
   bound = num_tiles(rows, num_groups, tiling.tm) * tiling.tm
   if backend == "hopper":
-    # HOPPER_MIN_ROWS, else the next power of two up to HOPPER_POW2_ROWS: the kernel walks only
-    # the groups' tiles (a bound read at run time), so extra rows cost no compute, and call
-    # shapes share a buffer shape, hence a kernel: Mosaic GPU compiles a kernel once a process
-    # (cached by its hash), ~1-1.5 s each on the H100, two a layer (a serving model with 6
-    # length buckets compiled 12; run 4 of the e2e bench, still one pair per bucket above
-    # 8,192 rows: cold 22.3 s).  The price: the row gather writes the extra rows' zeros (16 MB
-    # at 8,192 rows of d=1024 bf16: ~6-8 us on the H100) and the hidden takes up to twice its
-    # memory, so past HOPPER_POW2_ROWS the buffer is the bound.
+    # At least HOPPER_MIN_ROWS (then, where HOPPER_POW2_ROWS is set, the next power of two up
+    # to it): the kernel walks only the groups' tiles (a bound read at run time), so extra rows
+    # cost no forward compute, and call shapes below the floor share a buffer shape, hence a
+    # kernel: Mosaic GPU compiles a kernel once a process (cached by its hash), ~1-1.5 s each
+    # on the H100, two a layer.  The price: the row gather writes the extra rows' zeros (16 MB
+    # at 8,192 rows of d=1024 bf16: ~6-8 us on the H100), and the backward's dlhs runs the
+    # Triton kernel (see _hopper_bwd).
     if bound <= HOPPER_MIN_ROWS:
       return -(-HOPPER_MIN_ROWS // tiling.tm) * tiling.tm
     if bound <= HOPPER_POW2_ROWS:

@@ -172,9 +172,10 @@ def test_auto_takes_hopper_where_it_runs_and_the_widths_tile(monkeypatch):
   assert route.Tiling.auto(512, 8, "hopper").tm == 128  # by the paths alone: one kernel
   assert route.Tiling.auto(8192, 64, "hopper").tm == 64
   assert _gmm.buffer_rows(512, 8, route.Tiling.auto(512, 8, "hopper"), "hopper") == 8192
-  # Past 8,192 rows the next power of two (one kernel a class), past 65,536 the bound.
+  # Past 8,192 rows the bound (power-of-two classes are off by default).
+  assert _gmm.buffer_rows(8192, 8, route.Tiling.auto(8192, 8, "hopper"), "hopper") == 9088
+  monkeypatch.setattr(_gmm, "HOPPER_POW2_ROWS", 65536)
   assert _gmm.buffer_rows(8192, 8, route.Tiling.auto(8192, 8, "hopper"), "hopper") == 16384
-  assert _gmm.buffer_rows(16384, 8, route.Tiling.auto(16384, 8, "hopper"), "hopper") == 32768
   assert _gmm.buffer_rows(65536, 8, route.Tiling.auto(65536, 8, "hopper"), "hopper") == (
       65536 + 8 * 127) // 128 * 128
   moe = route.Routed(route.Experts(route.ffn()), route.Router(8), mode="grouped")
