@@ -8,6 +8,8 @@ rather than the first one.
 
 from __future__ import annotations
 
+import sys
+
 
 class DynjaxError(Exception):
   """Base class of every error raised by dynjax."""
@@ -60,3 +62,21 @@ class ShardingError(DynjaxError, ValueError):
 def format_list(lines: list[str], indent: str = "  ") -> str:
   """Joins mismatch lines into the indented block used by every multi-line message."""
   return "\n".join(indent + line for line in lines)
+
+
+def user_stacklevel() -> int:
+  """The ``warnings.warn`` stacklevel of the first frame outside dynjax (the user's call)."""
+  level, frame = 1, sys._getframe(1)
+  while frame is not None and frame.f_globals.get("__name__", "").startswith("dynjax"):
+    frame = frame.f_back
+    level += 1
+  return level
+
+
+def needs_program(e: BaseException) -> bool:
+  """True when tracing stopped at a dynjax control-flow op (dynjax.control.NeedsProgram)."""
+  while e is not None:
+    if type(e).__name__ == "NeedsProgram" and type(e).__module__.startswith("dynjax.control"):
+      return True
+    e = e.__cause__ or e.__context__
+  return False

@@ -18,7 +18,6 @@ import contextlib
 import dataclasses
 import logging
 import math
-import sys
 import warnings
 from collections import Counter
 from typing import Any
@@ -33,6 +32,8 @@ from dynjax._errors import (
   PaddingFallbackError,
   PaddingUnsupportedError,
   format_list,
+  needs_program,
+  user_stacklevel,
 )
 from dynjax.bucketing import _attention, _auto
 from dynjax.bucketing._joint import JointPlan
@@ -84,6 +85,7 @@ class Family:
     self.out_shape_fns: tuple = ()
     self.out_dynamic: tuple = ()
     self.rewrites: tuple[str, ...] = ()
+    self.probe_plan = None  # (bucket, plan) of the padding pass's probe: its bucket reuses it
     self.attention_notes: tuple[str, ...] = ()  # attention=: sites rewritten or left, why
     self.attention_impl = None  # attention= of trust/exact executables (rewritten per shape)
     self.program = None  # control.ProgramRunner of a "program" family
@@ -225,9 +227,9 @@ class Family:
             "outputs whose dims are plain variables can be unpadded by slicing; use "
             "padding='auto'")
     elif self.mode == "auto":
+      probe = self._guarded_probe_bucket()
       try:
-        plan = pad_jaxpr(closed, self.sig.var_order,
-                         self.bucket_env(self._guarded_probe_bucket()))
+        plan = pad_jaxpr(closed, self.sig.var_order, self.bucket_env(probe))
       except PaddingUnsupportedError as e:
         self.fall_back(self._under_guards(str(e)))  # names every equation it cannot pad
       except Exception as e:  # noqa: BLE001 - a pass bug must never give a wrong result
@@ -235,6 +237,7 @@ class Family:
             f"the padding pass failed ({type(e).__name__}: {e}); please report it"))
       else:
         self.rewrites = tuple(plan.rewrites)
+        self.probe_plan = (probe, plan)
 
   # -- guards: size conditions inferred while tracing ------------------------------------
   # Where symbolic tracing needs a comparison it cannot decide (``lax.top_k(x, 3)`` asks
@@ -319,7 +322,7 @@ class Family:
     if not self._warned_guards:
       self._warned_guards = True
       warnings.warn(f"{what}: such calls run unpadded, one compile per shape",
-                    stacklevel=_user_stacklevel())
+                    stacklevel=user_stacklevel())
 
   def _guarded_probe_bucket(self) -> tuple[int, ...]:
     """The probe bucket, each variable's at least its guards' lower bound (a smaller bucket
@@ -356,7 +359,7 @@ class Family:
     self.ctx.note_fallback(reason)
     warnings.warn(
         f"dynjax.jit({self.name}): running unpadded, one compile per shape: {reason}",
-        stacklevel=_user_stacklevel())
+        stacklevel=user_stacklevel())
 
   def bucket_env(self, bkey) -> dict[str, int]:
     return dict(zip(self.sig.var_order, bkey, strict=True))
@@ -488,7 +491,10 @@ class Family:
       bucket_fun.__name__ = flat_fun.__name__
       return jax.jit(bucket_fun, donate_argnums=donate, **shard).lower(*args), ()
     assert self.mode == "auto", self.mode
-    plan = pad_jaxpr(self.jaxpr, self.sig.var_order, self.bucket_env(bkey))
+    # The probe's bucket reuses its plan (the pass holds the GIL: BERT-base ~0.27 s, CPU box).
+    probe = self.probe_plan
+    plan = (probe[1] if probe is not None and probe[0] == tuple(bkey)
+            else pad_jaxpr(self.jaxpr, self.sig.var_order, self.bucket_env(bkey)))
     nv = len(self.sig.var_order)
 
     def padded_fun(sizes, *xs):
@@ -580,21 +586,3 @@ class Family:
                    for k, v in parts.items() if k != "consts"}}
     self._store = ExecutableStore(root, fp, describe)
     return self._store
-
-
-def _user_stacklevel() -> int:
-  """The ``warnings.warn`` stacklevel of the first frame outside dynjax (the user's call)."""
-  level, frame = 1, sys._getframe(1)
-  while frame is not None and frame.f_globals.get("__name__", "").startswith("dynjax"):
-    frame = frame.f_back
-    level += 1
-  return level
-
-
-def needs_program(e: BaseException) -> bool:
-  """True when tracing stopped at a dynjax control-flow op (dynjax.control.NeedsProgram)."""
-  while e is not None:
-    if type(e).__name__ == "NeedsProgram" and type(e).__module__.startswith("dynjax.control"):
-      return True
-    e = e.__cause__ or e.__context__
-  return False
