@@ -17,7 +17,8 @@ Parts (``--parts``, in the order given):
           rotating inputs, time / 4: no dispatch in the figure.
   pieces  the layer split: router, layout + row gather, GEMM 1 (+ GELU), GEMM 2, combine, and the
           whole layer in one executable (same x4 timing) and per call (block_until_ready each).
-  layer   the whole layer per call (as bench_moe_gmm.py times it): grouped kernel="auto", and
+  layer   the whole layer per call (as bench_moe_gmm.py times it; --layer-timing x4: four in one
+          executable, time / 4): grouped kernel="auto", and
           beside it each --layer-kernels kernel auto did not pick (mgpu, pallas = Triton) and
           --mgpu-layer tilings, capacity 1.25 (drops),
           optionally lax.ragged_dot and dense (--layer-extra), per setting and k; a training step
@@ -406,7 +407,13 @@ def layer_one(s: Setting, args) -> dict:
       extra["rel_err_vs_ragged_dot"] = rel_err(y0, ref)
     except Exception:
       pass
-    timed(label, res, lambda x, b, jf=jf: jf(s.params, x, b), s.inputs, args.iters, **extra)
+    if args.layer_timing == "x4":  # REPS layers on rotating inputs in one executable, / REPS
+      j4 = jax.jit(lambda p, *xb, fn=fn: [fn(p, x, b) for x, b in zip(xb[::2], xb[1::2],
+                                                                       strict=True)])
+      flat = [a for xb in s.inputs[:REPS] for a in xb]
+      timed(label, res, lambda *a, j4=j4: j4(s.params, *a), [flat], args.iters, REPS, **extra)
+    else:
+      timed(label, res, lambda x, b, jf=jf: jf(s.params, x, b), s.inputs, args.iters, **extra)
   flops = 4.0 * n * k * d * f
   nbytes = 2.0 * (int((loads > 0).sum()) * 2 * d * f + 2 * n * d)
   roof = max(flops / 800e12, nbytes / 3.3e12) * 1e3
@@ -452,6 +459,10 @@ def main(argv=None) -> dict:
   ap.add_argument("--layer-extra", default="", help="ragged_dot,dense")
   ap.add_argument("--layer-kernels", default="mgpu,hopper,pallas",
                   help="kernels timed beside the auto choice in the layer part")
+  ap.add_argument("--layer-timing", choices=("call", "x4"), default="call",
+                  help="layer part: per call (block_until_ready each; noisy: one configuration "
+                  "timed twice in one H100 run gave 0.509 and 0.670 ms) or x4 (4 layers on "
+                  "rotating inputs in one executable, time / 4: no dispatch in the figure)")
   ap.add_argument("--train", default="uniform8")
   ap.add_argument("--iters", type=int, default=20)
   ap.add_argument("--rotate", type=int, default=3)
@@ -465,7 +476,8 @@ def main(argv=None) -> dict:
     args.mgpu, args.triton, args.hopper = "32x32x64x4x2g2", "32x32x64x4x2", ""
   else:
     args.d, args.ffn, args.tokens = 1024, 4096, 8192
-  args.rotate = max(args.rotate, REPS) if "pieces" in args.parts else args.rotate
+  args.rotate = (max(args.rotate, REPS) if "pieces" in args.parts or args.layer_timing == "x4"
+                 else args.rotate)
   if args.fake_mgpu:
     fake_mgpu()
   if args.out:
