@@ -209,10 +209,23 @@ def hopper_gmm(lhs, rhs, tile_end, tiling, activation=None, skip_unused: int = 0
       rows = jnp.arange(m)[:, None] < tile_end[-1] * tm
       out = jnp.where(rows, out, jnp.nan).astype(out.dtype)
     return out
+  return _kernel_jit(lhs, rhs, tile_end.astype(jnp.int32), tiling=tiling,
+                     activation=activation, skip_unused=int(skip_unused))
+
+
+# One jit around the kernel, as _flash._attend_jit: a model's MoE layers call it with the same
+# shapes, so the Mosaic GPU kernel is traced and lowered once per executable, not once per
+# layer (4 layers of both GEMMs, lowered for cuda on the 2-core box: 1.57-1.66 s without it,
+# 0.38-0.44 s with it; Python holding the GIL while a server's warmup runs).
+@functools.partial(jax.jit, static_argnames=("tiling", "activation", "skip_unused"))
+def _kernel_jit(lhs, rhs, tile_end, *, tiling, activation, skip_unused):
+  m = lhs.shape[0]
+  g, _, n = rhs.shape
+  tm, tn, tk = tiling.tm, tiling.tn, tiling.tk
   plgpu = _plgpu()
   sms = _num_sms()
-  # The waves are those of the rows a routing can fill, not of a buffer rounded up past them
-  # (8,192 tokens, k=1, 8 experts: 71 row tiles of a 16,384-row buffer).
+  # The waves are those of the rows a routing can fill, not of the buffer (the layer's buffer
+  # has at least HOPPER_MIN_ROWS rows: a 2,040-row routing of an 8,192-row buffer).
   tn = column_tile(min(m, skip_unused or m) // tm, n, tn, sms)
   body = functools.partial(
       _body, tm=tm, tn=tn, tk=tk, stages=tiling.num_stages, num_groups=g,
@@ -227,4 +240,4 @@ def hopper_gmm(lhs, rhs, tile_end, tiling, activation=None, skip_unused: int = 0
       grid_names=("sm",), num_threads=3, thread_name="wg",
       compiler_params=plgpu.CompilerParams(
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
-  return kernel(tile_end.astype(jnp.int32), lhs, rhs)
+  return kernel(tile_end, lhs, rhs)

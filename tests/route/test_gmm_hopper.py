@@ -129,6 +129,7 @@ def test_the_waves_are_those_of_the_rows_a_routing_fills(monkeypatch):
   # The layer's buffer is rounded up past what a routing fills (8,192 tokens, k=1, 8 experts:
   # 9,088 rows -> 16,384): the column tile follows the 71 row tiles, not the buffer's 128.
   seen = []
+  _hopper._kernel_jit.clear_cache()  # the kernel is traced once per shape and options
   monkeypatch.setattr(_hopper, "column_tile",
                       lambda m_tiles, n, tn, sms=132: seen.append(m_tiles) or tn)
   t = route.Tiling(tm=128, tk=64, tn=128, num_stages=4, grid_block_n=8)
