@@ -341,12 +341,17 @@ def _fwd(lhs, rhs, tile_group, group_start, group_count, tiling, activation):
   return out, (lhs, rhs, tile_group, group_start, group_count, pre)
 
 
-def _bwd(tiling, activation, res, dy):
-  lhs, rhs, tile_group, group_start, group_count, pre = res
+def _pre_activation_cotangent(activation, pre, dy, dtype):
+  """The cotangent of the stored pre-activation ``pre`` (both GPU backwards), in ``dtype``."""
   if activation is not None:
     _, act_vjp = jax.vjp(lambda h: activation(h).astype(h.dtype), pre)
     (dy,) = act_vjp(dy.astype(pre.dtype))
-  dy = dy.astype(lhs.dtype)
+  return dy.astype(dtype)
+
+
+def _bwd(tiling, activation, res, dy):
+  lhs, rhs, tile_group, group_start, group_count, pre = res
+  dy = _pre_activation_cotangent(activation, pre, dy, lhs.dtype)
   dlhs = _pallas_gmm(dy, rhs, tile_group, tiling, transpose_rhs=True)
   drhs = _pallas_tgmm(lhs, dy, group_start, group_count, rhs.shape[0], rhs.dtype, tiling)
   return dlhs, drhs, None, None, None
@@ -387,10 +392,7 @@ def _hopper_bwd(tiling, activation, skip, res, dy):
   k = _mgpu.kernels()
   if k["ragged_dot"] is None or _mgpu.unavailable_reason(lhs.dtype) is not None:
     return _bwd(triton, activation, res, dy)
-  if activation is not None:
-    _, act_vjp = jax.vjp(lambda h: activation(h).astype(h.dtype), pre)
-    (dy,) = act_vjp(dy.astype(pre.dtype))
-  dy = dy.astype(lhs.dtype)
+  dy = _pre_activation_cotangent(activation, pre, dy, lhs.dtype)
   sizes = group_count * tiling.tm
   # The ragged dot's row block = our row tile: no group straddles a block.
   t = dataclasses.replace(MGPU_TILING, tm=tiling.tm, tk=min(MGPU_TILING.tk, tiling.tk),
