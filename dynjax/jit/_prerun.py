@@ -50,10 +50,7 @@ class Prerunner:
     """Runs ``entry``'s executable once on zero inputs (true sizes = the bucket's own under
     ``padding="auto"``); False, with the reason counted, when it must not or need not."""
     exe = entry.exe
-    why = why_not(fam, exe)
-    args = None
-    if why is None:
-      args, why = _zero_args(fam, bkey, exe)
+    args, why = _zero_args(fam, bkey, exe)
     if why is not None:
       with self._lock:
         self.skipped[why] += 1
@@ -71,31 +68,25 @@ class Prerunner:
     return True
 
 
-def why_not(fam, exe) -> str | None:
-  """Why ``exe`` (of family ``fam``) is not run ahead, or None."""
-  if not config.prerun:
-    return "off"
-  try:
-    shardings = jax.tree.leaves(exe.input_shardings)
-    infos = jax.tree.leaves(exe.args_info)
-  except Exception:  # noqa: BLE001 - an executable without the metadata is not run ahead
-    return "no input metadata"
-  platforms = {d.platform for s in shardings for d in s.device_set}
-  if not platforms or not platforms <= set(PLATFORMS):
-    return "platform"
-  if fam.jaxpr is None or fam.jaxpr.effects:
-    return "effects"
-  if any(getattr(a, "donated", False) for a in infos):
-    return "donated arguments"
-  return None
-
-
 def _zero_args(fam, bkey, exe):
-  """((args, kwargs) of device zeros, None) or (None, why)."""
-  infos, tree = jax.tree.flatten(exe.args_info)
-  shardings = jax.tree.leaves(exe.input_shardings)
+  """((args, kwargs) of device zeros, None), or (None, why ``exe`` of ``fam`` is not run
+  ahead)."""
+  if not config.prerun:
+    return None, "off"
+  try:
+    infos, tree = jax.tree.flatten(exe.args_info)
+    shardings = jax.tree.leaves(exe.input_shardings)
+  except Exception:  # noqa: BLE001 - an executable without the metadata is not run ahead
+    return None, "no input metadata"
   if len(infos) != len(shardings):
     return None, "no input metadata"
+  platforms = {d.platform for s in shardings for d in s.device_set}
+  if not platforms or not platforms <= set(PLATFORMS):
+    return None, "platform"
+  if fam.jaxpr is None or fam.jaxpr.effects:
+    return None, "effects"
+  if any(getattr(a, "donated", False) for a in infos):
+    return None, "donated arguments"
   zeros: dict = {}  # one buffer per (shape, dtype, sharding): arguments may share it
   nbytes = 0
   leaves = []
