@@ -408,10 +408,8 @@ def layer_one(s: Setting, args) -> dict:
     except Exception:
       pass
     if args.layer_timing == "x4":  # REPS layers on rotating inputs in one executable, / REPS
-      j4 = jax.jit(lambda p, *xb, fn=fn: [fn(p, x, b) for x, b in zip(xb[::2], xb[1::2],
-                                                                       strict=True)])
-      flat = [a for xb in s.inputs[:REPS] for a in xb]
-      timed(label, res, lambda *a, j4=j4: j4(s.params, *a), [flat], args.iters, REPS, **extra)
+      timed(label, res, jax.jit(lambda *a, fn=fn: [fn(s.params, x, b) for x, b in a]),
+            [list(s.inputs[:REPS])], args.iters, REPS, **extra)
     else:
       timed(label, res, lambda x, b, jf=jf: jf(s.params, x, b), s.inputs, args.iters, **extra)
   flops = 4.0 * n * k * d * f
