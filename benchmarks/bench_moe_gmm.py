@@ -467,6 +467,17 @@ def run_e2e(args) -> dict:
   out["warmup_s"] = time.perf_counter() - t0
   print(f"  process warm-up (model without experts, {len(seen)} length buckets) "
         f"{out['warmup_s']:.1f} s, untimed", flush=True)
+  # The same model without its experts, timed on the stream: the share of every request that
+  # is not the MoE layer (attention, norms, embedding, dispatch, transfers).
+  ts = []
+  for tok, lens in stream:
+    t1 = time.perf_counter()
+    np.asarray(warm(variables, tok, lens))
+    ts.append(time.perf_counter() - t1)
+  ts = np.asarray(ts) * 1e3
+  out["no_moe"] = {"mean_ms": float(ts.mean()), "median_ms": float(np.median(ts))}
+  print(f"  {'no MoE (the block without experts)':32s} mean {ts.mean():8.3f} ms  p50 "
+        f"{np.median(ts):8.3f}", flush=True)
   outputs = {}
   for label, (dispatch, routed) in variants.items():
     if elapsed() > args.budget:
@@ -556,6 +567,8 @@ def main(argv=None) -> dict:
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--out", default=None)
   ap.add_argument("--small", action="store_true", help="CPU sizes")
+  ap.add_argument("--no-kernel-export", action="store_true",
+                  help="lower the hopper kernel in every executable (route._hopper.EXPORT off)")
   ap.add_argument("--parts", default="check,layer,e2e")
   ap.add_argument("--settings", default="uniform8,zipf8,uniform64,zipf64")
   ap.add_argument("--k", default="1,2")
@@ -581,6 +594,10 @@ def main(argv=None) -> dict:
   args.tilings = [parse_tiling(s) for s in args.tilings.split(",")]
   args.sweep = set(args.sweep.split(","))
   args.train = set(args.train.split(","))
+  if args.no_kernel_export:
+    from dynjax.route import _hopper
+
+    _hopper.EXPORT = False
   if args.small:
     args.d, args.ffn, args.tokens, args.min_bucket = 128, 256, 256, 16
     args.tilings = [route.Tiling(tm=16, tk=16, tn=32)]

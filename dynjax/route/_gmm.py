@@ -115,7 +115,7 @@ class Tiling:
 # copies in flight, a snake 8 row tiles wide.
 HOPPER_TILING = Tiling(tm=128, tk=64, tn=128, num_warps=4, num_stages=4, grid_block_n=8)
 HOPPER_TILING_MANY = dataclasses.replace(HOPPER_TILING, tm=64)  # many paths: less padding
-HOPPER_MIN_ROWS = 8192  # the grouped layer's buffer for the "hopper" kernel: see buffer_rows
+HOPPER_MIN_ROWS = 8192  # routed rows the grouped layer's smallest "hopper" buffer holds: buffer_rows
 # Power-of-two buffer classes up to this many rows: off.  H100 (session 7) e2e: no cold-start
 # gain (its length buckets fall in 2 classes either way: 22.3 s floor only, 24.5 s with the
 # classes, another host), and a buffer rounded past the rows a routing fills sends the layer's
@@ -141,15 +141,17 @@ def buffer_rows(rows: int, num_groups: int, tiling: Tiling, backend: str) -> int
     return max(unit, -(-rows // unit) * unit)
   bound = num_tiles(rows, num_groups, tiling.tm) * tiling.tm
   if backend == "hopper":
-    # At least HOPPER_MIN_ROWS (then, where HOPPER_POW2_ROWS is set, the next power of two up
-    # to it): the kernel walks only the groups' tiles (a bound read at run time), so extra rows
-    # cost no forward compute, and call shapes below the floor share a buffer shape, hence a
-    # kernel: Mosaic GPU compiles a kernel once a process (cached by its hash), ~1-1.5 s each
-    # on the H100, two a layer.  The price: the row gather writes the extra rows' zeros (16 MB
-    # at 8,192 rows of d=1024 bf16: ~6-8 us on the H100), and the backward's dlhs runs the
-    # Triton kernel (see _hopper_bwd).
-    if bound <= HOPPER_MIN_ROWS:
-      return -(-HOPPER_MIN_ROWS // tiling.tm) * tiling.tm
+    # At least the bound of HOPPER_MIN_ROWS routed rows (then, where HOPPER_POW2_ROWS is set,
+    # the next power of two up to it): the kernel walks only the groups' tiles (a bound read at
+    # run time), so extra rows cost no forward compute, and call shapes up to the floor share a
+    # buffer shape, hence a kernel pair: Mosaic GPU compiles a kernel once a process (cached by
+    # its hash), ~1-1.5 s each on the H100.  The price: the row gather writes the extra rows'
+    # zeros (18 MB at 9,088 rows of d=1024 bf16: ~6-8 us on the H100), and the backward's dlhs
+    # runs the Triton kernel (see _hopper_bwd).  A floor of HOPPER_MIN_ROWS buffer rows (session
+    # 7) put the e2e's 512-token bucket (8,192 routed rows) in a second class.
+    floor = hopper_floor_rows(num_groups, tiling.tm)
+    if bound <= floor:
+      return floor
     if bound <= HOPPER_POW2_ROWS:
       return max(tiling.tm, 1 << (bound - 1).bit_length())
   return bound
@@ -167,6 +169,13 @@ def buffer_rows(rows: int, num_groups: int, tiling: Tiling, backend: str) -> int
 # rows: 8 experts uniform k=1 mgpu 0.589 ms, Triton 0.664; 64 experts mgpu 1.19, Triton 0.93
 # (an earlier run).
 MGPU_MAX_EXTRA_TILES = 1 / 8
+
+
+def hopper_floor_rows(num_groups: int, tm: int) -> int:
+  """The smallest buffer of the grouped layer's ``"hopper"`` kernel: the tile bound of
+  ``HOPPER_MIN_ROWS`` routed rows (8 paths, 128-row tiles: 9,088), so that every call shape up
+  to that many routed rows shares one buffer shape, hence one kernel pair."""
+  return num_tiles(HOPPER_MIN_ROWS, num_groups, tm) * tm
 
 
 def hopper_fits(widths, tiling: Tiling | None = None) -> bool:
@@ -360,22 +369,24 @@ def _bwd(tiling, activation, res, dy):
 _gmm_pallas_vjp.defvjp(_fwd, _bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _gmm_hopper_vjp(lhs, rhs, tile_group, group_start, group_count, tiling, activation, skip):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _gmm_hopper_vjp(lhs, rhs, tile_group, group_start, group_count, tiling, activation, skip,
+                    waves):
   from dynjax.route._hopper import hopper_gmm  # noqa: PLC0415 - Mosaic GPU, Hopper only
 
-  return hopper_gmm(lhs, rhs, group_start + group_count, tiling, activation, skip)
+  return hopper_gmm(lhs, rhs, group_start + group_count, tiling, activation, skip, waves)
 
 
-def _hopper_fwd(lhs, rhs, tile_group, group_start, group_count, tiling, activation, skip):
+def _hopper_fwd(lhs, rhs, tile_group, group_start, group_count, tiling, activation, skip,
+                waves):
   from dynjax.route._hopper import hopper_gmm  # noqa: PLC0415
 
-  pre = hopper_gmm(lhs, rhs, group_start + group_count, tiling, None, skip)
+  pre = hopper_gmm(lhs, rhs, group_start + group_count, tiling, None, skip, waves)
   out = pre if activation is None else activation(pre).astype(pre.dtype)
   return out, (lhs, rhs, tile_group, group_start, group_count, pre)
 
 
-def _hopper_bwd(tiling, activation, skip, res, dy):
+def _hopper_bwd(tiling, activation, skip, waves, res, dy):
   """``drhs``: JAX's Mosaic GPU transposed ragged dot on the tile-aligned sizes (it walks only
   the groups' rows) where this jax has it; ``dlhs``: its ragged dot on the transposed weights,
   except where the buffer has more rows than any routing fills (``skip`` is then the rows a
@@ -408,10 +419,12 @@ def _hopper_bwd(tiling, activation, skip, res, dy):
 _gmm_hopper_vjp.defvjp(_hopper_fwd, _hopper_bwd)
 
 
-def hopper_grouped(lhs, rhs, sizes, tiling: Tiling, activation, skip_unused: int = 0):
+def hopper_grouped(lhs, rhs, sizes, tiling: Tiling, activation, skip_unused: int = 0,
+                   wave_rows: int = 0):
   """The ``"hopper"`` backend of :func:`gmm`.  ``skip_unused`` (the grouped layer): the row
   tiles past the groups' are not computed (their rows are left unwritten), and its value is
-  the rows a routing can fill (``lhs`` may have more: see ``buffer_rows``)."""
+  the rows a routing can fill (``lhs`` may have more: see ``buffer_rows``).  ``wave_rows``:
+  the rows the kernel's column tile is chosen for (default: ``skip_unused`` or all)."""
   from dynjax.route._hopper import unavailable_reason  # noqa: PLC0415
 
   why = unavailable_reason(lhs.dtype)
@@ -428,7 +441,7 @@ def hopper_grouped(lhs, rhs, sizes, tiling: Tiling, activation, skip_unused: int
     count = count.at[last].set(m // tm - start[last])
   fused = activation if tiling.fuse_activation else None
   out = _gmm_hopper_vjp(lhs, rhs.astype(lhs.dtype), tile_group, start, count, tiling, fused,
-                        skip_unused)
+                        skip_unused, wave_rows)
   return out if fused is activation else activation(out).astype(out.dtype)
 
 

@@ -22,6 +22,7 @@ from dynjax.route._gmm import (
   Tiling,
   buffer_rows,
   gmm,
+  hopper_floor_rows,
   hopper_grouped,
   num_tiles,
   resolve_backend,
@@ -109,10 +110,17 @@ def grouped_ffn(params, x: jax.Array, routing: Routing, *, activation, tiling: T
     # rows, and their gradients are dropped by the row gather's transpose (the table sends
     # them nowhere).  The static buffer bounds every routing: at 64 paths ~1/4 of its tiles
     # are unused on a uniform routing.
+    # The kernels' column tiles follow the waves of the largest routing of the buffer's
+    # class: every call shape below the floor shares one kernel pair (one Mosaic GPU compile
+    # each: ~1-1.5 s on the H100), where choosing by each shape's own rows gave the e2e's 6
+    # length buckets 4 kernels.
     sizes = lay.group_sizes.astype(jnp.int32)
     fill = num_tiles(n * routing.paths.shape[1], num_paths, tiling.tm) * tiling.tm
-    h = hopper_grouped(xs, w1.astype(x.dtype), sizes, tiling, activation, skip_unused=fill)
-    ys = hopper_grouped(h, w2.astype(x.dtype), sizes, tiling, None, skip_unused=fill)
+    waves = max(fill, hopper_floor_rows(num_paths, tiling.tm))
+    h = hopper_grouped(xs, w1.astype(x.dtype), sizes, tiling, activation, skip_unused=fill,
+                       wave_rows=waves)
+    ys = hopper_grouped(h, w2.astype(x.dtype), sizes, tiling, None, skip_unused=fill,
+                        wave_rows=waves)
   else:
     h = gmm(xs, w1.astype(x.dtype), lay.group_sizes, tiling=tiling, backend=backend,
             activation=activation)

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -182,7 +184,8 @@ def column_tile(m_tiles: int, n: int, tn: int, sms: int = NUM_SMS) -> int:
   return tn
 
 
-def hopper_gmm(lhs, rhs, tile_end, tiling, activation=None, skip_unused: int = 0):
+def hopper_gmm(lhs, rhs, tile_end, tiling, activation=None, skip_unused: int = 0,
+               wave_rows: int = 0):
   """``out[tile t] = activation(lhs[tile t] @ rhs[g(t)])`` over ``tiling.tm``-row tiles.
 
   ``tile_end`` int32 ``[G]``: one past the last row tile of each group (cumulative); a tile at
@@ -190,9 +193,9 @@ def hopper_gmm(lhs, rhs, tile_end, tiling, activation=None, skip_unused: int = 0
   any routing can fill, which may be fewer than ``lhs`` has) not at all (its rows are left
   unwritten: for callers that never read them).  Not differentiable by
   itself (see :func:`dynjax.route.gmm`).  ``tiling``: ``tm`` rows x ``2 tn`` columns an output
-  tile (two compute warpgroups of ``tn`` columns; :func:`column_tile` may halve ``tn``),
-  ``tk``, ``num_stages`` copies in flight, ``grid_block_n`` the snake's tile width (row tiles
-  a sweep covers).
+  tile (two compute warpgroups of ``tn`` columns; :func:`column_tile` may halve ``tn`` for the
+  waves of ``wave_rows`` rows, default ``skip_unused`` or ``M``), ``tk``, ``num_stages`` copies
+  in flight, ``grid_block_n`` the snake's tile width (row tiles a sweep covers).
   """
   m, k = lhs.shape
   g, k2, n = rhs.shape
@@ -209,35 +212,77 @@ def hopper_gmm(lhs, rhs, tile_end, tiling, activation=None, skip_unused: int = 0
       rows = jnp.arange(m)[:, None] < tile_end[-1] * tm
       out = jnp.where(rows, out, jnp.nan).astype(out.dtype)
     return out
-  return _kernel_jit(lhs, rhs, tile_end.astype(jnp.int32), tiling=tiling,
-                     activation=activation, skip_unused=int(skip_unused))
-
-
-# One jit around the kernel, as _flash._attend_jit: a model's MoE layers call it with the same
-# shapes, so the Mosaic GPU kernel is traced and lowered once per executable, not once per
-# layer (4 layers of both GEMMs, lowered for cuda on the 2-core box: 1.57-1.66 s without it,
-# 0.38-0.44 s with it; Python holding the GIL while a server's warmup runs).
-@functools.partial(jax.jit, static_argnames=("tiling", "activation", "skip_unused"))
-def _kernel_jit(lhs, rhs, tile_end, *, tiling, activation, skip_unused):
-  m = lhs.shape[0]
-  g, _, n = rhs.shape
-  tm, tn, tk = tiling.tm, tiling.tn, tiling.tk
-  plgpu = _plgpu()
   sms = _num_sms()
-  # The waves are those of the rows a routing can fill, not of the buffer (the layer's buffer
-  # has at least HOPPER_MIN_ROWS rows: a 2,040-row routing of an 8,192-row buffer).
-  tn = column_tile(min(m, skip_unused or m) // tm, n, tn, sms)
+  waves = min(m, wave_rows or skip_unused or m)
+  key = KernelKey(m=m, k=k, n=n, groups=g, dtype=jnp.dtype(lhs.dtype).name, tm=tm,
+                  tn=column_tile(waves // tm, n, tn, sms), tk=tk, stages=tiling.num_stages,
+                  snake=max(1, tiling.grid_block_n), activation=activation,
+                  skip_unused=bool(skip_unused), sms=sms)
+  return _call(tile_end.astype(jnp.int32), lhs, rhs, key=key)
+
+
+class KernelKey(NamedTuple):
+  """Everything the Mosaic GPU program of one kernel depends on (hashable)."""
+
+  m: int
+  k: int
+  n: int
+  groups: int
+  dtype: str
+  tm: int
+  tn: int
+  tk: int
+  stages: int
+  snake: int
+  activation: Callable | None
+  skip_unused: bool
+  sms: int
+
+
+# Building the Mosaic GPU program is Python, and jax lowers a jitted function again in every
+# executable that calls it.  A served model compiles one executable per length bucket, each
+# calling the same few kernels: EXPORT lowers each kernel once a process (``jax.export``; Mosaic
+# GPU kernels are among its stable custom calls) and every executable inlines the serialized
+# module (lowering 6 buckets' MoE layer for cuda on the 2-core box: 0.58 s a bucket -> 0.085).
+# Measured (H100, jax 0.11.2, bench_moe_gmm e2e, 4 length buckets' builds, session 8): 16.8 s
+# without, 10.5 s with (lax.ragged_dot's 10.9 s): more than the lowering, so the kernels'
+# compiles were not shared between executables either (cause not isolated).  The one jit
+# around the call keeps a model's layers of one shape to one copy of it in the module.
+EXPORT = True
+
+
+@functools.partial(jax.jit, static_argnames=("key",))
+def _call(tile_end, lhs, rhs, *, key: KernelKey):
+  if EXPORT:
+    return _exported(key).call(tile_end, lhs, rhs)
+  return _kernel(key)(tile_end, lhs, rhs)
+
+
+@functools.lru_cache(maxsize=64)
+def _exported(key: KernelKey):
+  from jax import export  # noqa: PLC0415
+
+  args = (jax.ShapeDtypeStruct((key.groups,), jnp.int32),
+          jax.ShapeDtypeStruct((key.m, key.k), key.dtype),
+          jax.ShapeDtypeStruct((key.groups, key.k, key.n), key.dtype))
+  return export.export(
+      jax.jit(_kernel(key)), platforms=("cuda",),
+      disabled_checks=[export.DisabledSafetyCheck.custom_call("mosaic_gpu_v2")])(*args)
+
+
+def _kernel(key: KernelKey):
+  """The Mosaic GPU kernel ``(tile_end, lhs, rhs) -> out`` of ``key``."""
+  plgpu = _plgpu()
   body = functools.partial(
-      _body, tm=tm, tn=tn, tk=tk, stages=tiling.num_stages, num_groups=g,
-      activation=activation, m_iters=m // tm, n_iters=n // (2 * tn), epi=64,
-      snake=max(1, tiling.grid_block_n), skip_unused=bool(skip_unused))
-  out = jax.ShapeDtypeStruct((m, n), lhs.dtype)
+      _body, tm=key.tm, tn=key.tn, tk=key.tk, stages=key.stages, num_groups=key.groups,
+      activation=key.activation, m_iters=key.m // key.tm, n_iters=key.n // (2 * key.tn),
+      epi=64, snake=key.snake, skip_unused=key.skip_unused)
+  out = jax.ShapeDtypeStruct((key.m, key.n), key.dtype)
   # jax 0.10 renamed out_shape to out_type (the old name warns, and may go).
   named = {"out_type" if "out_type" in inspect.signature(plgpu.kernel).parameters
            else "out_shape": out}
-  kernel = plgpu.kernel(
-      body, **named, grid=(sms,),
+  return plgpu.kernel(
+      body, **named, grid=(key.sms,),
       grid_names=("sm",), num_threads=3, thread_name="wg",
       compiler_params=plgpu.CompilerParams(
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
-  return kernel(tile_end, lhs, rhs)

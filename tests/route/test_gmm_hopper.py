@@ -107,7 +107,8 @@ def test_grouped_mode_hopper_equals_dense_with_grads_and_mask(stand_in, k, min_r
   check_layer_against_dense("hopper", k, TILING)
   bound = _gmm.num_tiles(N * k, E, 16) * 16
   rows = _gmm.buffer_rows(N * k, E, TILING, "hopper")
-  assert rows == (min_rows if bound <= min_rows else
+  floor = _gmm.hopper_floor_rows(E, 16)
+  assert rows == (floor if bound <= floor else
                   1 << (bound - 1).bit_length() if bound <= pow2 else bound)
   if stand_in == "mgpu backward":  # drhs (and dlhs where no row is extra) on the tiled sizes
     want_calls = ["transposed"] if rows > bound else ["ragged_dot", "transposed"]
@@ -129,27 +130,58 @@ def test_the_waves_are_those_of_the_rows_a_routing_fills(monkeypatch):
   # The layer's buffer is rounded up past what a routing fills (8,192 tokens, k=1, 8 experts:
   # 9,088 rows -> 16,384): the column tile follows the 71 row tiles, not the buffer's 128.
   seen = []
-  _hopper._kernel_jit.clear_cache()  # the kernel is traced once per shape and options
   monkeypatch.setattr(_hopper, "column_tile",
                       lambda m_tiles, n, tn, sms=132: seen.append(m_tiles) or tn)
   t = route.Tiling(tm=128, tk=64, tn=128, num_stages=4, grid_block_n=8)
-  for skip in (9088, 0):
-    jax.jit(lambda a, b, te, skip=skip: _hopper.hopper_gmm(a, b, te, t, None, skip)).trace(
+  for skip, waves in ((9088, 0), (0, 0), (2048, 9088)):
+    jax.jit(lambda a, b, te, skip=skip, waves=waves: _hopper.hopper_gmm(
+        a, b, te, t, None, skip, waves)).trace(
         jax.ShapeDtypeStruct((16384, 256), jnp.bfloat16),
         jax.ShapeDtypeStruct((8, 256, 1024), jnp.bfloat16),
         jax.ShapeDtypeStruct((8,), jnp.int32)).lower(lowering_platforms=("cuda",))
-  assert seen == [71, 128]
+  assert seen == [71, 128, 71]
 
 
-@pytest.mark.parametrize("activation,skip", [(None, 0), (jax.nn.gelu, 384)])
-def test_the_kernel_lowers_for_cuda(activation, skip):
-  # The Mosaic GPU program is built at lowering (a CUDA lowering works on a CPU machine).
+def test_call_shapes_below_the_floor_share_one_kernel_pair(monkeypatch):
+  # The e2e's length buckets (8 paths, k=2, batch 8 x 16..512 tokens: 256..8,192 routed rows)
+  # all fall in the floor's buffer, and their column tiles follow its waves: one kernel for
+  # each GEMM, so one Mosaic GPU compile each a process.
+  from dynjax.route import _gmm
+
+  tiling = route.Tiling.auto(8192, 8, "hopper")
+  assert {_gmm.buffer_rows(r, 8, tiling, "hopper") for r in (256, 2048, 8192)} == {9088}
+  assert _gmm.buffer_rows(8400, 8, tiling, "hopper") > 9088
+  keys = []
+  monkeypatch.setattr(_hopper, "_call", lambda *a, key: keys.append(key) or jnp.zeros(
+      (key.m, key.n), key.dtype))
+  monkeypatch.setattr(_hopper, "unavailable_reason", lambda dtype: None)
+  moe = route.Routed(route.Experts(route.ffn()), route.Router(8, k=2), mode="grouped",
+                     kernel="hopper")
+  params = {"w1": jnp.zeros((8, 1024, 4096), jnp.bfloat16),
+            "w2": jnp.zeros((8, 4096, 1024), jnp.bfloat16)}
+  for tokens in (128, 1024, 4096):
+    jax.eval_shape(moe, params, jax.ShapeDtypeStruct((tokens, 1024), jnp.bfloat16),
+                   jax.ShapeDtypeStruct((tokens, 8), jnp.float32))
+  assert len(keys) == 6 and len(set(keys)) == 2, keys
+  assert sorted(k.tn for k in set(keys)) == [64, 128]  # GEMM 2 (N=1024) halves its tiles
+
+
+@pytest.mark.parametrize("activation,skip,export", [(None, 0, True), (jax.nn.gelu, 384, True),
+                                                    (jax.nn.gelu, 384, False)])
+def test_the_kernel_lowers_for_cuda(activation, skip, export, monkeypatch):
+  # The Mosaic GPU program is built at lowering (a CUDA lowering works on a CPU machine): by
+  # jax.export once a process (EXPORT), or in every executable.
+  monkeypatch.setattr(_hopper, "EXPORT", export)
+  _hopper._exported.cache_clear()
   t = route.Tiling(tm=128, tk=64, tn=128, num_stages=4, grid_block_n=8)
-  fn = jax.jit(lambda a, b, te: _hopper.hopper_gmm(a, b, te, t, activation, skip))
-  lowered = fn.trace(jax.ShapeDtypeStruct((512, 256), jnp.bfloat16),
-                     jax.ShapeDtypeStruct((8, 256, 512), jnp.bfloat16),
-                     jax.ShapeDtypeStruct((8,), jnp.int32)).lower(lowering_platforms=("cuda",))
-  assert "mosaic_gpu" in lowered.as_text()
+  for scale in (1.0, 2.0):  # two executables calling the same kernel
+    fn = jax.jit(lambda a, b, te, s=scale: _hopper.hopper_gmm(a * s, b, te, t, activation, skip))
+    text = fn.trace(jax.ShapeDtypeStruct((512, 256), jnp.bfloat16),
+                    jax.ShapeDtypeStruct((8, 256, 512), jnp.bfloat16),
+                    jax.ShapeDtypeStruct((8,), jnp.int32)).lower(
+                        lowering_platforms=("cuda",)).as_text()
+    assert text.count("mosaic_gpu_v2") == 1
+  assert _hopper._exported.cache_info().misses == (1 if export else 0)
 
 
 def test_shapes_the_kernel_cannot_tile_are_refused(stand_in):
@@ -172,11 +204,13 @@ def test_auto_takes_hopper_where_it_runs_and_the_widths_tile(monkeypatch):
   assert route.Tiling.auto(8192, 8, "hopper").tm == 128
   assert route.Tiling.auto(512, 8, "hopper").tm == 128  # by the paths alone: one kernel
   assert route.Tiling.auto(8192, 64, "hopper").tm == 64
-  assert _gmm.buffer_rows(512, 8, route.Tiling.auto(512, 8, "hopper"), "hopper") == 8192
-  # Past 8,192 rows the bound (power-of-two classes are off by default).
+  assert _gmm.buffer_rows(512, 8, route.Tiling.auto(512, 8, "hopper"), "hopper") == 9088
+  # At 8,192 rows the floor (their bound), past it the bound (power-of-two classes are off
+  # by default).
   assert _gmm.buffer_rows(8192, 8, route.Tiling.auto(8192, 8, "hopper"), "hopper") == 9088
   monkeypatch.setattr(_gmm, "HOPPER_POW2_ROWS", 65536)
-  assert _gmm.buffer_rows(8192, 8, route.Tiling.auto(8192, 8, "hopper"), "hopper") == 16384
+  assert _gmm.buffer_rows(8192, 8, route.Tiling.auto(8192, 8, "hopper"), "hopper") == 9088
+  assert _gmm.buffer_rows(16384, 8, route.Tiling.auto(8192, 8, "hopper"), "hopper") == 32768
   assert _gmm.buffer_rows(65536, 8, route.Tiling.auto(65536, 8, "hopper"), "hopper") == (
       65536 + 8 * 127) // 128 * 128
   moe = route.Routed(route.Experts(route.ffn()), route.Router(8), mode="grouped")
