@@ -376,6 +376,8 @@ def _child_dynjax(args, clock, mode):
     _serving.TIER_UP_BEFORE_TRAFFIC = True
   if "noup" in mode:  # experiment: no tier-up at all (quick tier only, unless wait())
     _serving.TIER_UP_IDLE_S = _serving.TIER_UP_AFTER = 1e12
+  if "nokeep" in mode:  # experiment: a tier-up lowers its bucket again (before session 8)
+    _serving.KEEP_LOWERED = 0
   workers = re.search(r"cw(\d+)", mode)  # experiment: compile_workers=N
 
   def build(module):
@@ -431,7 +433,8 @@ def _child_dynjax(args, clock, mode):
   lat, stream = _serve(reqs, call, clock)
   st = f.stats()
   extra = {"stats": {k: st.get(k) for k in ("compiles", "loaded_from_store", "policies",
-                                             "preruns",
+                                             "preruns", "lowerings", "lowering_seconds",
+                                             "lowerings_reused",
                                              "served_on_larger_bucket", "waited_for_compile",
                                              "wait_seconds", "padded_fraction")},
            "per_bucket_calls": st.get("per_bucket_calls"),

@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import time
 import warnings
 from collections import Counter
 from typing import Any
@@ -140,6 +141,7 @@ class Family:
     self.preloaded = False  # stored executables queued for loading (serving)
     self.prelowering = False  # the plan's buckets were handed to the lowering lane
     self.prelowered: dict = {}  # bucket -> Future of (Lowered, rewrites)
+    self.kept_lowered: dict = {}  # bucket -> (Lowered, rewrites) its tier-1 recompile takes
     # The top-level hot path: every leaf with dims is a whole argument (``f(params, tokens,
     # lengths)``), so a call needs no Python pytree work at all.
     self.top = None  # ((argument position, leaf index, leaf key), ...)
@@ -472,6 +474,13 @@ class Family:
     Unsharded executables take the dynamic arguments as pytrees (``structured``); sharded
     ones take flat leaves (their shardings are per leaf).
     """
+    t0 = time.perf_counter()
+    try:
+      return self._lower_bucket(bkey)
+    finally:
+      self.ctx.counters.lowered(time.perf_counter() - t0)
+
+  def _lower_bucket(self, bkey):
     avals = self.padded_avals(bkey)
     flat_fun = self.flat_fun
     if self.structured:

@@ -55,6 +55,11 @@ from dynjax.jit._scheduler import WARM_AT_ONCE, CompileScheduler
 QUICK_GPU_OPTIONS = {"xla_gpu_enable_triton_gemm": False, "xla_gpu_autotune_level": 0}
 # Buckets lowered in the background during the first wait (serving).
 PRELOWER_MAX = 12
+# A tier-0 build keeps its (Lowered, rewrites) for its tier-1 recompile, which compiles the
+# same module with other options: lowering is Python holding the GIL (trace, padding pass,
+# StableHLO; BERT-base ~0.3 s a bucket on the H100's host) and a tier-up runs while requests
+# are served.  At most this many a family (an MLIR module each), the oldest dropped.
+KEEP_LOWERED = 16
 # Tier-1 recompiles (serving on GPU) start when the compile queue is idle AND either the
 # function has had no call for ``TIER_UP_IDLE_S`` (a gap in traffic: the autotuning stalls no
 # one) or ``TIER_UP_AFTER`` calls (``DYNJAX_TIER_UP_AFTER``, default 1,000) have passed since
@@ -152,8 +157,9 @@ class Compiler:
     fam.gen += 1
     if entry.source == "stored":  # a restarted auto policy starts from the buckets it had
       self._adopt(fam, bkey)
-    if (entry.tier + 1 < self.tiers() and bkey not in fam.tiered
-        and self.scheduler is not None):
+    if entry.tier + 1 < self.tiers() and bkey not in fam.tiered:
+      # (A blocking warmup's builds too: they run before any scheduler exists, and used to
+      # serve their quick tier for good.)
       fam.tiered.add(bkey)
       self.schedule(fam, bkey, entry.tier + 1)
     return entry
@@ -173,14 +179,27 @@ class Compiler:
     entry = fam.load_stored(bkey, stored_min)
     if entry is not None:
       return entry
-    lowered, rewrites = self.lowered(fam, bkey)
+    lowered, rewrites = self.lowered(fam, bkey, tier)
     if self.opts.serving and not fam.prelowering:
       self._prelower(fam, bkey)  # the rest of the plan lowers while this one compiles
-    return fam.compile_bucket(lowered, rewrites, bkey, tier, self.compile_options(tier))
+    entry = fam.compile_bucket(lowered, rewrites, bkey, tier, self.compile_options(tier))
+    if tier + 1 < self.tiers() and KEEP_LOWERED:
+      with self._lock:  # for the tier-up: the same module compiled with other options
+        kept = fam.kept_lowered
+        kept[bkey] = (lowered, rewrites)
+        while len(kept) > KEEP_LOWERED:
+          kept.pop(next(iter(kept)))
+    return entry
 
-  def lowered(self, fam: Family, bkey):
-    """(Lowered, rewrites) of a bucket: pre-lowered during the first wait, else now (when
-    serving, on the one lowering lane)."""
+  def lowered(self, fam: Family, bkey, tier: int = 0):
+    """(Lowered, rewrites) of a bucket: kept from its tier-0 build (a tier-up), pre-lowered
+    during the first wait, else now (when serving, on the one lowering lane)."""
+    if tier > 0:
+      with self._lock:
+        kept = fam.kept_lowered.pop(bkey, None)
+      if kept is not None:
+        self.counters.reused_lowering()
+        return kept
     fut = fam.prelowered.pop(bkey, None)
     if fut is not None and not fut.cancel():  # started (or done): wait for it
       try:
@@ -281,8 +300,11 @@ class Compiler:
     """
     fam.prelowering = True
     stored = set(stored_buckets(fam))
+    # Not a bucket a build already lowers (a blocking warmup's: lowered twice, the spare
+    # module kept by its tier-up).
     cands = [b for b in plan_buckets(fam, first, PRELOWER_MAX)
-             if b != first and b not in stored and (fam.fid, b) not in self.cache]
+             if b != first and b not in stored and (fam.fid, b) not in self.cache
+             and not self.cache.building((fam.fid, b))]
     if not cands:
       return
     lane = self.lane()

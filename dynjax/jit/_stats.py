@@ -29,6 +29,9 @@ class Counters:
     self.waits = 0  # calls that waited for a compile (or a stored executable)
     self.wait_seconds = 0.0
     self.checks = 0
+    self.lowerings = 0  # buckets lowered (traced, padded, lowered to StableHLO)
+    self.lowering_seconds = 0.0
+    self.lowerings_reused = 0  # tier-1 recompiles that took their tier-0 build's lowering
     self.live: list = []  # executors whose own counts are not folded yet
 
   # -- writes (each under the lock) ----------------------------------------------------------
@@ -57,6 +60,15 @@ class Counters:
       self.true += n * ex.true_elems
       self.syncs += n if ex.sync else 0
       self.larger += n if ex.larger else 0
+
+  def lowered(self, seconds: float) -> None:
+    with self.lock:
+      self.lowerings += 1
+      self.lowering_seconds += seconds
+
+  def reused_lowering(self) -> None:
+    with self.lock:
+      self.lowerings_reused += 1
 
   def miss(self) -> None:
     with self.lock:
@@ -126,6 +138,9 @@ def stats_dict(d) -> dict:
       "compiles": cache.compiles,
       "cache_hits": c["hits"],
       "compile_seconds": cache.compile_seconds,
+      "lowerings": counters.lowerings,  # Python holding the GIL, apart from the compiles
+      "lowering_seconds": counters.lowering_seconds,
+      "lowerings_reused": counters.lowerings_reused,
       "per_bucket_calls": per_bucket,
       "padded_fraction": (0.0 if not c["padded"] else 1.0 - c["true"] / c["padded"]),
       "exact_calls": counters.exact_calls,

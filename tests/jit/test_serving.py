@@ -788,3 +788,45 @@ def test_background_warmup_builds_largest_first_one_at_a_time_and_serves(compile
   assert g.wait(30) and g.stats()["compiles"] == 5
   g.warmup(p, _x(5), background=True)  # a later warmup without max_workers: one at a time
   assert g._dispatcher.compiler.scheduler.warm_at_once == serving_mod.WARM_AT_ONCE == 1
+
+
+@pytest.mark.parametrize("keep", [16, 0])
+def test_a_tier_up_compiles_its_tier_zero_lowering(monkeypatch, keep):
+  # A tier-1 recompile compiles the module its tier-0 build lowered, with the full options:
+  # lowering (trace, padding pass, StableHLO) holds the GIL while requests are served.
+  monkeypatch.setattr(serving_mod, "on_gpu", lambda: True)
+  monkeypatch.setattr(serving_mod, "KEEP_LOWERED", keep)
+  monkeypatch.setattr(serving_mod, "PRELOWER_MAX", 0)  # no lowering ahead of the builds
+  p = _params()
+  f = _serving(compile_workers=1)
+  for t in (5, 9, 30):
+    np.testing.assert_allclose(f(p, _x(t)), EXACT(p, _x(t)), rtol=1e-6, atol=1e-6)
+  f.wait()
+  fam = next(iter(f._dispatcher.families.values()))
+  built = len(fam.buckets)
+  assert built >= 2 and all(e.tier == 1 for e in fam.buckets.values())
+  s = f.stats()
+  assert s["lowerings"] == (built if keep else 2 * built), s
+  assert s["lowerings_reused"] == (built if keep else 0)
+  assert s["lowering_seconds"] > 0 and not fam.kept_lowered  # each taken by its tier-up
+  for t in (5, 9, 30):  # the tier-1 executables, from the kept modules, are exact
+    np.testing.assert_allclose(f(p, _x(t)), EXACT(p, _x(t)), rtol=1e-6, atol=1e-6)
+
+
+def test_kept_lowerings_are_bounded_and_a_blocking_warmup_tiers_up(monkeypatch):
+  # (A blocking warmup's tier-0 builds ran before any scheduler existed and never tiered up.)
+  monkeypatch.setattr(serving_mod, "on_gpu", lambda: True)
+  monkeypatch.setattr(serving_mod, "KEEP_LOWERED", 1)
+  monkeypatch.setattr(serving_mod, "TIER_UP_IDLE_S", 1e9)  # no tier-up before wait()
+  monkeypatch.setattr(serving_mod, "TIER_UP_AFTER", 10**9)
+  p = _params()
+  f = _serving(compile_workers=1)
+  f.warmup(p, _x(5))  # every bucket of the range, tier 0 (no tier-up before wait())
+  fam = next(iter(f._dispatcher.families.values()))
+  assert len(fam.buckets) >= 2 and all(e.tier == 0 for e in fam.buckets.values())
+  assert len(fam.kept_lowered) == 1
+  # Each bucket lowered once: the lane does not lower ahead what a warmup build lowers.
+  assert f.stats()["lowerings"] == len(fam.buckets) and not fam.prelowered
+  f.wait()
+  assert all(e.tier == 1 for e in fam.buckets.values())
+  assert f.stats()["lowerings_reused"] == 1
