@@ -568,7 +568,7 @@ def main(argv=None) -> dict:
   ap.add_argument("--out", default=None)
   ap.add_argument("--small", action="store_true", help="CPU sizes")
   ap.add_argument("--no-kernel-export", action="store_true",
-                  help="lower the hopper kernel in every executable (route._hopper.EXPORT off)")
+                  help="lower the GPU kernels in every executable (route._once.EXPORT off)")
   ap.add_argument("--parts", default="check,layer,e2e")
   ap.add_argument("--settings", default="uniform8,zipf8,uniform64,zipf64")
   ap.add_argument("--k", default="1,2")
@@ -595,9 +595,9 @@ def main(argv=None) -> dict:
   args.sweep = set(args.sweep.split(","))
   args.train = set(args.train.split(","))
   if args.no_kernel_export:
-    from dynjax.route import _hopper
+    from dynjax.route import _once
 
-    _hopper.EXPORT = False
+    _once.EXPORT = False
   if args.small:
     args.d, args.ffn, args.tokens, args.min_bucket = 128, 256, 256, 16
     args.tilings = [route.Tiling(tm=16, tk=16, tn=32)]

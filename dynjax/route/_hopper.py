@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from dynjax._errors import RoutingError
+from dynjax.route import _once
 
 NUM_SMS = 132  # H100 SXM; the persistent grid (one program per SM) reads the device's count
 # Tests set this to True: :func:`hopper_gmm` runs :func:`reference` (the same tile -> group
@@ -218,7 +219,7 @@ def hopper_gmm(lhs, rhs, tile_end, tiling, activation=None, skip_unused: int = 0
                   tn=column_tile(waves // tm, n, tn, sms), tk=tk, stages=tiling.num_stages,
                   snake=max(1, tiling.grid_block_n), activation=activation,
                   skip_unused=bool(skip_unused), sms=sms)
-  return _call(tile_end.astype(jnp.int32), lhs, rhs, key=key)
+  return _once.call(("hopper_gmm", key), _kernel(key), tile_end.astype(jnp.int32), lhs, rhs)
 
 
 class KernelKey(NamedTuple):
@@ -237,37 +238,6 @@ class KernelKey(NamedTuple):
   activation: Callable | None
   skip_unused: bool
   sms: int
-
-
-# Building the Mosaic GPU program is Python, and jax lowers a jitted function again in every
-# executable that calls it.  A served model compiles one executable per length bucket, each
-# calling the same few kernels: EXPORT lowers each kernel once a process (``jax.export``; Mosaic
-# GPU kernels are among its stable custom calls) and every executable inlines the serialized
-# module (lowering 6 buckets' MoE layer for cuda on the 2-core box: 0.58 s a bucket -> 0.085).
-# Measured (H100, jax 0.11.2, bench_moe_gmm e2e, 4 length buckets' builds, session 8): 16.8 s
-# without, 10.5 s with (lax.ragged_dot's 10.9 s): more than the lowering, so the kernels'
-# compiles were not shared between executables either (cause not isolated).  The one jit
-# around the call keeps a model's layers of one shape to one copy of it in the module.
-EXPORT = True
-
-
-@functools.partial(jax.jit, static_argnames=("key",))
-def _call(tile_end, lhs, rhs, *, key: KernelKey):
-  if EXPORT:
-    return _exported(key).call(tile_end, lhs, rhs)
-  return _kernel(key)(tile_end, lhs, rhs)
-
-
-@functools.lru_cache(maxsize=64)
-def _exported(key: KernelKey):
-  from jax import export  # noqa: PLC0415
-
-  args = (jax.ShapeDtypeStruct((key.groups,), jnp.int32),
-          jax.ShapeDtypeStruct((key.m, key.k), key.dtype),
-          jax.ShapeDtypeStruct((key.groups, key.k, key.n), key.dtype))
-  return export.export(
-      jax.jit(_kernel(key)), platforms=("cuda",),
-      disabled_checks=[export.DisabledSafetyCheck.custom_call("mosaic_gpu_v2")])(*args)
 
 
 def _kernel(key: KernelKey):

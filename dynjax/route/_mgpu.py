@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from dynjax._errors import RoutingError
+from dynjax.route import _once
 
 _DTYPES = (jnp.bfloat16, jnp.float16)
 _KERNELS: dict | None = None  # found once
@@ -100,10 +101,20 @@ def _grid_block_n(n: int, tn: int, want: int) -> int:
   return g
 
 
+def _kernel_call(name: str, lhs, rhs, sizes, **kw):
+  """JAX's kernel ``name`` on ``(lhs, rhs, group_sizes=sizes, **kw)``: lowered once a process
+  (``_once``), or the tests' stand-in as it is."""
+  fn = kernels()[name]
+  if TEST_KERNELS is not None:
+    return fn(lhs, rhs, group_sizes=sizes, **kw)
+  return _once.call((name, tuple(sorted(kw.items()))),
+                    lambda a, b, s: fn(a, b, group_sizes=s, **kw), lhs, rhs, sizes)
+
+
 def _ragged(lhs, rhs, sizes, tiling, transpose_rhs: bool):
   k = kernels()
   n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-  kw = dict(group_sizes=sizes, block_m=tiling.tm, block_n=tiling.tn, block_k=tiling.tk,
+  kw = dict(block_m=tiling.tm, block_n=tiling.tn, block_k=tiling.tk,
             max_concurrent_steps=tiling.num_stages,
             grid_block_n=_grid_block_n(n, tiling.tn, tiling.grid_block_n))
   if transpose_rhs:
@@ -111,16 +122,16 @@ def _ragged(lhs, rhs, sizes, tiling, transpose_rhs: bool):
       kw["transpose_rhs"] = True
     else:  # an older kernel: one copy of the weights, transposed
       rhs = jnp.swapaxes(rhs, 1, 2)
-  return k["ragged_dot"](lhs, rhs, **kw)
+  return _kernel_call("ragged_dot", lhs, rhs, sizes, **kw)
 
 
 def _transposed(lhs, dy, sizes, tiling):
   """``out[g] = lhs[rows of g]^T @ dy[rows of g]``, ``[G, K, N]`` in ``lhs``'s dtype."""
   k = kernels()
   if k["transposed_ragged_dot"] is not None:
-    return k["transposed_ragged_dot"](
-        lhs, dy, group_sizes=sizes, block_m=tiling.tm, block_n=tiling.tn, block_k=tiling.tk,
-        max_concurrent_steps=tiling.num_stages,
+    return _kernel_call(
+        "transposed_ragged_dot", lhs, dy, sizes, block_m=tiling.tm, block_n=tiling.tn,
+        block_k=tiling.tk, max_concurrent_steps=tiling.num_stages,
         grid_block_n=_grid_block_n(dy.shape[1], tiling.tn, tiling.grid_block_n))
   dims = jax.lax.RaggedDotDimensionNumbers(
       dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0],

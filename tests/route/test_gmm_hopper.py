@@ -20,7 +20,7 @@ import pytest
 
 from dynjax import route
 from dynjax._errors import RoutingError
-from dynjax.route import _hopper, _mgpu
+from dynjax.route import _hopper, _mgpu, _once
 from tests.route.test_gmm_mgpu import (
   CALLS,
   E,
@@ -152,8 +152,8 @@ def test_call_shapes_below_the_floor_share_one_kernel_pair(monkeypatch):
   assert {_gmm.buffer_rows(r, 8, tiling, "hopper") for r in (256, 2048, 8192)} == {9088}
   assert _gmm.buffer_rows(8400, 8, tiling, "hopper") > 9088
   keys = []
-  monkeypatch.setattr(_hopper, "_call", lambda *a, key: keys.append(key) or jnp.zeros(
-      (key.m, key.n), key.dtype))
+  monkeypatch.setattr(_once, "call", lambda key, fn, *a: keys.append(key[1]) or jnp.zeros(
+      (key[1].m, key[1].n), key[1].dtype))
   monkeypatch.setattr(_hopper, "unavailable_reason", lambda dtype: None)
   moe = route.Routed(route.Experts(route.ffn()), route.Router(8, k=2), mode="grouped",
                      kernel="hopper")
@@ -171,8 +171,8 @@ def test_call_shapes_below_the_floor_share_one_kernel_pair(monkeypatch):
 def test_the_kernel_lowers_for_cuda(activation, skip, export, monkeypatch):
   # The Mosaic GPU program is built at lowering (a CUDA lowering works on a CPU machine): by
   # jax.export once a process (EXPORT), or in every executable.
-  monkeypatch.setattr(_hopper, "EXPORT", export)
-  _hopper._exported.cache_clear()
+  monkeypatch.setattr(_once, "EXPORT", export)
+  _once.clear()
   t = route.Tiling(tm=128, tk=64, tn=128, num_stages=4, grid_block_n=8)
   for scale in (1.0, 2.0):  # two executables calling the same kernel
     fn = jax.jit(lambda a, b, te, s=scale: _hopper.hopper_gmm(a * s, b, te, t, activation, skip))
@@ -181,7 +181,7 @@ def test_the_kernel_lowers_for_cuda(activation, skip, export, monkeypatch):
                     jax.ShapeDtypeStruct((8,), jnp.int32)).lower(
                         lowering_platforms=("cuda",)).as_text()
     assert text.count("mosaic_gpu_v2") == 1
-  assert _hopper._exported.cache_info().misses == (1 if export else 0)
+  assert _once._exported.cache_info().misses == (1 if export else 0)
 
 
 def test_shapes_the_kernel_cannot_tile_are_refused(stand_in):

@@ -158,3 +158,39 @@ def test_auto_takes_mgpu_only_where_its_boundary_tiles_are_few(kernels, monkeypa
   assert _gmm.resolve_backend("auto", jnp.bfloat16, 4096, 8) == "pallas"
   assert _gmm.resolve_backend("auto", jnp.bfloat16, 16384, 64) == "pallas"
   assert _gmm.resolve_backend("pallas", jnp.bfloat16, 8192, 8) == "pallas"
+
+
+def test_jax_kernels_lower_for_cuda_once_a_process(monkeypatch):
+  # JAX's Mosaic GPU ragged dots (forward, dlhs, drhs) are lowered for CUDA once a process
+  # (jax.export) and inlined into each executable that calls them.
+  from dynjax.route import _once
+
+  if _mgpu.kernels()["ragged_dot"] is None:
+    pytest.skip(f"no Mosaic GPU ragged dot in this jax: {_mgpu.kernels()['error']}")
+  monkeypatch.setattr(_mgpu, "TEST_KERNELS", None)
+  real = jax.devices
+
+  class _H100Like:  # JAX's kernels size their grid by the device's SM count
+    core_count = 132
+
+    def __init__(self, dev):
+      self._dev = dev
+
+    def __getattr__(self, name):
+      return getattr(self._dev, name)
+
+  monkeypatch.setattr(jax, "devices", lambda *a, **k: [_H100Like(d) for d in real(*a, **k)])
+  _once.clear()
+  t = route.Tiling(tm=128, tk=64, tn=128, num_stages=4, grid_block_n=4)
+  sizes = jnp.array([300, 212], jnp.int32)
+  for scale in (1.0, 2.0):
+    def loss(a, b, s=scale):
+      return jnp.sum(_mgpu._gmm(a * s, b, sizes, t).astype(jnp.float32))
+
+    text = jax.jit(jax.value_and_grad(loss, (0, 1))).trace(
+        jax.ShapeDtypeStruct((512, 256), jnp.bfloat16),
+        jax.ShapeDtypeStruct((2, 256, 512), jnp.bfloat16)).lower(
+            lowering_platforms=("cuda",)).as_text()
+    want = 3 if _mgpu.kernels()["transposed_ragged_dot"] is not None else 2
+    assert text.count("mosaic_gpu_v2") == want
+  assert _once._exported.cache_info().misses == want  # the second executable reused them
