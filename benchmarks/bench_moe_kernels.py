@@ -31,6 +31,7 @@ after a warm-up over every rotating input.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -349,14 +350,17 @@ def pieces_one(s: Setting, kernel: str, args) -> dict:
   return res
 
 
-def run_layer(args) -> dict:
-  out = {}
+def run_layer(args, out: dict | None = None, save=lambda: None) -> dict:
+  """Every setting's layer table into ``out``, saved after each (a time limit keeps the
+  settings done)."""
+  out = {} if out is None else out
   for k in (int(v) for v in args.k.split(",")):
     for setting in args.settings.split(","):
       if elapsed() > args.budget:
         break
       print(f"\n== layer {setting} k={k}  [{elapsed():.0f} s]", flush=True)
       out[f"{setting} k={k}"] = layer_one(Setting(setting, k, args), args)
+      save()
   return out
 
 
@@ -494,17 +498,22 @@ def main(argv=None) -> dict:
       continue
     print(f"\n==== {part}  [{elapsed():.0f} s]", flush=True)
     fn = {"env": run_env, "check": run_check, "sweep": run_sweep, "pieces": run_pieces,
-          "layer": run_layer}[part]
+          "layer": functools.partial(run_layer, out=report.setdefault("layer", {}),
+                                     save=lambda: save(report, args))}[part]
     try:
       report[part] = fn(args)
     except Exception as e:
       report[part] = {"error": f"{type(e).__name__}: {str(e)[:2000]}"}
       print(f"  {part} FAILED {report[part]['error'][:600]}", flush=True)
-    report["elapsed_s"] = elapsed()
-    if args.out:
-      with open(os.path.join(args.out, "bench_moe_kernels.json"), "w") as fh:
-        json.dump(report, fh, indent=1, default=str)
+    save(report, args)
   return report
+
+
+def save(report: dict, args) -> None:
+  report["elapsed_s"] = elapsed()
+  if args.out:
+    with open(os.path.join(args.out, "bench_moe_kernels.json"), "w") as fh:
+      json.dump(report, fh, indent=1, default=str)
 
 
 if __name__ == "__main__":
