@@ -18,6 +18,7 @@ executables before either (cause not isolated).
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable, Hashable
 
 import jax
@@ -26,6 +27,8 @@ import jax
 EXPORT = True
 _CUSTOM_CALLS = ("mosaic_gpu_v2",)
 _BUILDERS: dict = {}  # key -> the function that builds the kernel (taken on the first call)
+_FAILED: set = set()  # keys whose export raised: lowered per executable (warned once)
+logger = logging.getLogger("dynjax")
 
 
 def call(key: Hashable, fn: Callable, *args):
@@ -38,7 +41,17 @@ def call(key: Hashable, fn: Callable, *args):
   if not EXPORT:
     return fn(*args)
   full = (key, tuple((tuple(a.shape), jax.numpy.dtype(a.dtype).name) for a in args))
+  if full in _FAILED:
+    return fn(*args)
   _BUILDERS.setdefault(full, fn)
+  try:
+    _exported(full)  # built here (cached), so that a failure can fall back
+  except Exception as e:  # noqa: BLE001 - only the compile time is at stake, not the values
+    _FAILED.add(full)
+    logger.warning("dynjax.route: exporting the GPU kernel %s failed (%s: %s); it is lowered in "
+                   "every executable instead (slower to compile, same values)",
+                   key[0] if isinstance(key, tuple) else key, type(e).__name__, e)
+    return fn(*args)
   return _call(*args, key=full)
 
 
@@ -63,3 +76,4 @@ def clear() -> None:
   _exported.cache_clear()
   _call.clear_cache()
   _BUILDERS.clear()
+  _FAILED.clear()
