@@ -58,7 +58,8 @@ PRELOWER_MAX = 12
 # A tier-0 build keeps its (Lowered, rewrites) for its tier-1 recompile, which compiles the
 # same module with other options: lowering is Python holding the GIL (trace, padding pass,
 # StableHLO; BERT-base ~0.3 s a bucket on the H100's host) and a tier-up runs while requests
-# are served.  At most this many a family (an MLIR module each), the oldest dropped.
+# are served.  At most this many a family (an MLIR module each, the oldest dropped; BERT-base:
+# 0.17 MB of StableHLO text, no measurable resident growth for 8 on the CPU box).
 KEEP_LOWERED = 16
 # Tier-1 recompiles (serving on GPU) start when the compile queue is idle AND either the
 # function has had no call for ``TIER_UP_IDLE_S`` (a gap in traffic: the autotuning stalls no
