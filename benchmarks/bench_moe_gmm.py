@@ -415,6 +415,16 @@ def request_stream(n: int, batch: int, max_len: int, vocab: int, seed: int):
   return out
 
 
+def time_stream(fn, variables, stream) -> np.ndarray:
+  """Milliseconds of each request of ``stream`` (numpy in, numpy out), one after another."""
+  ts = []
+  for tok, lens in stream:
+    t1 = time.perf_counter()
+    np.asarray(fn(variables, tok, lens))
+    ts.append(time.perf_counter() - t1)
+  return np.asarray(ts) * 1e3
+
+
 def run_e2e(args) -> dict:
   import dynjax.flax
 
@@ -469,12 +479,7 @@ def run_e2e(args) -> dict:
         f"{out['warmup_s']:.1f} s, untimed", flush=True)
   # The same model without its experts, timed on the stream: the share of every request that
   # is not the MoE layer (attention, norms, embedding, dispatch, transfers).
-  ts = []
-  for tok, lens in stream:
-    t1 = time.perf_counter()
-    np.asarray(warm(variables, tok, lens))
-    ts.append(time.perf_counter() - t1)
-  ts = np.asarray(ts) * 1e3
+  ts = time_stream(warm, variables, stream)
   out["no_moe"] = {"mean_ms": float(ts.mean()), "median_ms": float(np.median(ts))}
   print(f"  {'no MoE (the block without experts)':32s} mean {ts.mean():8.3f} ms  p50 "
         f"{np.median(ts):8.3f}", flush=True)
@@ -495,12 +500,7 @@ def run_e2e(args) -> dict:
       print(f"  {label:32s} FAILED {out['methods'][label]['error'][:600]}", flush=True)
       continue
     cold = time.perf_counter() - t0
-    ts = []
-    for tok, lens in stream:
-      t1 = time.perf_counter()
-      np.asarray(fn(variables, tok, lens))
-      ts.append(time.perf_counter() - t1)
-    ts = np.asarray(ts) * 1e3
+    ts = time_stream(fn, variables, stream)
     outputs[label] = ys
     st = fn.stats()
     out["methods"][label] = {"mean_ms": float(ts.mean()), "median_ms": float(np.median(ts)),
