@@ -17,8 +17,10 @@ executables before either (cause not isolated).
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
+import threading
 from collections.abc import Callable, Hashable
 
 import jax
@@ -26,7 +28,10 @@ import jax
 # Off: every executable lowers its kernels itself (bench_moe_gmm.py --no-kernel-export).
 EXPORT = True
 _CUSTOM_CALLS = ("mosaic_gpu_v2",)
-_BUILDERS: dict = {}  # key -> the function that builds the kernel (taken on the first call)
+_MAX = 128  # kernels remembered (an export and its builder each)
+# key -> the function that builds the kernel (the first given), most recently used last.
+_BUILDERS: collections.OrderedDict = collections.OrderedDict()
+_LOCK = threading.Lock()
 _FAILED: set = set()  # keys whose export raised: lowered per executable (warned once)
 logger = logging.getLogger("dynjax")
 
@@ -35,24 +40,25 @@ def call(key: Hashable, fn: Callable, *args):
   """``fn(*args)``, lowered for CUDA once a process per ``key`` and argument shapes.
 
   ``fn`` must be a pure function of ``key`` and the arguments' shapes and dtypes (its first
-  use per key is the one exported).  Traceable; one jit around the inlined module, so an
-  executable calling the same kernel from several layers holds it once.
+  use per key is the one exported).  Traceable; one jit around the call, so an executable
+  calling the same kernel from several layers holds it once (also where it is not exported).
   """
-  if not EXPORT:
-    return fn(*args)
   full = (key, tuple((tuple(a.shape), jax.numpy.dtype(a.dtype).name) for a in args))
-  if full in _FAILED:
-    return fn(*args)
-  _BUILDERS.setdefault(full, fn)
-  try:
-    _exported(full)  # built here (cached), so that a failure can fall back
-  except Exception as e:  # noqa: BLE001 - only the compile time is at stake, not the values
-    _FAILED.add(full)
-    logger.warning("dynjax.route: exporting the GPU kernel %s failed (%s: %s); it is lowered in "
-                   "every executable instead (slower to compile, same values)",
-                   key[0] if isinstance(key, tuple) else key, type(e).__name__, e)
-    return fn(*args)
-  return _call(*args, key=full)
+  with _LOCK:
+    _BUILDERS[full] = _BUILDERS.pop(full, fn)  # most recent last
+    while len(_BUILDERS) > _MAX:
+      _BUILDERS.popitem(last=False)
+  if EXPORT and full not in _FAILED:
+    try:
+      _exported(full)  # built here (cached), so that a failure can fall back
+    except Exception as e:  # noqa: BLE001 - only the compile time is at stake, not the values
+      _FAILED.add(full)
+      logger.warning("dynjax.route: exporting the GPU kernel %s failed (%s: %s); it is lowered "
+                     "in every executable instead (slower to compile, same values)",
+                     key[0] if isinstance(key, tuple) else key, type(e).__name__, e)
+    else:
+      return _call(*args, key=full)
+  return _direct(*args, key=full)
 
 
 @functools.partial(jax.jit, static_argnames=("key",))
@@ -60,7 +66,12 @@ def _call(*args, key):
   return _exported(key).call(*args)
 
 
-@functools.lru_cache(maxsize=128)
+@functools.partial(jax.jit, static_argnames=("key",))
+def _direct(*args, key):
+  return _BUILDERS[key](*args)
+
+
+@functools.lru_cache(maxsize=_MAX)
 def _exported(key):
   from jax import export  # noqa: PLC0415
 
@@ -75,5 +86,6 @@ def clear() -> None:
   """Forgets every exported kernel (tests)."""
   _exported.cache_clear()
   _call.clear_cache()
+  _direct.clear_cache()
   _BUILDERS.clear()
   _FAILED.clear()

@@ -62,3 +62,11 @@ def test_export_off_calls_the_kernel_in_place(monkeypatch):
   np.testing.assert_allclose(jax.jit(lambda a, b: _once.call("k", _kernel, a, b))(a, b),
                              _kernel(a, b))
   assert _once._exported.cache_info().misses == 0
+
+
+def test_builders_are_bounded(monkeypatch):
+  monkeypatch.setattr(_once, "EXPORT", False)
+  monkeypatch.setattr(_once, "_MAX", 2)
+  for n in (1, 2, 3, 4):
+    jax.jit(lambda a, b, n=n: _once.call(("k", n), _kernel, a, b)).trace(*_structs())
+  assert [k[0][1] for k in _once._BUILDERS] == [3, 4]
