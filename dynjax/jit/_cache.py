@@ -103,6 +103,14 @@ class ExecutableCache:
     with self._lock:
       self._insert(key, exe, seconds)
 
+  def counted_compile(self, key: Hashable, seconds: float) -> None:
+    """A compile of ``key``'s executable done outside ``get_or_build`` (a stored entry
+    compiled again in place), counted as one."""
+    with self._lock:
+      self.compiles += 1
+      self.compile_seconds += seconds
+      self.compile_log.append((key, seconds))
+
   def _insert(self, key, exe, dt: float) -> None:
     stored = getattr(exe, "source", "compiled") == "stored"
     self._entries[key] = exe

@@ -43,6 +43,7 @@ from dynjax.bucketing import _cost
 from dynjax.jit import _prerun
 from dynjax.jit._family import BucketEntry, Family
 from dynjax.jit._scheduler import WARM_AT_ONCE, CompileScheduler
+from dynjax.jit._store import FirstRun
 
 # Quick compiles on GPU (serving, tier 0): cuBLAS gemms chosen by cuBLAS's heuristics, no
 # autotuning.  H100, BERT-base, jax 0.11.2 (benchmarks/probe_serving.py, probe_contention.py):
@@ -179,6 +180,9 @@ class Compiler:
     with ``tier``'s compiler options (and stored)."""
     entry = fam.load_stored(bkey, stored_min)
     if entry is not None:
+      entry.exe = FirstRun(entry.exe, functools.partial(self._rebuild, fam, bkey, entry.tier),
+                           functools.partial(_proven, fam, entry),
+                           f"{fam.name} bucket {tuple(bkey)} tier {entry.tier}")
       return entry
     lowered, rewrites = self.lowered(fam, bkey, tier)
     if self.opts.serving and not fam.prelowering:
@@ -191,6 +195,14 @@ class Compiler:
         while len(kept) > KEEP_LOWERED:
           kept.pop(next(iter(kept)))
     return entry
+
+  def _rebuild(self, fam: Family, bkey, tier: int):
+    """A stored executable that failed its first run, compiled again (the file replaced)."""
+    t0 = time.perf_counter()
+    lowered, rewrites = fam.lower_bucket(bkey)
+    exe = fam.compile_bucket(lowered, rewrites, bkey, tier, self.compile_options(tier)).exe
+    self.cache.counted_compile((fam.fid, bkey), time.perf_counter() - t0)
+    return exe
 
   def lowered(self, fam: Family, bkey, tier: int = 0):
     """(Lowered, rewrites) of a bucket: kept from its tier-0 build (a tier-up), pre-lowered
@@ -535,6 +547,12 @@ def quick_switches():
       if _SWITCH["active"] == 0 and _SWITCH["saved"] is not None:
         sys.setswitchinterval(_SWITCH["saved"])
         _SWITCH["saved"] = None
+
+
+def _proven(fam: Family, entry, exe) -> None:
+  """A stored entry's first run succeeded: its executors take the plain executable."""
+  entry.exe = exe
+  fam.gen += 1
 
 
 def lowering(fam: Family, bkey):

@@ -193,6 +193,52 @@ class ExecutableStore:
     return None
 
 
+class FirstRun:
+  """A stored executable until its first run succeeds.
+
+  An executable can load and still fail to run: jax 0.11.2 on CPU, in a process that had
+  compiled the same function, sometimes raised ``NOT_FOUND: Function add_tanh_fusion not
+  found`` on a deserialized executable's first call (seen twice in ~810 tests run in parallel).
+  A first run that raises a ``JaxRuntimeError`` calls ``rebuild()`` (the bucket compiled
+  again, its file replaced), warns, and runs the call on the new executable; if that fails
+  too, its error is raised.  Once a run succeeds, ``proven(exe)`` hands the plain executable
+  back (the caller takes this wrapper out of its hot path); until then each call costs one
+  flag check more.
+  """
+
+  __slots__ = ("exe", "rebuild", "proven", "done", "lock", "what")
+
+  def __init__(self, exe, rebuild, proven, what: str):
+    self.exe = exe
+    self.rebuild = rebuild
+    self.proven = proven
+    self.done = False
+    self.lock = threading.Lock()
+    self.what = what
+
+  def __call__(self, *args):
+    if self.done:
+      return self.exe(*args)
+    exe = self.exe
+    try:
+      out = exe(*args)
+    except jax.errors.JaxRuntimeError as e:
+      with self.lock:
+        if self.exe is exe:  # not rebuilt by another thread meanwhile
+          warnings.warn(f"dynjax: stored executable {self.what} failed its first run "
+                        f"({type(e).__name__}: {str(e).strip().splitlines()[0][:200]}); "
+                        "the bucket is compiled again and the file replaced", stacklevel=2)
+          self.exe = self.rebuild()
+      out = self.exe(*args)
+    if not self.done:
+      self.done = True
+      self.proven(self.exe)
+    return out
+
+  def __getattr__(self, name):  # as_text(), input_shardings, ... of the executable
+    return getattr(self.exe, name)
+
+
 def _device_ids(compiled) -> list[int]:
   """Ids of the devices the executable runs on (in the order of its device assignment)."""
   import jax

@@ -830,3 +830,55 @@ def test_kept_lowerings_are_bounded_and_a_blocking_warmup_tiers_up(monkeypatch):
   f.wait()
   assert all(e.tier == 1 for e in fam.buckets.values())
   assert f.stats()["lowerings_reused"] == 1
+
+
+@pytest.mark.parametrize("fails", [1, 2])
+def test_a_stored_executable_that_fails_its_first_run_is_compiled_again(tmp_path, monkeypatch,
+                                                                       fails):
+  # An executable can load and still fail to run (jax 0.11.2 on CPU: "NOT_FOUND: Function
+  # ... not found" on a deserialized executable's first call).  The call runs on a fresh
+  # compile and the file is replaced; where the fresh one fails as well, its error is raised.
+  from dynjax.jit import _store
+
+  p = _params()
+  kw = dict(dims={"x": "b, t, 4"}, cache_dir=str(tmp_path),
+            buckets={"b": [2], "t": dynjax.buckets.pow2(4, 64)})
+  f = dynjax.jit(_model, **kw)
+  f(p, _x(5))
+  real_load = _store.ExecutableStore.load
+  calls = {"n": 0}
+
+  class Broken:
+    def __init__(self, exe):
+      self.exe = exe
+
+    def __call__(self, *args):
+      calls["n"] += 1
+      raise jax.errors.JaxRuntimeError("NOT_FOUND: Function add_tanh_fusion not found")
+
+    def __getattr__(self, name):
+      return getattr(self.exe, name)
+
+  monkeypatch.setattr(_store.ExecutableStore, "load",
+                      lambda self, *a, **k: Broken(real_load(self, *a, **k)))
+  g = dynjax.jit(_model, **kw)
+  if fails == 2:  # the fresh compile fails too: its error reaches the caller
+    monkeypatch.setattr(_family.Family, "compile_bucket", lambda *a, **k: _family.BucketEntry(
+        Broken(None), (), 0))
+    with pytest.warns(UserWarning, match="failed its first run"):
+      with pytest.raises(jax.errors.JaxRuntimeError, match="NOT_FOUND"):
+        g(p, _x(7))
+    return
+  with pytest.warns(UserWarning, match=r"bucket \(2, 8\) tier 0 failed its first run \("
+                    r"JaxRuntimeError: NOT_FOUND"):
+    np.testing.assert_allclose(g(p, _x(7)), EXACT(p, _x(7)), rtol=1e-6, atol=1e-6)
+  assert calls["n"] == 1
+  s = g.stats()
+  assert (s["compiles"], s["loaded_from_store"]) == (1, 1)
+  fam = next(iter(g._dispatcher.families.values()))
+  assert not isinstance(fam.buckets[(2, 8)].exe, _store.FirstRun)  # out of the hot path
+  np.testing.assert_allclose(g(p, _x(6)), EXACT(p, _x(6)), rtol=1e-6, atol=1e-6)
+  monkeypatch.setattr(_store.ExecutableStore, "load", real_load)
+  h = dynjax.jit(_model, **kw)  # the replaced file loads and runs
+  np.testing.assert_allclose(h(p, _x(7)), EXACT(p, _x(7)), rtol=1e-6, atol=1e-6)
+  assert (h.stats()["compiles"], h.stats()["loaded_from_store"]) == (0, 1)
