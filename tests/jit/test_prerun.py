@@ -45,10 +45,13 @@ def test_warmup_runs_each_built_executable_once_and_compiles_nothing_more(
   assert (pre["runs"], pre["skipped"]) == (4, {}), pre  # t = 4, 8, 16, 32
   assert pre["seconds"] > 0
   assert compiles() == 4  # zeros go to the device by device_put: no compile of their own
+  # (jax 0.11.2 may compile a transfer of its own for jnp.asarray, after Pallas interpret-mode
+  # tests ran in the process: counted from after the parameters exist.)
   p = _params()
+  before = compiles()
   for t in (3, 7, 30):
     np.testing.assert_allclose(f(p, _x(t)), jax.jit(model)(p, _x(t)), rtol=1e-6, atol=1e-6)
-  assert compiles() == 4 + 3  # the three exact-shape references
+  assert compiles() - before == 3  # the three exact-shape references
   assert f.stats()["preruns"]["runs"] == 4  # calls run what the warmup built, no new prerun
 
 
