@@ -107,9 +107,12 @@ class ExecutableCache:
     """A compile of ``key``'s executable done outside ``get_or_build`` (a stored entry
     compiled again in place), counted as one."""
     with self._lock:
-      self.compiles += 1
-      self.compile_seconds += seconds
-      self.compile_log.append((key, seconds))
+      self._count_compile(key, seconds)
+
+  def _count_compile(self, key, seconds: float) -> None:  # under the lock
+    self.compiles += 1
+    self.compile_seconds += seconds
+    self.compile_log.append((key, seconds))
 
   def _insert(self, key, exe, dt: float) -> None:
     stored = getattr(exe, "source", "compiled") == "stored"
@@ -118,9 +121,7 @@ class ExecutableCache:
     if stored:
       self.loads += 1
     else:
-      self.compiles += 1
-      self.compile_seconds += dt
-      self.compile_log.append((key, dt))
+      self._count_compile(key, dt)
     if self.max_entries is not None:
       while len(self._entries) > self.max_entries:
         self._entries.popitem(last=False)

@@ -56,11 +56,9 @@ from dynjax.jit._store import FirstRun
 QUICK_GPU_OPTIONS = {"xla_gpu_enable_triton_gemm": False, "xla_gpu_autotune_level": 0}
 # Buckets lowered in the background during the first wait (serving).
 PRELOWER_MAX = 12
-# A tier-0 build keeps its (Lowered, rewrites) for its tier-1 recompile, which compiles the
-# same module with other options: lowering is Python holding the GIL (trace, padding pass,
-# StableHLO; BERT-base ~0.3 s a bucket on the H100's host) and a tier-up runs while requests
-# are served.  At most this many a family (an MLIR module each, the oldest dropped; BERT-base:
-# 0.17 MB of StableHLO text, no measurable resident growth for 8 on the CPU box).
+# A tier-0 build keeps its (Lowered, rewrites) for its tier-1 recompile (the same module, other
+# options): lowering holds the GIL (BERT-base ~0.3 s a bucket on the H100's host) while requests
+# are served.  At most this many a family, oldest dropped (BERT-base: 0.17 MB of StableHLO each).
 KEEP_LOWERED = 16
 # Tier-1 recompiles (serving on GPU) start when the compile queue is idle AND either the
 # function has had no call for ``TIER_UP_IDLE_S`` (a gap in traffic: the autotuning stalls no
@@ -160,8 +158,7 @@ class Compiler:
     if entry.source == "stored":  # a restarted auto policy starts from the buckets it had
       self._adopt(fam, bkey)
     if entry.tier + 1 < self.tiers() and bkey not in fam.tiered:
-      # (A blocking warmup's builds too: they run before any scheduler exists, and used to
-      # serve their quick tier for good.)
+      # (Also a blocking warmup's builds, run before any scheduler: schedule() makes one.)
       fam.tiered.add(bkey)
       self.schedule(fam, bkey, entry.tier + 1)
     return entry
@@ -184,6 +181,10 @@ class Compiler:
                            functools.partial(_proven, fam, entry),
                            f"{fam.name} bucket {tuple(bkey)} tier {entry.tier}")
       return entry
+    return self._compile(fam, bkey, tier)
+
+  def _compile(self, fam: Family, bkey, tier: int) -> BucketEntry:
+    """Lowered (:meth:`lowered`), compiled with ``tier``'s options and stored."""
     lowered, rewrites = self.lowered(fam, bkey, tier)
     if self.opts.serving and not fam.prelowering:
       self._prelower(fam, bkey)  # the rest of the plan lowers while this one compiles
@@ -197,10 +198,9 @@ class Compiler:
     return entry
 
   def _rebuild(self, fam: Family, bkey, tier: int):
-    """A stored executable that failed its first run, compiled again (the file replaced)."""
+    """A stored executable that failed its first run, compiled again (its file replaced)."""
     t0 = time.perf_counter()
-    lowered, rewrites = fam.lower_bucket(bkey)
-    exe = fam.compile_bucket(lowered, rewrites, bkey, tier, self.compile_options(tier)).exe
+    exe = self._compile(fam, bkey, tier).exe
     self.cache.counted_compile((fam.fid, bkey), time.perf_counter() - t0)
     return exe
 

@@ -198,7 +198,7 @@ class FirstRun:
 
   An executable can load and still fail to run: jax 0.11.2 on CPU, in a process that had
   compiled the same function, sometimes raised ``NOT_FOUND: Function add_tanh_fusion not
-  found`` on a deserialized executable's first call (seen twice in ~810 tests run in parallel).
+  found`` on a deserialized executable's first call (once, in a full run of the suite).
   A first run that raises a ``JaxRuntimeError`` calls ``rebuild()`` (the bucket compiled
   again, its file replaced), warns, and runs the call on the new executable; if that fails
   too, its error is raised.  Once a run succeeds, ``proven(exe)`` hands the plain executable
@@ -216,12 +216,12 @@ class FirstRun:
     self.lock = threading.Lock()
     self.what = what
 
-  def __call__(self, *args):
+  def __call__(self, *args, **kwargs):
     if self.done:
-      return self.exe(*args)
+      return self.exe(*args, **kwargs)
     exe = self.exe
     try:
-      out = exe(*args)
+      out = exe(*args, **kwargs)
     except jax.errors.JaxRuntimeError as e:
       with self.lock:
         if self.exe is exe:  # not rebuilt by another thread meanwhile
@@ -229,7 +229,7 @@ class FirstRun:
                         f"({type(e).__name__}: {str(e).strip().splitlines()[0][:200]}); "
                         "the bucket is compiled again and the file replaced", stacklevel=2)
           self.exe = self.rebuild()
-      out = self.exe(*args)
+      out = self.exe(*args, **kwargs)
     if not self.done:
       self.done = True
       self.proven(self.exe)
