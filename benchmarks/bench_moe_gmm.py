@@ -455,7 +455,8 @@ def run_e2e(args) -> dict:
   init_tok, init_len = stream[0]
   w1 = {"w1": jnp.zeros((1, cfg["d"], cfg["ffn"]))}
   ts = [16 << i for i in range(8) if 16 << i <= cfg["max_len"]]
-  out = {"setting": cfg, "methods": {}, "kernels": {  # per length bucket t (rows = batch t k)
+  out = {"setting": cfg, "cast_once": not args.no_cast_once, "methods": {},
+         "kernels": {  # per length bucket t (rows = batch t k)
       label: {t: r.grouped_kernel(w1, jnp.bfloat16, cfg["batch"] * t * cfg["k"]) for t in ts}
       for label, (d, r) in variants.items() if d == "grouped"}}
   variables = jax.jit(build_flax_model(cfg, "dense", None).init)(
@@ -467,7 +468,7 @@ def run_e2e(args) -> dict:
   warm = dynjax.flax.jit(build_flax_model(cfg, "none", None), dims={"tokens": "b, t",
                                                                     "lengths": "b"},
                          buckets={"t": t_policy, "b": dynjax.buckets.explicit([cfg["batch"]])},
-                         padding="trust")
+                         padding="trust", cast_once=not args.no_cast_once)
   seen = set()
   for tok, lens in stream:
     b = t_policy.bucket(tok.shape[1])
@@ -491,7 +492,7 @@ def run_e2e(args) -> dict:
     model = build_flax_model(cfg, dispatch, routed)
     fn = dynjax.flax.jit(model, dims={"tokens": "b, t", "lengths": "b"},
                          buckets={"t": t_policy, "b": dynjax.buckets.explicit([cfg["batch"]])},
-                         padding="trust")
+                         padding="trust", cast_once=not args.no_cast_once)
     t0 = time.perf_counter()
     try:
       ys = [np.asarray(fn(variables, tok, lens)) for tok, lens in stream]
@@ -508,7 +509,11 @@ def run_e2e(args) -> dict:
                              # of the cold pass: the buckets' builds (trace excluded: lowering
                              # and XLA compile, Mosaic GPU kernels included), and how many
                              "build_s": float(st.get("compile_seconds", 0.0)),
-                             "builds": int(st.get("compiles", 0))}
+                             "builds": int(st.get("compiles", 0)),
+                             "cast_once": st.get("cast_once"),
+                             # float32 copies of the expert weights left in the optimized
+                             # HLO of the largest bucket (0: the casts folded away)
+                             "hlo_f32_expert_weights": f32_expert_weights(fn, cfg)}
     print(f"  {label:32s} mean {ts.mean():8.3f} ms  p50 {np.median(ts):8.3f}  cold {cold:6.1f} s"
           f"  (builds {st.get('compiles', 0)}: {st.get('compile_seconds', 0.0):.1f} s)", flush=True)
   ref = outputs.get("dense MoE")
@@ -533,6 +538,20 @@ def run_e2e(args) -> dict:
     print(f"  train step (grouped, loss+grads, {tok.shape}) {r['median_ms']:8.3f} ms  loss "
           f"{float(lv):.4f}  grads finite {finite}", flush=True)
   return out
+
+
+def f32_expert_weights(fn, cfg) -> int | None:
+  """How often a float32 array of an expert weight's shape appears in the optimized HLO of
+  the function's largest compiled bucket (with every weight cast once and the casts folded:
+  only in the router/none; without: the parameter and its convert)."""
+  try:
+    fam = max(fn._dispatcher.all_families.values(), key=lambda f: len(f.buckets))
+    entry = fam.buckets[max(fam.buckets)]
+    text = entry.exe.as_text()
+  except Exception:  # noqa: BLE001 - a figure for the report only
+    return None
+  e, d, f = cfg["experts"], cfg["d"], cfg["ffn"]
+  return text.count(f"f32[{e},{d},{f}]") + text.count(f"f32[{e},{f},{d}]")
 
 
 def print_table(report: dict) -> None:
@@ -567,6 +586,8 @@ def main(argv=None) -> dict:
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--out", default=None)
   ap.add_argument("--small", action="store_true", help="CPU sizes")
+  ap.add_argument("--no-cast-once", action="store_true",
+                  help="dynjax.jit(cast_once=False): the f32 weights are cast on every call")
   ap.add_argument("--no-kernel-export", action="store_true",
                   help="lower the GPU kernels in every executable (route._once.EXPORT off)")
   ap.add_argument("--parts", default="check,layer,e2e")

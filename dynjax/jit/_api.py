@@ -56,6 +56,7 @@ def jit(
     compiler_options: Mapping[str, Any] | None = None,
     on_fallback: str = "warn",
     attention: str | None = None,
+    cast_once: bool = True,
 ):
   """Compiles ``fun`` into a family of bucketed, padded XLA executables.
 
@@ -117,6 +118,13 @@ def jit(
       ``padding="auto"``, skips the key blocks past the true length; its gradient is XLA's)
       or ``"xla"``.  Numerics change within the dtype's tolerance (softmax in
       float32), hence opt-in; ``explain()`` lists every site rewritten or left unchanged, and why.
+    cast_once: float arguments without dims that the function only ever casts to one narrower
+      float dtype (Flax's ``param_dtype=float32`` with ``dtype=bfloat16``) are cast once per
+      array, cached by the array's identity (``jax.Array``; numpy is cast on every call), and
+      the executables take the cast copies: no per-call conversion of the weights.  Exact
+      (the function casts them anyway).  Costs the copies' memory beside the caller's arrays,
+      as torch's autocast cache.  ``explain()`` lists the leaves, ``stats()["cast_once"]``
+      counts conversions.  Not for sharded functions or donated arguments.
 
   Returns:
     A :class:`Wrapped` function (or a decorator, when ``fun`` is omitted).
@@ -135,7 +143,7 @@ def jit(
                 async_compile=async_compile, in_shardings=in_shardings,
                 out_shardings=out_shardings, serving=serving, compile_workers=compile_workers,
                 compiler_options=compiler_options, on_fallback=on_fallback,
-                attention=attention)
+                attention=attention, cast_once=cast_once)
   if fun is None:
     return lambda f: Wrapped(f, **kwargs)
   if not callable(fun):

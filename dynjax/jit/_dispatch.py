@@ -33,7 +33,7 @@ from dynjax._errors import (
   format_list,
 )
 from dynjax._padded import Padded
-from dynjax.jit import _args, _serving
+from dynjax.jit import _args, _casts, _serving
 from dynjax.jit._args import is_padded, leaf_key, on_device, tree_flatten, tree_unflatten
 from dynjax.jit._cache import ExecutableCache
 from dynjax.jit._family import PADDED_MODES, Family
@@ -53,7 +53,7 @@ class Executor:
                "in_shapes", "tree", "dev_sizes", "out_slices", "out_shapes", "out_tree",
                "single", "sync", "device", "return_padded", "timed", "check", "ctx", "n", "lock",
                "padded_elems", "true_elems", "larger", "bucket_id", "out_dynamic", "top",
-               "plain_out")
+               "plain_out", "casts")
 
   def __init__(self, ctx, fam: Family, sizes, own, bkey, entry, shapes, device: bool,
                top: bool, dev_sizes, out_shapes, true_elems: int, all_leaves: bool):
@@ -74,6 +74,8 @@ class Executor:
         for p, li in zip(where, fam.spec_idx, strict=True)
         if all_leaves or shapes[li] != entry.in_shapes[li])
     self.shard = fam.shard
+    # Parameters the executable takes cast (jit/_casts.py): their cached copies go in.
+    self.casts = _casts.Applier(fam, entry.casts, top) if entry.casts else None
     self.full_shapes = ([shapes.get(i, s) for i, s in enumerate(fam.avals_shapes)]
                         if fam.shard is not None else None)
     self.tree = fam.treedef if (fam.structured and not top) else None
@@ -116,6 +118,8 @@ class Executor:
           args[pos] = pad_leaf(x, shape, target)
     else:
       args = vals
+    if self.casts is not None:
+      args = self.casts.apply(args)
     if self.tree is not None:
       args = tree_unflatten(self.tree, args)
     if self.timed:

@@ -40,9 +40,9 @@ from dynjax.bucketing import _attention, _auto
 from dynjax.bucketing._joint import JointPlan
 from dynjax.bucketing._padding import pad_jaxpr
 from dynjax.bucketing._policies import BucketPolicy
-from dynjax.jit import _args, _sharding
+from dynjax.jit import _args, _casts, _sharding
 from dynjax.jit._guards import MAX_GUARDS, guard_texts, inconclusive_comparison
-from dynjax.jit._store import ExecutableStore, family_parts, fingerprint_parts
+from dynjax.jit._store import ExecutableStore, family_store
 
 logger = logging.getLogger("dynjax")
 PADDED_MODES = ("trust", "auto")
@@ -58,6 +58,7 @@ class BucketEntry:
   rewrites: tuple[str, ...] = ()
   tier: int = 0  # 0: quick compile options (serving on GPU) or the only tier; 1: full options
   source: str = "compiled"  # or "stored": loaded from the executable store
+  casts: tuple = ()  # ((leaf index, dtype), ...) the executable takes cast (jit/_casts.py)
 
 
 class Family:
@@ -130,6 +131,9 @@ class Family:
     # One device: executables take the arguments' own pytrees (jax flattens them in C++), so
     # the hot path never flattens model parameters in Python.  Sharded: flat leaves.
     self.structured = self.shard is None
+    # Leaves the function only casts to a narrower float: cast once per array (jit/_casts.py).
+    self.casts = _casts.plan(self) if self.mode in PADDED_MODES else {}
+    self.cast_memo = _casts.Memo()
     self.buckets: dict[tuple, BucketEntry] = {}
     self.executors: dict[tuple, Any] = {}  # hot-path key -> dispatch.Executor
     self.tuple_hist: Counter = Counter()  # true size tuples seen (explain, compile values)
@@ -454,11 +458,13 @@ class Family:
     self.bucket_time[bkey] = seconds if old is None else 0.8 * old + 0.2 * seconds
 
   # -- lowering and compiling --------------------------------------------------------------
-  def padded_avals(self, bkey) -> list[jax.ShapeDtypeStruct]:
+  def padded_avals(self, bkey, casts: dict | None = None) -> list[jax.ShapeDtypeStruct]:
+    """The bucket's inputs; ``casts`` (default: the family's) leaves in their cast dtype."""
+    casts = self.casts if casts is None else casts
     out = []
-    for fn, aval in zip(self.in_shape_fns, self.avals, strict=True):
+    for i, (fn, aval) in enumerate(zip(self.in_shape_fns, self.avals, strict=True)):
       shape = aval.shape if fn is None else fn(bkey)
-      out.append(jax.ShapeDtypeStruct(shape, aval.dtype, weak_type=aval.weak_type))
+      out.append(jax.ShapeDtypeStruct(shape, casts.get(i, aval.dtype), weak_type=aval.weak_type))
     return out
 
   def donate_leaves(self) -> tuple[int, ...]:
@@ -481,8 +487,17 @@ class Family:
       self.ctx.counters.lowered(time.perf_counter() - t0)
 
   def _lower_bucket(self, bkey):
-    avals = self.padded_avals(bkey)
-    flat_fun = self.flat_fun
+    casts = self.casts
+    if casts:  # verified on the jaxpr this bucket really lowers (trust re-traces per shape)
+      traced, rewrites = self._trace_bucket(bkey, casts)
+      if _casts.holds(traced.jaxpr.jaxpr, casts, 1 if self.mode == "auto" else 0):
+        return traced.lower(), rewrites
+    traced, rewrites = self._trace_bucket(bkey, {})  # a parameter used uncast here
+    return traced.lower(), rewrites
+
+  def _trace_bucket(self, bkey, casts: dict):
+    avals = self.padded_avals(bkey, casts)
+    flat_fun, dtypes = self.flat_fun, [a.dtype for a in self.avals]
     if self.structured:
       args = _args.tree_unflatten(self.treedef, avals)
       donate = self.ctx.binder.donate_positions(self.ctx.opts.donate_argnames)
@@ -495,10 +510,10 @@ class Family:
     if self.mode == "trust":
       flat_fun = _attention.fun_at(flat_fun, avals, self.attention_impl, self.name)
       def bucket_fun(*xs):
-        return flat_fun(*as_leaves(xs))
+        return flat_fun(*_casts.upcast(as_leaves(xs), casts, dtypes))
 
       bucket_fun.__name__ = flat_fun.__name__
-      return jax.jit(bucket_fun, donate_argnums=donate, **shard).lower(*args), ()
+      return jax.jit(bucket_fun, donate_argnums=donate, **shard).trace(*args), ()
     assert self.mode == "auto", self.mode
     # The probe's bucket reuses its plan (the pass holds the GIL: BERT-base ~0.27 s, CPU box).
     probe = self.probe_plan
@@ -507,19 +522,21 @@ class Family:
     nv = len(self.sig.var_order)
 
     def padded_fun(sizes, *xs):
-      return plan.fun(tuple(sizes[i] for i in range(nv)), *as_leaves(xs))
+      return plan.fun(tuple(sizes[i] for i in range(nv)),
+                      *_casts.upcast(as_leaves(xs), casts, dtypes))
 
     padded_fun.__name__ = flat_fun.__name__
     sizes_aval = jax.ShapeDtypeStruct((nv,), jnp.int32)
-    lowered = jax.jit(padded_fun, donate_argnums=tuple(d + 1 for d in donate),
-                      **shard).lower(sizes_aval, *args)
-    return lowered, tuple(plan.rewrites)
+    traced = jax.jit(padded_fun, donate_argnums=tuple(d + 1 for d in donate),
+                     **shard).trace(sizes_aval, *args)
+    return traced, tuple(plan.rewrites)
 
   def entry_of(self, exe, bkey, rewrites, tier: int = 0, source: str = "compiled"):
     in_shapes = tuple(a.shape for a in self.padded_avals(bkey))
     padded = sum(math.prod(s) for s, spec in zip(in_shapes, self.sig.leaves, strict=True)
                  if spec is not None)
-    return BucketEntry(exe, in_shapes, padded, tuple(rewrites), tier, source)
+    casts = _casts.of_executable(self, exe, 1 if self.mode == "auto" else 0)
+    return BucketEntry(exe, in_shapes, padded, tuple(rewrites), tier, source, casts)
 
   def load_stored(self, bkey, stored_min: int = 0) -> BucketEntry | None:
     """The bucket's best stored executable of tier >= ``stored_min`` (``cache_dir``), or None."""
@@ -528,7 +545,7 @@ class Family:
       return None
     for t in sorted({t for b, t in store.stored() if b == bkey and t >= stored_min},
                     reverse=True):
-      exe = store.load(bkey, t, self.exe_avals(bkey))
+      exe = store.load(bkey, t, self.exe_avals(bkey), self.exe_avals(bkey, {}))
       if exe is not None:
         return self.entry_of(exe, bkey, self.rewrites, t, "stored")
     return None
@@ -542,14 +559,15 @@ class Family:
     with (_jax_private.no_persistent_cache_write() if store is not None
           else contextlib.nullcontext()):
       exe = lowered.compile(compiler_options=options) if options else lowered.compile()
-    if store is not None and store.save(bkey, tier, exe, self.exe_avals(bkey)) and tier > 0:
-      store.drop_below(bkey, tier)  # a restart loads the best tier; the quick one is garbage
-    return self.entry_of(exe, bkey, rewrites, tier, "compiled")
+    entry = self.entry_of(exe, bkey, rewrites, tier, "compiled")
+    if store is not None and store.save(bkey, tier, exe, self.exe_avals(bkey, dict(entry.casts))):
+      store.drop_below(bkey, tier)  # a restart loads the best tier (tier 0: drops nothing)
+    return entry
 
-  def exe_avals(self, bkey) -> list[tuple]:
+  def exe_avals(self, bkey, casts: dict | None = None) -> list[tuple]:
     """(shape, dtype name) of every input of the bucket's executable (a stored one must
-    match them to be used)."""
-    avals = [(tuple(a.shape), str(a.dtype)) for a in self.padded_avals(bkey)]
+    match them to be used); ``casts`` as in :meth:`padded_avals`."""
+    avals = [(tuple(a.shape), str(a.dtype)) for a in self.padded_avals(bkey, casts)]
     if self.mode == "auto":
       avals.insert(0, ((len(self.sig.var_order),), "int32"))  # the true-sizes vector
     return avals
@@ -575,23 +593,8 @@ class Family:
 
   # -- the executable store (cache_dir) ----------------------------------------------------
   def store(self) -> ExecutableStore | None:
-    """The family's executable store, or None (no ``cache_dir``, sharded, not padded, or a
-    fingerprint that cannot be taken)."""
-    if self._store_ready:
-      return self._store
-    self._store_ready = True
-    root = self.ctx.opts.store_root
-    if root is None or not self.structured or self.mode not in PADDED_MODES:
-      return None
-    try:
-      parts = family_parts(self)
-    except Exception as e:  # noqa: BLE001 - no store, never a wrong executable
-      logger.info("dynjax: %s is not stored (fingerprint failed: %s: %s)",
-                  self.name, type(e).__name__, e)
-      return None
-    fp = fingerprint_parts(parts)
-    describe = {"function": self.name, "fingerprint": fp,
-                **{k: (v if len(str(v)) < 400 else str(v)[:400] + "...")
-                   for k, v in parts.items() if k != "consts"}}
-    self._store = ExecutableStore(root, fp, describe)
+    """The family's executable store, or None (see ``_store.family_store``)."""
+    if not self._store_ready:
+      self._store_ready = True
+      self._store = family_store(self, self.mode in PADDED_MODES)
     return self._store

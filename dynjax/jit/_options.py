@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import numpy as np
 from jax import export
 
 from dynjax import _symbolic
@@ -51,13 +52,14 @@ class Options:
   cache_dir: str | None = None
   on_fallback: str = "warn"
   attention: str | None = None  # rewrite attention to jax.nn.dot_product_attention
+  cast_once: bool = True  # parameters the function only casts narrower: cast once (_casts)
 
 
 def check(name: str, param_names: list[str], dyn_names: tuple[str, ...], *, dims, buckets,
           padding, overflow, static_argnames, donate_argnames, return_padded, constraints,
           max_executables, cache_dir, check, async_compile, in_shardings, out_shardings,
           serving, compile_workers, compiler_options, on_fallback,
-          attention=None) -> Options:
+          attention=None, cast_once=True) -> Options:
   """Validates every option of ``dynjax.jit(fun, ...)``; ``SpecError`` names what is wrong."""
   static = names(static_argnames, "static_argnames")
   donate = names(donate_argnames, "donate_argnames")
@@ -92,7 +94,14 @@ def check(name: str, param_names: list[str], dyn_names: tuple[str, ...], *, dims
       store_root=(os.path.join(os.fspath(cache_dir), "dynjax-executables") if cache_dir
                   else None),
       on_fallback=choice(on_fallback, ON_FALLBACK, "on_fallback"),
-      attention=_check_attention(attention, padding))
+      attention=_check_attention(attention, padding),
+      cast_once=_check_bool(cast_once, "cast_once"))
+
+
+def _check_bool(value, what: str) -> bool:
+  if not isinstance(value, bool | np.bool_):
+    raise SpecError(f"{what} must be True or False, got {value!r}")
+  return bool(value)
 
 
 def names(value, what: str) -> tuple[str, ...]:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import threading
 from collections import Counter
 
+from dynjax.jit import _casts
+
 
 class Counters:
   """Call counters of one wrapped function (thread-safe: every write holds ``lock``)."""
@@ -151,6 +153,8 @@ def stats_dict(d) -> dict:
       "loaded_from_store": cache.loads,
       "served_on_larger_bucket": c["larger"],
       "preruns": d.compiler.prerunner.describe(),
+      "cast_once": {"leaves": sum(len(f.casts) for f in fams.values()),
+                    "conversions": sum(f.cast_memo.conversions for f in fams.values())},
       "waited_for_compile": counters.waits,
       "wait_seconds": counters.wait_seconds,
       "background": (None if sched is None else {
@@ -241,6 +245,9 @@ def explain(d) -> str:
     if fam.attention_notes:
       lines.append(f"  attention={opts.attention!r}:")
       lines.extend(f"    {r}" for r in fam.attention_notes)
+    if fam.casts:
+      lines.append("  cast once per array (cast_once=True; the executables take the copies):")
+      lines.extend(f"    {r}" for r in _casts.describe(fam))
     if fam.rewrites:
       lines.append("  padding pass:")
       lines.extend(f"    {r}" for r in fam.rewrites)

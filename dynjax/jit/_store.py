@@ -135,9 +135,10 @@ class ExecutableStore:
           pass
     return n
 
-  def load(self, bkey: tuple, tier: int, in_avals=()):
-    """The stored ``jax.stages.Compiled`` for (bucket, tier) compiled for ``in_avals``, or
-    None: missing, or discarded with a warning because it does not fit (see the module)."""
+  def load(self, bkey: tuple, tier: int, in_avals=(), also=None):
+    """The stored ``jax.stages.Compiled`` for (bucket, tier) compiled for ``in_avals`` (or
+    ``also``: a bucket that lowered without the family's casts once), or None: missing, or
+    discarded with a warning because it does not fit (see the module)."""
     from jax.experimental import serialize_executable
 
     path = self.path(bkey, tier)
@@ -159,7 +160,8 @@ class ExecutableStore:
       elif tuple(header.get("bucket", ())) != want["bucket"] or header.get("tier") != tier:
         why = (f"compiled for bucket {tuple(header.get('bucket', ()))} tier "
                f"{header.get('tier')} (swapped or renamed)")
-      elif in_avals and header.get("in_avals") != want["in_avals"]:
+      elif in_avals and header.get("in_avals") != want["in_avals"] and (
+          also is None or header.get("in_avals") != [list(a) for a in also]):
         why = f"compiled for inputs {header.get('in_avals')}, not {want['in_avals']}"
       elif hashlib.sha256(inner).hexdigest() != header.get("sha256"):
         why = "its checksum does not match (truncated or corrupted)"
@@ -315,8 +317,28 @@ def family_parts(fam) -> dict:
       "donate": opts.donate_argnames,
       "compiler_options": opts.compiler_options,
       "attention": opts.attention,
+      "casts": sorted((i, str(d)) for i, d in fam.casts.items()),
       "versions": (jax.__version__, _jax_private.jaxlib_version(), dynjax_source_hash()),
       "backend": (jax.default_backend(), dev.device_kind, jax.device_count()),
       "config": _jax_private.lowering_config(),
       "xla_flags": os.environ.get("XLA_FLAGS", ""),
   }
+
+
+def family_store(fam, padded: bool) -> ExecutableStore | None:
+  """The executable store of a family, or None (no ``cache_dir``, sharded, not ``padded``, or
+  a fingerprint that cannot be taken)."""
+  root = fam.ctx.opts.store_root
+  if root is None or not fam.structured or not padded:
+    return None
+  try:
+    parts = family_parts(fam)
+  except Exception as e:  # noqa: BLE001 - no store, never a wrong executable
+    logger.info("dynjax: %s is not stored (fingerprint failed: %s: %s)",
+                fam.name, type(e).__name__, e)
+    return None
+  fp = fingerprint_parts(parts)
+  describe = {"function": fam.name, "fingerprint": fp,
+              **{k: (v if len(str(v)) < 400 else str(v)[:400] + "...")
+                 for k, v in parts.items() if k != "consts"}}
+  return ExecutableStore(root, fp, describe)

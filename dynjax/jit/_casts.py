@@ -1,0 +1,219 @@
+"""Parameters cast once: float inputs that the function only ever casts to a narrower dtype.
+
+Flax models keep float32 parameters and compute in bfloat16 (``param_dtype=float32``,
+``dtype=bfloat16``: ``nn.Dense``/``nn.Embed``/``DenseGeneral`` cast the kernel inside
+``__call__``; hand-written experts call ``self.param(...).astype(dtype)``).  Under ``jax.jit``
+every call converts every such weight again: a float32 read and a bfloat16 write of the whole
+parameter set, in its own kernel before each GEMM (cuBLAS cannot fuse it).  torch's autocast
+caches those casts (``cache_enabled=True``); this module is dynjax's equivalent:
+
+* :func:`plan` (once per family, on the symbolic jaxpr): every float leaf without dims, not
+  weak-typed and not donated, whose *every* use is ``convert_element_type`` to one narrower
+  float dtype ``D`` (and which is not an output) is cast once.  The executable takes it as
+  ``D`` and upcasts it at its entry; the function's own cast then turns it back into the same
+  ``D`` values (``D -> float32 -> D`` is the identity), and XLA's algebraic simplifier removes
+  the pair.  Exact: the function never sees the float32 values except through the cast.
+* :func:`holds` (per bucket, on the jaxpr that bucket really lowers: ``trust`` re-traces the
+  Python function at each bucket's shapes, where a shape-dependent branch could use the
+  parameter otherwise): the upcast's every use is the cast back to ``D``; a bucket where that
+  fails lowers without casts (its entry records that, see :func:`of_executable`).
+* :class:`Memo` / :class:`Applier` (each call): the cast copies, one per leaf of a family,
+  cached by the *identity* of the array the caller passed (``jax.Array`` is immutable; a weak
+  reference, so the caller's old parameters are freed when dropped).  numpy leaves can change
+  in place and are cast on every call.  Cost on a hit: a weakref compare per leaf and, on the
+  top-level path, one C++ flatten/unflatten of each argument holding such leaves (~8 us for a
+  200-leaf parameter dict on the 2-core CPU box); a miss runs one convert per leaf.
+  Memory: the cast copies live beside the caller's float32 arrays (+50% of those parameters
+  for bfloat16), as torch's autocast cache.  ``dynjax.jit(cast_once=False)`` turns it off.
+
+Not for sharded families (their leaves have per-leaf shardings) or donated leaves.  Uses
+inside nested jaxprs (``jax.checkpoint``, ``lax.scan`` over layers, an inner ``jax.jit``) count
+as other uses: such parameters stay float32 (cast on every call, as before).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+import jax
+import numpy as np
+from jax.extend import core as jex_core
+
+from dynjax.jit import _args
+
+CONVERT = "convert_element_type"
+
+
+def plan(fam) -> dict[int, np.dtype]:
+  """leaf index -> the dtype it is cast to once, for a padded, one-device family."""
+  if not fam.ctx.opts.cast_once or fam.jaxpr is None or not fam.structured:
+    return {}
+  donated = set(fam.donate_leaves())
+  cands = {i: np.dtype(a.dtype) for i, (spec, a) in enumerate(
+      zip(fam.sig.leaves, fam.avals, strict=True))
+           if spec is None and not a.weak_type and i not in donated
+           and jax.dtypes.issubdtype(a.dtype, np.floating)}
+  if not cands:
+    return {}
+  return cast_uses(fam.jaxpr.jaxpr, {fam.jaxpr.jaxpr.invars[i]: (i, d)
+                                     for i, d in cands.items()})
+
+
+def cast_uses(jaxpr, watch: dict) -> dict[int, np.dtype]:
+  """Of the watched input variables (var -> (leaf index, dtype)), those whose every use in
+  ``jaxpr``'s top level is a cast to one narrower float dtype: leaf index -> that dtype."""
+  target: dict[int, np.dtype] = {}
+  bad: set[int] = set()
+  for eqn in jaxpr.eqns:
+    for v in eqn.invars:
+      if isinstance(v, jex_core.Literal):
+        continue
+      hit = watch.get(v)
+      if hit is None:
+        continue
+      i, dtype = hit
+      new = eqn.params.get("new_dtype") if eqn.primitive.name == CONVERT else None
+      if new is None or not narrower(np.dtype(new), dtype):
+        bad.add(i)
+      elif target.setdefault(i, np.dtype(new)) != np.dtype(new):
+        bad.add(i)  # cast to two dtypes: the copy would serve only one
+  for v in jaxpr.outvars:
+    if not isinstance(v, jex_core.Literal) and v in watch:
+      bad.add(watch[v][0])
+  return {i: d for i, d in target.items() if i not in bad}
+
+
+def narrower(new: np.dtype, old: np.dtype) -> bool:
+  return jax.dtypes.issubdtype(new, np.floating) and new.itemsize < old.itemsize
+
+
+def upcast(leaves, casts: dict, dtypes) -> list:
+  """The executable's entry: each cast leaf back to its own dtype (``dtypes[i]``), which the
+  function then casts to ``casts[i]`` again (XLA removes the pair)."""
+  if not casts:
+    return list(leaves)
+  return [jax.lax.convert_element_type(x, dtypes[i]) if i in casts else x
+          for i, x in enumerate(leaves)]
+
+
+def holds(jaxpr, casts: dict, offset: int) -> bool:
+  """Whether, in the jaxpr a bucket lowers (its inputs: ``offset`` leading ones, then the
+  leaves), each cast leaf's only use is the upcast and the upcast's every use is the cast
+  back to ``casts[i]``."""
+  ups = {}
+  for i in casts:
+    ups[jaxpr.invars[offset + i]] = i
+  found: dict = {}  # upcast output var -> (leaf index, the upcast's dtype)
+  for eqn in jaxpr.eqns:
+    for v in eqn.invars:
+      if not isinstance(v, jex_core.Literal) and v in ups:
+        if eqn.primitive.name != CONVERT or len(eqn.outvars) != 1:
+          return False
+        i = ups[v]
+        found[eqn.outvars[0]] = (i, np.dtype(eqn.params["new_dtype"]))
+  if len(found) != len(casts):  # a leaf used twice, or not at all
+    return False
+  again = cast_uses(jaxpr, found)
+  return all(again.get(i) == d for i, d in casts.items())
+
+
+def of_executable(fam, exe, offset: int) -> tuple:
+  """((leaf index, dtype), ...) an executable takes cast, from its own input dtypes (a bucket
+  whose check failed, and a stored executable, say for themselves)."""
+  if not fam.casts:
+    return ()
+  try:
+    infos = jax.tree.leaves(exe.args_info)[offset:]
+    return tuple((i, d) for i, d in sorted(fam.casts.items())
+                 if np.dtype(infos[i].dtype) == d)
+  except Exception:  # noqa: BLE001 - no input metadata: the store matched the family's avals
+    return tuple(sorted(fam.casts.items()))
+
+
+class Memo:
+  """The cast copies of one family: leaf index -> (weakref to the source array, its copy)."""
+
+  __slots__ = ("copies", "conversions", "lock")
+
+  def __init__(self):
+    self.copies: dict = {}
+    self.conversions = 0  # converts run (misses); stats()["cast_once"]
+    self.lock = threading.Lock()
+
+  def get(self, li: int, x, src: np.dtype, dtype: np.dtype):
+    """``x`` (traced as ``src``) cast to ``dtype``: the cached copy while the caller passes the
+    same array.  Another dtype raises the executable's own signature error, so the call
+    takes the general path and a new family (as a ``jax.jit`` retrace)."""
+    hit = self.copies.get(li)
+    if hit is not None and hit[0]() is x and not x.is_deleted():
+      return hit[1]
+    if type(x) is np.ndarray:
+      if x.dtype != src and _args.canonical(x.dtype) != src:
+        raise TypeError(f"Argument types differ: leaf {li} is {x.dtype}, traced as {src}")
+      # As jax.jit: a 64-bit host array is canonicalised first (x64 off), then cast.
+      return self._convert(np.asarray(x, src), dtype)
+    if not isinstance(x, jax.Array) or x.dtype != src:
+      raise TypeError(f"Argument types differ: leaf {li} is "
+                      f"{getattr(x, 'dtype', type(x).__name__)}, traced as {src}")
+    if x.is_deleted():
+      raise RuntimeError(f"Array has been deleted: argument leaf {li} (donated or deleted by "
+                         "its owner) cannot be used")
+    out = self._convert(x, dtype)
+    try:
+      self.copies[li] = (weakref.ref(x), out)
+    except TypeError:  # an array type without weak references: cast on every call
+      pass
+    return out
+
+  def _convert(self, x, dtype):
+    with self.lock:
+      self.conversions += 1
+    return jax.lax.convert_element_type(x, dtype)
+
+
+class Applier:
+  """Swaps the cast leaves of one call (top-level arguments or flat leaves) for their copies."""
+
+  __slots__ = ("memo", "flat", "by_arg", "counts")
+
+  def __init__(self, fam, casts: tuple, top: bool):
+    self.memo = fam.cast_memo
+    casts = tuple((li, np.dtype(fam.avals[li].dtype), d) for li, d in casts)
+    self.flat = None if top else casts
+    self.by_arg = None
+    if top:
+      # The family's leaves are the concatenated leaves of its dynamic arguments.
+      starts, n = [], 0
+      for child in fam.treedef.children():
+        starts.append(n)
+        n += child.num_leaves
+      self.counts = {}  # argument position -> its number of leaves
+      groups: dict[int, list] = {}
+      for li, src, d in casts:
+        pos = max(p for p, s in enumerate(starts) if s <= li)
+        groups.setdefault(pos, []).append((li - starts[pos], li, src, d))
+        self.counts[pos] = fam.treedef.children()[pos].num_leaves
+      self.by_arg = tuple((pos, tuple(items)) for pos, items in sorted(groups.items()))
+
+  def apply(self, vals) -> list:
+    args = list(vals)
+    get = self.memo.get
+    if self.flat is not None:
+      for li, src, d in self.flat:
+        args[li] = get(li, args[li], src, d)
+      return args
+    for pos, items in self.by_arg:
+      leaves, tree = jax.tree_util.tree_flatten(args[pos])
+      if len(leaves) != self.counts[pos]:  # another structure: a new family
+        raise TypeError("Function compiled with input pytree does not match the argument")
+      for j, li, src, d in items:
+        leaves[j] = get(li, leaves[j], src, d)
+      args[pos] = jax.tree_util.tree_unflatten(tree, leaves)
+    return args
+
+
+def describe(fam) -> list[str]:
+  """explain() lines: the leaves cast once."""
+  return [f"{fam.leaf_paths[i]}: {fam.avals[i].dtype} -> {d}" for i, d in sorted(
+      fam.casts.items())]

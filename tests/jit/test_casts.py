@@ -1,0 +1,213 @@
+"""Parameters cast once (``dynjax.jit(cast_once=True)``, ``jit/_casts.py``): float arguments
+the function only casts to a narrower dtype go into the executables already cast, cached by
+the identity of the caller's array, and the results stay exactly those of ``jax.jit``."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dynjax
+from dynjax._errors import SpecError
+
+BF16 = jnp.bfloat16
+
+
+class Block(nn.Module):
+  """The mixed-precision idiom of public Flax code: float32 params, bfloat16 compute."""
+
+  @nn.compact
+  def __call__(self, x, lengths):
+    h = nn.Embed(50, 16, dtype=BF16)(x)
+    h = nn.Dense(32, dtype=BF16)(h)
+    h = nn.LayerNorm(dtype=BF16)(nn.gelu(h))  # scale/bias used in float32: not cast
+    mask = (jnp.arange(x.shape[1])[None, :] < lengths[:, None])[..., None]
+    pooled = jnp.sum(jnp.where(mask, h, 0), axis=1) / lengths[:, None].astype(h.dtype)
+    return nn.Dense(8, dtype=BF16)(pooled).astype(jnp.float32)
+
+
+def _data(b, t, seed=0):
+  rng = np.random.RandomState(seed + t)
+  return (rng.randint(0, 50, (b, t)).astype(np.int32),
+          rng.randint(1, t + 1, (b,)).astype(np.int32))
+
+
+MODEL = Block()
+PARAMS = jax.device_put(MODEL.init(jax.random.key(0), *_data(2, 5)))
+EXACT = jax.jit(MODEL.apply)
+CAST = 5  # Embed_0 embedding, Dense_0 and Dense_1 kernel and bias
+
+
+def _check(f, params, t, b=3):
+  x, n = _data(b, t)
+  got = np.asarray(f(params, x, n))
+  want = np.asarray(EXACT(params, x, n))
+  np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("padding", ["auto", "trust"])
+def test_flax_params_cast_once_exact_and_cached(padding):
+  f = dynjax.flax.jit(MODEL, dims={"x": "b, t", "lengths": "b"}, padding=padding)
+  for t in (5, 3, 9, 5, 12):
+    _check(f, PARAMS, t)
+  s = f.stats()["cast_once"]
+  assert s == {"leaves": CAST, "conversions": CAST}, s  # once, over 3 buckets and 5 calls
+  text = f.explain()
+  assert "cast once per array" in text
+  assert "['Embed_0']['embedding']: float32 -> bfloat16" in text
+  assert "LayerNorm" not in text.split("cast once per array")[1].split("padding pass")[0]
+  # Every executable takes the cast copies.
+  fam = next(iter(f._dispatcher.all_families.values()))
+  for entry in fam.buckets.values():
+    assert len(entry.casts) == CAST
+    dtypes = [str(a.dtype) for a in jax.tree.leaves(entry.exe.args_info)]
+    assert dtypes.count("bfloat16") == CAST
+
+
+def test_new_params_are_cast_again_old_ones_freed():
+  f = dynjax.flax.jit(MODEL, dims={"x": "b, t", "lengths": "b"})
+  _check(f, PARAMS, 6)
+  other = jax.tree.map(lambda a: a * 2, PARAMS)
+  _check(f, other, 6)
+  assert f.stats()["cast_once"]["conversions"] == 2 * CAST
+  _check(f, other, 7)  # same arrays: the copies are reused
+  assert f.stats()["cast_once"]["conversions"] == 2 * CAST
+  # The memo holds the caller's arrays weakly: dropping them frees them.
+  import gc
+  import weakref
+  ref = weakref.ref(jax.tree.leaves(other)[0])
+  del other
+  gc.collect()
+  assert ref() is None
+
+
+def test_numpy_params_cast_every_call():
+  host = jax.tree.map(lambda a: np.array(a), PARAMS)  # writable copies
+  f = dynjax.flax.jit(MODEL, dims={"x": "b, t", "lengths": "b"})
+  _check(f, host, 6)
+  _check(f, host, 6)
+  # numpy arrays can change in place: never cached.
+  assert f.stats()["cast_once"]["conversions"] == 2 * CAST
+  host["params"]["Dense_1"]["kernel"][:] *= -1
+  _check(f, host, 6)
+
+
+def test_float64_numpy_params_canonicalised_first():
+  """x64 off: a float64 host parameter runs as float32 under jax.jit, then the function's
+  cast; casting float64 straight to bfloat16 would round twice differently."""
+  w = np.random.RandomState(0).randn(16, 8)  # float64
+  w[0, 0] = 1.0 + 2.0 ** -8 + 2.0 ** -30  # f64->bf16 rounds up, f64->f32->bf16 rounds down
+
+  def fn(w, x):
+    return x.astype(BF16) @ w.astype(BF16)
+
+  f = dynjax.jit(fn, dims={"x": "b, 16"})
+  x = np.zeros((3, 16), np.float32)
+  x[:, 0] = 1.0
+  np.testing.assert_array_equal(np.asarray(f(w, x)), np.asarray(jax.jit(fn)(w, x)))
+
+
+def test_uses_other_than_the_cast_keep_float32():
+  def fn(p, x):
+    y = x.astype(BF16) @ p["both"].astype(BF16)  # also used in float32 below
+    y = y.astype(jnp.float32) + p["both"].sum()
+    y = y + (x.astype(jnp.float16) @ p["two"].astype(jnp.float16)).astype(jnp.float32)
+    z = (x.astype(BF16) @ p["two"].astype(BF16)).astype(jnp.float32)  # a second dtype
+    w = (x.astype(BF16) @ p["ok"].astype(BF16)).astype(jnp.float32)
+    return y + z + w, p["out"]  # returned: not cast
+
+  rng = np.random.RandomState(1)
+  p = {k: jnp.asarray(rng.randn(4, 4).astype(np.float32)) for k in ("both", "two", "ok")}
+  p["out"] = jnp.asarray(rng.randn(4).astype(np.float32))
+  p["ok_out"] = p["out"]
+  f = dynjax.jit(fn, dims={"x": "b, 4"})
+  x = rng.randn(3, 4).astype(np.float32)
+  for got, want in zip(f(p, x), jax.jit(fn)(p, x), strict=True):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  fam = next(iter(f._dispatcher.all_families.values()))
+  assert [fam.leaf_paths[i] for i in fam.casts] == ["p['ok']"]
+
+
+def test_general_path_flat_leaves():
+  """A cast leaf beside a leaf with dims in one argument: the flat-leaves path."""
+  def fn(batch):
+    return (batch["x"].astype(BF16) @ batch["w"].astype(BF16)).astype(jnp.float32)
+
+  w = jnp.asarray(np.random.RandomState(2).randn(4, 6).astype(np.float32))
+  f = dynjax.jit(fn, dims={"batch": {"x": "b, 4", "w": None}})
+  for b in (3, 5, 3):
+    x = np.random.RandomState(b).randn(b, 4).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(f({"x": x, "w": w})),
+                                  np.asarray(jax.jit(fn)({"x": x, "w": w})))
+  assert f.stats()["cast_once"] == {"leaves": 1, "conversions": 1}
+
+
+def test_cast_once_off():
+  f = dynjax.flax.jit(MODEL, dims={"x": "b, t", "lengths": "b"}, cast_once=False)
+  _check(f, PARAMS, 5)
+  assert f.stats()["cast_once"] == {"leaves": 0, "conversions": 0}
+  fam = next(iter(f._dispatcher.all_families.values()))
+  assert not any(e.casts for e in fam.buckets.values())
+  with pytest.raises(SpecError, match="cast_once must be True or False"):
+    dynjax.jit(lambda x: x, cast_once="yes")
+
+
+def test_another_param_dtype_is_a_new_family():
+  """The cast would hide a dtype change from the executable's own check: the call must take
+  a new family (a jax.jit retrace), never run on the float32 family's executable."""
+  f = dynjax.flax.jit(MODEL, dims={"x": "b, t", "lengths": "b"})
+  _check(f, PARAMS, 5)
+  half = jax.tree.map(lambda a: a.astype(jnp.float16), PARAMS)
+  _check(f, half, 5)
+  assert len(f._dispatcher.all_families) == 2
+  _check(f, PARAMS, 5)
+
+
+def test_deleted_params_raise():
+  params = jax.tree.map(jnp.copy, PARAMS)
+  f = dynjax.flax.jit(MODEL, dims={"x": "b, t", "lengths": "b"})
+  _check(f, params, 5)
+  jax.tree.leaves(params)[0].delete()
+  x, n = _data(3, 5)
+  with pytest.raises(RuntimeError, match="deleted"):
+    f(params, x, n)
+
+
+def test_bucket_that_uses_the_param_uncast_lowers_without_casts():
+  """``trust`` re-traces the Python function per bucket: a bucket whose trace uses the
+  parameter otherwise is checked and lowered uncast (its entry says so)."""
+  raw = {"on": False}
+
+  def fn(w, x):
+    if raw["on"]:
+      return x @ w  # float32 use
+    return (x.astype(BF16) @ w.astype(BF16)).astype(jnp.float32)
+
+  w = jnp.asarray(np.random.RandomState(3).randn(4, 4).astype(np.float32))
+  f = dynjax.jit(fn, dims={"x": "b, 4"}, padding="trust")
+  x = np.random.RandomState(4).randn(3, 4).astype(np.float32)
+  f(w, x)  # bucket 4, cast
+  raw["on"] = True
+  x6 = np.random.RandomState(5).randn(6, 4).astype(np.float32)
+  got = np.asarray(f(w, x6))  # bucket 8 traces the float32 use
+  np.testing.assert_allclose(got, np.asarray(x6 @ np.asarray(w)), rtol=1e-6, atol=1e-6)
+  fam = next(iter(f._dispatcher.all_families.values()))
+  assert {b: bool(e.casts) for b, e in fam.buckets.items()} == {(4,): True, (8,): False}
+
+
+def test_stages_and_store_round_trip(tmp_path):
+  kw = dict(dims={"x": "b, t", "lengths": "b"}, cache_dir=str(tmp_path))
+  f = dynjax.flax.jit(MODEL, **kw)
+  _check(f, PARAMS, 6)  # compiled and stored
+  x, n = _data(3, 6)
+  compiled = f.lower(PARAMS, x, n).compile()
+  np.testing.assert_array_equal(np.asarray(compiled(PARAMS, x, n)),
+                                np.asarray(EXACT(PARAMS, x, n)))
+  g = dynjax.flax.jit(MODEL, **kw)  # a restart: the stored executable takes the casts
+  _check(g, PARAMS, 6)
+  assert g.stats()["loaded_from_store"] == 1
+  fam = next(iter(g._dispatcher.all_families.values()))
+  assert all(len(e.casts) == CAST for e in fam.buckets.values())
