@@ -425,6 +425,24 @@ def time_stream(fn, variables, stream) -> np.ndarray:
   return np.asarray(ts) * 1e3
 
 
+def time_interleaved(fns: dict, variables, stream, rounds: int) -> dict:
+  """Milliseconds per request of every function, the functions taking turns on each request
+  (the first one rotating), ``rounds`` passes over ``stream``: phases of the host (clocks,
+  other tenants) land on every variant alike, unlike one whole stream after another."""
+  names = list(fns)
+  ts = {n: [] for n in names}
+  i = 0
+  for _ in range(rounds):
+    for tok, lens in stream:
+      for j in range(len(names)):
+        n = names[(i + j) % len(names)]
+        t1 = time.perf_counter()
+        np.asarray(fns[n](variables, tok, lens))
+        ts[n].append(time.perf_counter() - t1)
+      i += 1
+  return {n: np.asarray(v) * 1e3 for n, v in ts.items()}
+
+
 def run_e2e(args) -> dict:
   import dynjax.flax
 
@@ -485,6 +503,7 @@ def run_e2e(args) -> dict:
   print(f"  {'no MoE (the block without experts)':32s} mean {ts.mean():8.3f} ms  p50 "
         f"{np.median(ts):8.3f}", flush=True)
   outputs = {}
+  fns = {"no MoE": warm}
   for label, (dispatch, routed) in variants.items():
     if elapsed() > args.budget:
       print(f"  {label:32s} skipped (budget)", flush=True)
@@ -503,6 +522,7 @@ def run_e2e(args) -> dict:
     cold = time.perf_counter() - t0
     ts = time_stream(fn, variables, stream)
     outputs[label] = ys
+    fns[label] = fn
     st = fn.stats()
     out["methods"][label] = {"mean_ms": float(ts.mean()), "median_ms": float(np.median(ts)),
                              "p90_ms": float(np.percentile(ts, 90)), "cold_s": cold,
@@ -516,6 +536,14 @@ def run_e2e(args) -> dict:
                              "hlo_f32_expert_weights": f32_expert_weights(fn, cfg)}
     print(f"  {label:32s} mean {ts.mean():8.3f} ms  p50 {np.median(ts):8.3f}  cold {cold:6.1f} s"
           f"  (builds {st.get('compiles', 0)}: {st.get('compile_seconds', 0.0):.1f} s)", flush=True)
+  if args.e2e_interleave and len(fns) > 2:
+    inter = time_interleaved(fns, variables, stream, args.e2e_interleave)
+    out["interleaved"] = {n: {"mean_ms": float(v.mean()), "median_ms": float(np.median(v))}
+                          for n, v in inter.items()}
+    print(f"  interleaved ({args.e2e_interleave} rounds, variants taking turns per request):",
+          flush=True)
+    for n, v in inter.items():
+      print(f"    {n:32s} mean {v.mean():8.3f} ms  p50 {np.median(v):8.3f}", flush=True)
   ref = outputs.get("dense MoE")
   for label, m in out["methods"].items():
     if ref is not None and label in outputs:
@@ -604,6 +632,8 @@ def main(argv=None) -> dict:
   ap.add_argument("--profile-draws", type=int, default=16)
   ap.add_argument("--zipf", type=float, default=1.2)
   ap.add_argument("--e2e-requests", type=int, default=200)
+  ap.add_argument("--e2e-interleave", type=int, default=3,
+                  help="rounds of the stream with the variants taking turns per request (0: off)")
   ap.add_argument("--e2e-variants", default="grouped,ragged_dot,dense,profiled",
                   help="grouped (kernel auto), grouped-pallas, grouped-mgpu, grouped-hopper, "
                        "grouped-KERNEL:TILING (tm x tk x tn x warps x stages g grid_block_n), "
