@@ -17,6 +17,7 @@ every rewrite listed in ``plan.rewrites``) surfaces at plan time, not inside the
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -57,6 +58,17 @@ class PaddingPlan:
   bucket: dict[str, int]
   in_shapes: list[tuple[int, ...]]
   out_shapes: list[tuple[int, ...]]
+  # A plan built with ``validate=False``: ``with plan.tracing():`` around the caller's own
+  # trace of ``fun`` records its rewrites and raises what it cannot pad (None once checked).
+  tracing: Callable | None = None
+
+  def check_outputs(self, shapes) -> None:
+    """Raises unless the traced padded function returned the planned padded shapes."""
+    got = [tuple(s) for s in shapes]
+    if got != self.out_shapes:
+      raise PaddingUnsupportedError(
+        f"the padded function returns shapes {got}, expected {self.out_shapes} for bucket "
+        f"{self.bucket}")
 
 
 def _jaxpr_dim_vars(closed) -> set[str]:
@@ -68,8 +80,8 @@ def _jaxpr_dim_vars(closed) -> set[str]:
 
 
 def pad_jaxpr(closed_jaxpr, dim_vars: Sequence[str], bucket: Mapping[str, int],
-              size_max: Mapping[str, int] | None = None, monotone: bool = True
-              ) -> PaddingPlan:
+              size_max: Mapping[str, int] | None = None, monotone: bool = True,
+              validate: bool = True) -> PaddingPlan:
   """Builds the padded, exact version of a symbolic jaxpr for one bucket.
 
   Args:
@@ -84,6 +96,10 @@ def pad_jaxpr(closed_jaxpr, dim_vars: Sequence[str], bucket: Mapping[str, int],
       core's contract).  ``False`` (compiled host programs, which read the padded shapes from
       ``in_shapes``/``out_shapes``): such a dim (``n - min(n, t)``) gets a buffer of its
       largest value over the bucket box instead.
+    validate: trace ``fun`` abstractly now (rewrites and errors known at once).  ``False``:
+      the caller traces it itself inside ``with plan.tracing():`` and calls
+      ``plan.check_outputs`` (one interpretation of the jaxpr instead of two: the per-bucket
+      lowering of ``padding="auto"``; BERT-base on the 2-core CPU box, ~0.16 s of ~0.45 s).
 
   Returns:
     A :class:`PaddingPlan`.
@@ -157,6 +173,21 @@ def pad_jaxpr(closed_jaxpr, dim_vars: Sequence[str], bucket: Mapping[str, int],
     ]
 
   rewrites: list[str] = []
+
+  @contextlib.contextmanager
+  def tracing():
+    found: list[str] = []
+    rewrites.clear()
+    recording[0], problems[0] = rewrites, found
+    try:
+      yield
+    finally:
+      recording[0] = problems[0] = None
+    if found:  # every equation it cannot pad, in one message
+      raise unsupported_all(found)
+
+  if not validate:
+    return PaddingPlan(fun, rewrites, dim_vars, bucket_env, in_shapes, out_shapes, tracing)
   found: list[str] = []
   recording[0], problems[0] = rewrites, found
   try:
@@ -170,12 +201,9 @@ def pad_jaxpr(closed_jaxpr, dim_vars: Sequence[str], bucket: Mapping[str, int],
     recording[0] = problems[0] = None
   if found:  # every equation it cannot pad, in one message
     raise unsupported_all(found)
-  got = [tuple(o.shape) for o in out_specs]
-  if got != out_shapes:
-    raise PaddingUnsupportedError(
-      f"the padded function returns shapes {got}, expected {out_shapes} for bucket {bucket_env}"
-    )
-  return PaddingPlan(fun, rewrites, dim_vars, bucket_env, in_shapes, out_shapes)
+  plan = PaddingPlan(fun, rewrites, dim_vars, bucket_env, in_shapes, out_shapes)
+  plan.check_outputs([o.shape for o in out_specs])
+  return plan
 
 
 def rule_coverage() -> tuple[list[str], list[str]]:

@@ -469,17 +469,12 @@ class Family:
 
   def donate_leaves(self) -> tuple[int, ...]:
     donate = self.ctx.opts.donate_argnames
-    if not donate:
-      return ()
-    return tuple(i for i, path in enumerate(self.leaf_paths)
-                 if path.split("[", 1)[0].split(".", 1)[0] in donate)
+    return () if not donate else tuple(i for i, path in enumerate(self.leaf_paths)
+                                       if path.split("[", 1)[0].split(".", 1)[0] in donate)
 
   def lower_bucket(self, bkey):
-    """Lowers the executable of one bucket: (Lowered, rewrites).
-
-    Unsharded executables take the dynamic arguments as pytrees (``structured``); sharded
-    ones take flat leaves (their shardings are per leaf).
-    """
+    """Lowers the executable of one bucket: (Lowered, rewrites).  Unsharded executables take
+    the dynamic arguments as pytrees (``structured``); sharded ones flat leaves."""
     t0 = time.perf_counter()
     try:
       return self._lower_bucket(bkey)
@@ -516,9 +511,10 @@ class Family:
       return jax.jit(bucket_fun, donate_argnums=donate, **shard).trace(*args), ()
     assert self.mode == "auto", self.mode
     # The probe's bucket reuses its plan (the pass holds the GIL: BERT-base ~0.27 s, CPU box).
+    # Other buckets' plans are checked in the one trace that lowers them (validate=False).
     probe = self.probe_plan
     plan = (probe[1] if probe is not None and probe[0] == tuple(bkey)
-            else pad_jaxpr(self.jaxpr, self.sig.var_order, self.bucket_env(bkey)))
+            else pad_jaxpr(self.jaxpr, self.sig.var_order, self.bucket_env(bkey), validate=False))
     nv = len(self.sig.var_order)
 
     def padded_fun(sizes, *xs):
@@ -527,8 +523,10 @@ class Family:
 
     padded_fun.__name__ = flat_fun.__name__
     sizes_aval = jax.ShapeDtypeStruct((nv,), jnp.int32)
-    traced = jax.jit(padded_fun, donate_argnums=tuple(d + 1 for d in donate),
-                     **shard).trace(sizes_aval, *args)
+    with plan.tracing() if plan.tracing is not None else contextlib.nullcontext():
+      traced = jax.jit(padded_fun, donate_argnums=tuple(d + 1 for d in donate),
+                       **shard).trace(sizes_aval, *args)
+    plan.check_outputs(o.shape for o in jax.tree.leaves(traced.out_info))
     return traced, tuple(plan.rewrites)
 
   def entry_of(self, exe, bkey, rewrites, tier: int = 0, source: str = "compiled"):

@@ -482,6 +482,32 @@ def test_unsupported_primitive_names_primitive_and_line():
   assert isinstance(e.value, NotImplementedError)
 
 
+def test_unvalidated_plan_checks_in_the_callers_trace():
+  """``validate=False`` (the per-bucket lowering): no abstract trace at plan time; the
+  caller's own trace inside ``plan.tracing()`` records the rewrites and raises what it cannot
+  pad, with the same message as a validated plan."""
+  (t,) = export.symbolic_shape("t")
+  bad = jax.make_jaxpr(lambda x: jnp.fft.fft(x).real)(jax.ShapeDtypeStruct((t,), jnp.float32))
+  plan = pad_jaxpr(bad, ("t",), {"t": 8}, validate=False)  # no error yet
+  with pytest.raises(PaddingUnsupportedError, match="no exact rule for 'fft' at "):
+    with plan.tracing():
+      jax.jit(plan.fun).trace((jnp.int32(3),), jax.ShapeDtypeStruct((8,), jnp.float32))
+  good = jax.make_jaxpr(lambda x: jax.nn.softmax(x).sum())(
+    jax.ShapeDtypeStruct((t,), jnp.float32))
+  want = pad_jaxpr(good, ("t",), {"t": 8})
+  plan = pad_jaxpr(good, ("t",), {"t": 8}, validate=False)
+  assert plan.rewrites == []
+  with plan.tracing():
+    traced = jax.jit(plan.fun).trace((jnp.int32(3),), jax.ShapeDtypeStruct((8,), jnp.float32))
+  assert plan.rewrites == want.rewrites and plan.rewrites
+  plan.check_outputs([o.shape for o in jax.tree.leaves(traced.out_info)])
+  with pytest.raises(PaddingUnsupportedError, match="returns shapes"):
+    plan.check_outputs([(8,)])
+  x = jnp.asarray([1.0, 2.0, 3.0, 9e9, -9e9, 0, 0, 0])
+  np.testing.assert_allclose(traced.lower().compile()((jnp.int32(3),), x)[0],
+                             jax.nn.softmax(x[:3]).sum(), rtol=1e-6)
+
+
 def test_rng_bit_generator_over_a_dynamic_shape_says_why():
   (t,) = export.symbolic_shape("t")
   fun = lambda k, x: x + lax.rng_bit_generator(k, x.shape)[1].astype(jnp.float32)
