@@ -46,7 +46,8 @@ Modes (``--modes``, in order; a ``*_restart`` mode reuses the cache of the mode 
   itself, as this one does: the bucket executable is exactly the hand-written one);
   ``*cudnn*``: with ``attention="cudnn"`` (the opt-in rewrite to cuDNN's fused attention; bf16);
   ``*pallas*``: with ``attention="pallas"`` (dynjax's Pallas flash attention; fp32 too).
-  ``*_noprerun*``: ``DYNJAX_PRERUN=0`` (background builds do not run their executables once
+  ``*_nostore*``: no ``cache_dir`` (no executable store, no JAX cache: what the store's
+  writes cost a cold start).  ``*_noprerun*``: ``DYNJAX_PRERUN=0`` (background builds do not run their executables once
   on zeros before they serve).  ``*t0tune*`` (an experiment, not an option): tier 0 autotunes its cuBLAS gemms (triton gemms
   stay off) instead of taking cuBLAS's heuristic choice.
 
@@ -584,7 +585,7 @@ def _spawn(args, mode, cache) -> dict:
          "--size", args.size, "--requests", str(args.requests), "--batch", str(args.batch),
          "--max_len", str(args.max_len), "--lengths", args.lengths, "--reps", str(args.reps),
          "--profile_first", str(args.profile_first if mode.endswith("_prof") else 0)]
-  if cache:
+  if cache and "_nostore" not in mode:
     cmd += ["--cache", cache]
   env = dict(os.environ, SERVE_FRESH_T0=repr(time.time()))
   if "_noprerun" in mode:  # background builds do not run their executables ahead
@@ -656,7 +657,8 @@ def cache_key(mode: str) -> tuple[bool, str]:
   """(whether ``mode`` restarts, the mode whose cache it uses).  ``_prof`` and ``_warm`` change
   what a process does at start-up only: ``X_warm_restart`` and ``X_restart`` restart on the
   cache of ``X`` or ``X_warm``, whichever ran last (every cold mode gets a fresh cache)."""
-  m = mode.removesuffix("_prof").replace("_again", "").replace("_noprerun", "")
+  m = (mode.removesuffix("_prof").replace("_again", "").replace("_noprerun", "")
+       .replace("_nostore", ""))
   return m.endswith("_restart"), m.removesuffix("_restart").replace("_warm", "")
 
 
