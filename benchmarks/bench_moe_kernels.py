@@ -404,6 +404,8 @@ def layer_one(s: Setting, args) -> dict:
   for label, fn in fns.items():
     if elapsed() > args.budget:
       break
+    if any(label.startswith(p) for p in filter(None, args.layer_skip.split(","))):
+      continue
     jf = jax.jit(fn)
     extra = {}
     if label.startswith("capacity"):
@@ -464,6 +466,8 @@ def main(argv=None) -> dict:
   ap.add_argument("--check-kernels", default="mgpu,hopper",
                   help="kernels the check part compares with the references")
   ap.add_argument("--layer-extra", default="", help="ragged_dot,dense,ffn")
+  ap.add_argument("--layer-skip", default="",
+                  help="layer rows to leave out, by label prefix (e.g. 'capacity')")
   ap.add_argument("--layer-kernels", default="mgpu,hopper,pallas",
                   help="kernels timed beside the auto choice in the layer part")
   ap.add_argument("--layer-timing", choices=("call", "x4"), default="call",
