@@ -62,13 +62,14 @@ class PaddingPlan:
   # trace of ``fun`` records its rewrites and raises what it cannot pad (None once checked).
   tracing: Callable | None = None
 
-  def check_outputs(self, shapes) -> None:
-    """Raises unless the traced padded function returned the planned padded shapes."""
+  def check_outputs(self, shapes, skip=()) -> None:
+    """Raises unless the traced padded function returned the planned padded shapes (but
+    the outputs at indices in ``skip``, which the caller left out)."""
     got = [tuple(s) for s in shapes]
-    if got != self.out_shapes:
+    want = [s for i, s in enumerate(self.out_shapes) if i not in skip]
+    if got != want:
       raise PaddingUnsupportedError(
-        f"the padded function returns shapes {got}, expected {self.out_shapes} for bucket "
-        f"{self.bucket}")
+        f"the padded function returns shapes {got}, expected {want} for bucket {self.bucket}")
 
 
 def _jaxpr_dim_vars(closed) -> set[str]:

@@ -57,12 +57,13 @@ def plan(fam) -> dict[int, np.dtype]:
   if not cands:
     return {}
   return cast_uses(fam.jaxpr.jaxpr, {fam.jaxpr.jaxpr.invars[i]: (i, d)
-                                     for i, d in cands.items()})
+                                     for i, d in cands.items()}, set(fam.forward))
 
 
-def cast_uses(jaxpr, watch: dict) -> dict[int, np.dtype]:
+def cast_uses(jaxpr, watch: dict, forwarded=frozenset()) -> dict[int, np.dtype]:
   """Of the watched input variables (var -> (leaf index, dtype)), those whose every use in
-  ``jaxpr``'s top level is a cast to one narrower float dtype: leaf index -> that dtype."""
+  ``jaxpr``'s top level is a cast to one narrower float dtype: leaf index -> that dtype.
+  Outputs at indices in ``forwarded`` (returned as the caller's own object) are no use."""
   target: dict[int, np.dtype] = {}
   bad: set[int] = set()
   for eqn in jaxpr.eqns:
@@ -78,8 +79,8 @@ def cast_uses(jaxpr, watch: dict) -> dict[int, np.dtype]:
         bad.add(i)
       elif target.setdefault(i, np.dtype(new)) != np.dtype(new):
         bad.add(i)  # cast to two dtypes: the copy would serve only one
-  for v in jaxpr.outvars:
-    if not isinstance(v, jex_core.Literal) and v in watch:
+  for o, v in enumerate(jaxpr.outvars):
+    if not isinstance(v, jex_core.Literal) and v in watch and o not in forwarded:
       bad.add(watch[v][0])
   return {i: d for i, d in target.items() if i not in bad}
 

@@ -33,7 +33,7 @@ from dynjax._errors import (
   format_list,
 )
 from dynjax._padded import Padded
-from dynjax.jit import _args, _casts, _serving
+from dynjax.jit import _args, _casts, _forward, _serving
 from dynjax.jit._args import is_padded, leaf_key, on_device, tree_flatten, tree_unflatten
 from dynjax.jit._cache import ExecutableCache
 from dynjax.jit._family import PADDED_MODES, Family
@@ -53,7 +53,7 @@ class Executor:
                "in_shapes", "tree", "dev_sizes", "out_slices", "out_shapes", "out_tree",
                "single", "sync", "device", "return_padded", "timed", "check", "ctx", "n", "lock",
                "padded_elems", "true_elems", "larger", "bucket_id", "out_dynamic", "top",
-               "plain_out", "casts")
+               "plain_out", "casts", "fwd")
 
   def __init__(self, ctx, fam: Family, sizes, own, bkey, entry, shapes, device: bool,
                top: bool, dev_sizes, out_shapes, true_elems: int, all_leaves: bool):
@@ -80,14 +80,18 @@ class Executor:
                         if fam.shard is not None else None)
     self.tree = fam.treedef if (fam.structured and not top) else None
     self.dev_sizes = dev_sizes  # the true-sizes vector on the device (padding="auto")
-    padded_out = [fn(bkey) for fn in fam.out_shape_fns]  # output dims at the bucket
-    self.out_shapes = out_shapes
+    # Outputs that are inputs are not computed: the call's own objects go back (_forward).
+    self.fwd = _forward.Inserter(fam, top) if fam.forward else None
+    kept = [i for i in range(len(out_shapes)) if i not in fam.forward]
+    padded_out = [fam.out_shape_fns[i](bkey) for i in kept]  # output dims at the bucket
+    self.out_shapes = out_shapes = [out_shapes[i] for i in kept]
     self.out_slices = tuple(None if tuple(o) == tuple(p) else tuple(slice(0, n) for n in o)
                             for o, p in zip(out_shapes, padded_out, strict=True))
-    self.out_dynamic = fam.out_dynamic
+    self.out_dynamic = [fam.out_dynamic[i] for i in kept]
     self.out_tree = fam.out_tree
-    self.single = fam.out_tree == _args.LEAF_TREEDEF  # one array out: no unflatten
-    self.plain_out = not any(is_key(o) for o in fam.out_avals)  # no PRNG keys among them
+    # one array out: no unflatten
+    self.single = fam.out_tree == _args.LEAF_TREEDEF and self.fwd is None
+    self.plain_out = not any(is_key(fam.out_avals[i]) for i in kept)  # no PRNG keys among them
     self.return_padded = opts.return_padded
     self.device = device
     self.sync = not device and not opts.return_padded  # host request: numpy results
@@ -140,6 +144,8 @@ class Executor:
              for o, sl, s in zip(outs, self.out_slices, self.out_shapes, strict=True)]
     if self.timed:
       fam.record_time(self.bkey, time.perf_counter() - t0)
+    if self.fwd is not None:
+      res = self.fwd.insert(res, vals)
     with self.lock:
       self.n += 1
     fam.tuple_hist[self.sizes] += 1
@@ -299,6 +305,8 @@ class Dispatcher:
     tree = fam.flat_fun.out_tree
     if not device:
       flat = to_host(flat)
+    for o, li in fam.forward.items():  # an output that is an input: the caller's own object
+      flat[o] = leaves[li]
     self.counters.unpadded(fam.fid, "exact",
                            sum(math.prod(np.shape(leaves[i])) for i in fam.dyn_leaves),
                            not device)

@@ -40,7 +40,7 @@ from dynjax.bucketing import _attention, _auto
 from dynjax.bucketing._joint import JointPlan
 from dynjax.bucketing._padding import pad_jaxpr
 from dynjax.bucketing._policies import BucketPolicy
-from dynjax.jit import _args, _casts, _sharding
+from dynjax.jit import _args, _casts, _forward, _sharding
 from dynjax.jit._guards import MAX_GUARDS, guard_texts, inconclusive_comparison
 from dynjax.jit._store import ExecutableStore, family_store
 
@@ -131,7 +131,8 @@ class Family:
     # One device: executables take the arguments' own pytrees (jax flattens them in C++), so
     # the hot path never flattens model parameters in Python.  Sharded: flat leaves.
     self.structured = self.shard is None
-    # Leaves the function only casts to a narrower float: cast once per array (jit/_casts.py).
+    # Outputs that are inputs (never computed); leaves only cast narrower: cast once per array.
+    self.forward = _forward.find(self) if self.structured and self.jaxpr is not None else {}
     self.casts = _casts.plan(self) if self.mode in PADDED_MODES else {}
     self.cast_memo = _casts.Memo()
     self.buckets: dict[tuple, BucketEntry] = {}
@@ -492,7 +493,7 @@ class Family:
 
   def _trace_bucket(self, bkey, casts: dict):
     avals = self.padded_avals(bkey, casts)
-    flat_fun, dtypes = self.flat_fun, [a.dtype for a in self.avals]
+    flat_fun, dtypes, fwd = self.flat_fun, [a.dtype for a in self.avals], self.forward
     if self.structured:
       args = _args.tree_unflatten(self.treedef, avals)
       donate = self.ctx.binder.donate_positions(self.ctx.opts.donate_argnames)
@@ -505,7 +506,7 @@ class Family:
     if self.mode == "trust":
       flat_fun = _attention.fun_at(flat_fun, avals, self.attention_impl, self.name)
       def bucket_fun(*xs):
-        return flat_fun(*_casts.upcast(as_leaves(xs), casts, dtypes))
+        return _forward.drop(flat_fun(*_casts.upcast(as_leaves(xs), casts, dtypes)), fwd)
 
       bucket_fun.__name__ = flat_fun.__name__
       return jax.jit(bucket_fun, donate_argnums=donate, **shard).trace(*args), ()
@@ -518,15 +519,15 @@ class Family:
     nv = len(self.sig.var_order)
 
     def padded_fun(sizes, *xs):
-      return plan.fun(tuple(sizes[i] for i in range(nv)),
-                      *_casts.upcast(as_leaves(xs), casts, dtypes))
+      return _forward.drop(plan.fun(tuple(sizes[i] for i in range(nv)),
+                                    *_casts.upcast(as_leaves(xs), casts, dtypes)), fwd)
 
     padded_fun.__name__ = flat_fun.__name__
     sizes_aval = jax.ShapeDtypeStruct((nv,), jnp.int32)
     with plan.tracing() if plan.tracing is not None else contextlib.nullcontext():
       traced = jax.jit(padded_fun, donate_argnums=tuple(d + 1 for d in donate),
                        **shard).trace(sizes_aval, *args)
-    plan.check_outputs(o.shape for o in jax.tree.leaves(traced.out_info))
+    plan.check_outputs((o.shape for o in jax.tree.leaves(traced.out_info)), skip=fwd)
     return traced, tuple(plan.rewrites)
 
   def entry_of(self, exe, bkey, rewrites, tier: int = 0, source: str = "compiled"):

@@ -211,3 +211,59 @@ def test_stages_and_store_round_trip(tmp_path):
   assert g.stats()["loaded_from_store"] == 1
   fam = next(iter(g._dispatcher.all_families.values()))
   assert all(len(e.casts) == CAST for e in fam.buckets.values())
+
+
+# -- outputs that are inputs (jit/_forward.py) ------------------------------------------------
+def test_forwarded_param_is_the_callers_own_object():
+  """``return y, params['w']``: jax.jit hands back the very array; so does dynjax, for host
+  and device requests, padded and exact, without computing it (and the leaf can still be
+  cast once, since returning it unchanged is no use of its float32 values)."""
+  def fn(p, x):
+    return (x.astype(BF16) @ p["w"].astype(BF16)).astype(jnp.float32), p["w"], p["b"]
+
+  rng = np.random.RandomState(6)
+  p = {"w": jnp.asarray(rng.randn(4, 4).astype(np.float32)),
+       "b": jnp.asarray(rng.randn(4).astype(np.float32))}
+  for padding in ("auto", "trust", "exact"):
+    f = dynjax.jit(fn, dims={"x": "b, 4"}, padding=padding)
+    for x in (rng.randn(3, 4).astype(np.float32), jnp.asarray(rng.randn(5, 4), jnp.float32)):
+      y, w, b = f(p, x)
+      assert w is p["w"] and b is p["b"]
+      np.testing.assert_array_equal(np.asarray(y), np.asarray(jax.jit(fn)(p, x)[0]))
+    fam = next(iter(f._dispatcher.all_families.values()))
+    assert fam.forward == {1: 1, 2: 0}  # leaves in key order: b, w
+    if padding != "exact":
+      assert [fam.leaf_paths[i] for i in fam.casts] == ["p['w']"]
+      for entry in fam.buckets.values():  # the executables compute one output
+        assert len(jax.tree.leaves(entry.exe.out_info)) == 1
+
+
+def test_nnx_model_keeps_its_arrays_under_numpy_requests():
+  """A numpy request gets numpy outputs; the model's own state must stay on its device
+  (before, every parameter came back as a numpy copy and was uploaded again next call)."""
+  from flax import nnx
+
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.lin = nnx.Linear(16, 32, dtype=BF16, rngs=rngs)  # float32 params, bf16 compute
+      self.bn = nnx.BatchNorm(32, rngs=rngs)
+
+    def __call__(self, x):
+      return self.bn(self.lin(x).astype(jnp.float32)).sum(1)
+
+  model = Net(nnx.Rngs(0))
+  twin = nnx.clone(model)
+  kernel = model.lin.kernel[...]
+  f = dynjax.flax.nnx_jit(Net.__call__, dims={"x": "b, t, 16"})
+  for t in (7, 5, 7):
+    x = np.random.RandomState(t).randn(3, t, 16).astype(np.float32)
+    got = f(model, x)
+    want = nnx.jit(Net.__call__)(twin, x)
+    assert type(got) is np.ndarray
+    np.testing.assert_allclose(got, np.asarray(want), rtol=1e-5, atol=1e-5)
+  assert model.lin.kernel[...] is kernel  # never copied, never numpy
+  mean = model.bn.mean[...]
+  assert isinstance(mean, jax.Array)  # changed state: back on the device
+  np.testing.assert_allclose(np.asarray(mean), np.asarray(twin.bn.mean[...]), rtol=1e-5,
+                             atol=1e-6)
+  assert f.stats()["cast_once"] == {"leaves": 2, "conversions": 2}

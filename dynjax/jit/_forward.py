@@ -1,0 +1,71 @@
+"""Outputs that are inputs: returned as the caller's own object, never computed or copied.
+
+A function that returns one of its arguments unchanged (``return y, params``; every Flax NNX
+step, whose updated state holds every parameter it did not touch) gets, under ``jax.jit``,
+the very array it passed in (pjit forwards it: no copy, no transfer).  dynjax's executables
+used to return such an output as a copy on the device and, for a host request, as a numpy
+copy: an NNX model called with numpy inputs got numpy parameters back (``nnx.update`` then
+stored them), and each later call uploaded them again.  Now:
+
+* :func:`find` (once per family, on the symbolic jaxpr): output index -> input leaf index for
+  every output that *is* an input leaf without dims (the jaxpr's outvar is that invar);
+* the bucket executables leave those outputs out (:func:`drop` inside the lowered function),
+  and :class:`Inserter` puts the caller's own objects back in their places after a run;
+* the exact-shape path (whose executable returns every output) replaces them too.
+
+Parameters that are only forwarded and otherwise only cast count as cast-once candidates
+(``jit/_casts.py``): the caller still gets its own float32 array back.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.extend import core as jex_core
+
+
+def find(fam) -> dict[int, int]:
+  """output index -> input leaf index, for outputs that are input leaves without dims."""
+  jaxpr = fam.jaxpr.jaxpr
+  leaf_of = {v: i for i, v in enumerate(jaxpr.invars) if fam.sig.leaves[i] is None}
+  return {o: leaf_of[v] for o, v in enumerate(jaxpr.outvars)
+          if not isinstance(v, jex_core.Literal) and v in leaf_of}
+
+
+def drop(outs, forward: dict) -> list:
+  """The outputs an executable computes: all but the forwarded ones."""
+  if not forward:
+    return outs
+  return [o for i, o in enumerate(outs) if i not in forward]
+
+
+class Inserter:
+  """Puts the forwarded inputs of one call back among an executable's outputs."""
+
+  __slots__ = ("items", "top", "starts")
+
+  def __init__(self, fam, top: bool):
+    self.items = tuple(sorted(fam.forward.items()))  # (output index, leaf index), ascending
+    self.top = top
+    self.starts = None
+    if top:  # leaf index -> (argument position, index among that argument's leaves)
+      starts, n = [], 0
+      for child in fam.treedef.children():
+        starts.append(n)
+        n += child.num_leaves
+      self.starts = tuple(starts)
+
+  def insert(self, res: list, vals) -> list:
+    """``res`` (the computed outputs, in order) with the forwarded inputs of ``vals`` (the
+    call's top-level arguments or flat leaves) inserted at their output positions."""
+    res = list(res)
+    if not self.top:
+      for o, li in self.items:
+        res.insert(o, vals[li])
+      return res
+    flat: dict[int, list] = {}
+    for o, li in self.items:
+      pos = max(p for p, s in enumerate(self.starts) if s <= li)
+      if pos not in flat:
+        flat[pos] = jax.tree_util.tree_leaves(vals[pos])
+      res.insert(o, flat[pos][li - self.starts[pos]])
+    return res
