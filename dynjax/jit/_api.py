@@ -121,8 +121,8 @@ def jit(
     cast_once: float arguments without dims that the function only ever casts to one narrower
       float dtype (Flax's ``param_dtype=float32`` with ``dtype=bfloat16``) are cast once per
       array, cached by the array's identity (``jax.Array``; numpy is cast on every call), and
-      the executables take the cast copies: no per-call conversion of the weights.  Exact
-      (the function casts them anyway).  Costs the copies' memory beside the caller's arrays,
+      the executables take the cast copies: no per-call conversion of the weights.  The same
+      values reach the computation (the function casts them anyway).  Costs the copies' memory beside the caller's arrays,
       as torch's autocast cache.  ``explain()`` lists the leaves, ``stats()["cast_once"]``
       counts conversions.  Not for sharded functions or donated arguments.
 

@@ -26,7 +26,7 @@ class Block(nn.Module):
     h = nn.LayerNorm(dtype=BF16)(nn.gelu(h))  # scale/bias used in float32: not cast
     mask = (jnp.arange(x.shape[1])[None, :] < lengths[:, None])[..., None]
     pooled = jnp.sum(jnp.where(mask, h, 0), axis=1) / lengths[:, None].astype(h.dtype)
-    return nn.Dense(8, dtype=BF16)(pooled).astype(jnp.float32)
+    return nn.Dense(8, dtype=BF16)(pooled)  # bf16 out: no excess precision to differ in
 
 
 def _data(b, t, seed=0):
@@ -133,8 +133,8 @@ def test_uses_other_than_the_cast_keep_float32():
 
 def test_general_path_flat_leaves():
   """A cast leaf beside a leaf with dims in one argument: the flat-leaves path."""
-  def fn(batch):
-    return (batch["x"].astype(BF16) @ batch["w"].astype(BF16)).astype(jnp.float32)
+  def fn(batch):  # a bfloat16 output: XLA's excess precision cannot skip its rounding
+    return batch["x"].astype(BF16) @ batch["w"].astype(BF16)
 
   w = jnp.asarray(np.random.RandomState(2).randn(4, 6).astype(np.float32))
   f = dynjax.jit(fn, dims={"batch": {"x": "b, 4", "w": None}})
@@ -218,8 +218,8 @@ def test_forwarded_param_is_the_callers_own_object():
   """``return y, params['w']``: jax.jit hands back the very array; so does dynjax, for host
   and device requests, padded and exact, without computing it (and the leaf can still be
   cast once, since returning it unchanged is no use of its float32 values)."""
-  def fn(p, x):
-    return (x.astype(BF16) @ p["w"].astype(BF16)).astype(jnp.float32), p["w"], p["b"]
+  def fn(p, x):  # (a bfloat16 output: see test_general_path_flat_leaves)
+    return x.astype(BF16) @ p["w"].astype(BF16), p["w"], p["b"]
 
   rng = np.random.RandomState(6)
   p = {"w": jnp.asarray(rng.randn(4, 4).astype(np.float32)),
