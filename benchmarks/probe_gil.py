@@ -38,14 +38,12 @@ def spin_share(step, base_rate: float):
 
   t = threading.Thread(target=spin)
   t.start()
-  time.sleep(0.05)
-  n0 = len(out)  # (0: the spinner runs)
+  time.sleep(0.05)  # the spinner's lead-in, counted in its time below
   t0 = time.perf_counter()
   res = step()
   dt = time.perf_counter() - t0
   stop[0] = True
   t.join()
-  del n0
   return res, dt, out[0] / (base_rate * (dt + 0.05))
 
 
@@ -74,21 +72,8 @@ def main(argv=None) -> dict:
   bkey = (8, args.t)
   on_gpu = jax.default_backend() == "gpu"
   opts = _serving.QUICK_GPU_OPTIONS if on_gpu else {}
-  # The spinner's speed with the main thread asleep.
-  stop, out = [False], []
-
-  def spin():
-    n = 0
-    while not stop[0]:
-      n += 1
-    out.append(n)
-
-  t = threading.Thread(target=spin)
-  t.start()
-  time.sleep(1.0)
-  stop[0] = True
-  t.join()
-  base = out[0] / 1.0
+  # The spinner's speed (iterations a second) with the main thread asleep.
+  _, _, base = spin_share(lambda: time.sleep(1.0), 1.0)
   rec: dict = {"jax": jax.__version__, "backend": jax.default_backend(),
                "device": str(jax.devices()[0].device_kind), "bucket": list(bkey), "steps": {}}
 

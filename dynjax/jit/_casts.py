@@ -40,7 +40,7 @@ import jax
 import numpy as np
 from jax.extend import core as jex_core
 
-from dynjax.jit import _args
+from dynjax.jit import _args, _forward
 
 CONVERT = "convert_element_type"
 
@@ -184,11 +184,7 @@ class Applier:
     self.flat = None if top else casts
     self.by_arg = None
     if top:
-      # The family's leaves are the concatenated leaves of its dynamic arguments.
-      starts, n = [], 0
-      for child in fam.treedef.children():
-        starts.append(n)
-        n += child.num_leaves
+      starts = _forward.arg_starts(fam)
       self.counts = {}  # argument position -> its number of leaves
       groups: dict[int, list] = {}
       for li, src, d in casts:

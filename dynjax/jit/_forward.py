@@ -31,6 +31,16 @@ def find(fam) -> dict[int, int]:
           if not isinstance(v, jex_core.Literal) and v in leaf_of}
 
 
+def arg_starts(fam) -> tuple[int, ...]:
+  """The index of each dynamic argument's first leaf among the family's leaves (the leaves of
+  a top-level call's arguments, concatenated)."""
+  starts, n = [], 0
+  for child in fam.treedef.children():
+    starts.append(n)
+    n += child.num_leaves
+  return tuple(starts)
+
+
 def drop(outs, forward: dict) -> list:
   """The outputs an executable computes: all but the forwarded ones."""
   if not forward:
@@ -46,13 +56,7 @@ class Inserter:
   def __init__(self, fam, top: bool):
     self.items = tuple(sorted(fam.forward.items()))  # (output index, leaf index), ascending
     self.top = top
-    self.starts = None
-    if top:  # leaf index -> (argument position, index among that argument's leaves)
-      starts, n = [], 0
-      for child in fam.treedef.children():
-        starts.append(n)
-        n += child.num_leaves
-      self.starts = tuple(starts)
+    self.starts = arg_starts(fam) if top else None
 
   def insert(self, res: list, vals) -> list:
     """``res`` (the computed outputs, in order) with the forwarded inputs of ``vals`` (the
