@@ -22,7 +22,8 @@ caches those casts (``cache_enabled=True``); this module is dynjax's equivalent:
   reference, so the caller's old parameters are freed when dropped).  numpy leaves can change
   in place and are cast on every call.  Cost on a hit: a weakref compare per leaf and, on the
   top-level path, one C++ flatten/unflatten of each argument holding such leaves (~8 us for a
-  200-leaf parameter dict on the 2-core CPU box); a miss runs one convert per leaf.
+  200-leaf parameter dict on the 2-core CPU box); the misses of a call are converted in one
+  dispatch (a training step's new parameters: one extra executable call a step).
   Memory: the cast copies live beside the caller's float32 arrays (+50% of those parameters
   for bfloat16), as torch's autocast cache.  ``dynjax.jit(cast_once=False)`` turns it off.
 
@@ -33,6 +34,7 @@ as other uses: such parameters stay float32 (cast on every call, as before).
 
 from __future__ import annotations
 
+import math
 import threading
 import weakref
 
@@ -43,6 +45,17 @@ from jax.extend import core as jex_core
 from dynjax.jit import _args, _forward
 
 CONVERT = "convert_element_type"
+# Leaves smaller than this stay as they are (cast inside the executable, where XLA fuses the
+# convert into its consumer): the host work of a cast leaf on a call (~0.7 us of lookup on the
+# 2-core CPU box) would outweigh what a small one saves (a 256 KiB float32 leaf: ~0.2 us of
+# H100 memory traffic).  Tests set it to 0.
+MIN_BYTES = 1 << 18
+# And a family casts once only when the conversions it saves a call (bytes read and written,
+# at a rough memory bandwidth of the backend) outlast the host work it adds to each call:
+# 50-180 us on the 2-core CPU box for an argument of 200 leaves (one C++ flatten/unflatten,
+# ~55 + 17 us, and ~0.7 us a cast leaf).  Tests set it to 0.
+MIN_SAVED_SECONDS = 1e-4
+BANDWIDTH = {"gpu": 2e12, "cuda": 2e12, "rocm": 2e12, "tpu": 1e12}  # bytes/s; others 1e10
 
 
 def plan(fam) -> dict[int, np.dtype]:
@@ -53,11 +66,17 @@ def plan(fam) -> dict[int, np.dtype]:
   cands = {i: np.dtype(a.dtype) for i, (spec, a) in enumerate(
       zip(fam.sig.leaves, fam.avals, strict=True))
            if spec is None and not a.weak_type and i not in donated
-           and jax.dtypes.issubdtype(a.dtype, np.floating)}
+           and jax.dtypes.issubdtype(a.dtype, np.floating)
+           and math.prod(a.shape) * np.dtype(a.dtype).itemsize >= MIN_BYTES}
   if not cands:
     return {}
-  return cast_uses(fam.jaxpr.jaxpr, {fam.jaxpr.jaxpr.invars[i]: (i, d)
-                                     for i, d in cands.items()}, set(fam.forward))
+  casts = cast_uses(fam.jaxpr.jaxpr, {fam.jaxpr.jaxpr.invars[i]: (i, d)
+                                      for i, d in cands.items()}, set(fam.forward))
+  moved = sum(math.prod(fam.avals[i].shape) * (cands[i].itemsize + d.itemsize)
+              for i, d in casts.items())
+  if moved < MIN_SAVED_SECONDS * BANDWIDTH.get(jax.default_backend(), 1e10):
+    return {}  # too little to convert: the host work would cost more than it saves
+  return casts
 
 
 def cast_uses(jaxpr, watch: dict, forwarded=frozenset()) -> dict[int, np.dtype]:
@@ -132,6 +151,15 @@ def of_executable(fam, exe, offset: int) -> tuple:
     return tuple(sorted(fam.casts.items()))
 
 
+def _convert_all(xs, dtypes):
+  return tuple(jax.lax.convert_element_type(x, d) for x, d in zip(xs, dtypes, strict=True))
+
+
+# One dispatch converts every leaf a call misses (a training loop's new parameters each step:
+# one executable call, not one per leaf); compiled once per set of shapes and dtypes.
+_convert_many = jax.jit(_convert_all, static_argnums=1)
+
+
 class Memo:
   """The cast copies of one family: leaf index -> (weakref to the source array, its copy)."""
 
@@ -139,38 +167,43 @@ class Memo:
 
   def __init__(self):
     self.copies: dict = {}
-    self.conversions = 0  # converts run (misses); stats()["cast_once"]
+    self.conversions = 0  # leaves converted (misses); stats()["cast_once"]
     self.lock = threading.Lock()
 
-  def get(self, li: int, x, src: np.dtype, dtype: np.dtype):
-    """``x`` (traced as ``src``) cast to ``dtype``: the cached copy while the caller passes the
-    same array.  Another dtype raises the executable's own signature error, so the call
-    takes the general path and a new family (as a ``jax.jit`` retrace)."""
+  def lookup(self, li: int, x, src: np.dtype):
+    """(the cached copy of ``x``, None) while the caller passes the same array, else (None,
+    the array to convert).  ``x`` was traced as ``src``: another dtype raises the
+    executable's own signature error, so the call takes the general path and a new family
+    (as a ``jax.jit`` retrace)."""
     hit = self.copies.get(li)
     if hit is not None and hit[0]() is x and not x.is_deleted():
-      return hit[1]
+      return hit[1], None
     if type(x) is np.ndarray:
       if x.dtype != src and _args.canonical(x.dtype) != src:
         raise TypeError(f"Argument types differ: leaf {li} is {x.dtype}, traced as {src}")
       # As jax.jit: a 64-bit host array is canonicalised first (x64 off), then cast.
-      return self._convert(np.asarray(x, src), dtype)
+      return None, np.asarray(x, src)
     if not isinstance(x, jax.Array) or x.dtype != src:
       raise TypeError(f"Argument types differ: leaf {li} is "
                       f"{getattr(x, 'dtype', type(x).__name__)}, traced as {src}")
     if x.is_deleted():
       raise RuntimeError(f"Array has been deleted: argument leaf {li} (donated or deleted by "
                          "its owner) cannot be used")
-    out = self._convert(x, dtype)
-    try:
-      self.copies[li] = (weakref.ref(x), out)
-    except TypeError:  # an array type without weak references: cast on every call
-      pass
-    return out
+    return None, x
 
-  def _convert(self, x, dtype):
+  def fill(self, misses: list) -> tuple:
+    """The copies of ``misses`` ((leaf index, caller's object, array, dtype, ...)), converted
+    in one dispatch; jax arrays' copies are kept (numpy can change in place: never)."""
+    outs = _convert_many(tuple(m[2] for m in misses), tuple(m[3] for m in misses))
     with self.lock:
-      self.conversions += 1
-    return jax.lax.convert_element_type(x, dtype)
+      self.conversions += len(misses)
+    for m, out in zip(misses, outs, strict=True):
+      if type(m[1]) is not np.ndarray:
+        try:
+          self.copies[m[0]] = (weakref.ref(m[1]), out)
+        except TypeError:  # an array type without weak references: cast on every call
+          pass
+    return outs
 
 
 class Applier:
@@ -195,17 +228,33 @@ class Applier:
 
   def apply(self, vals) -> list:
     args = list(vals)
-    get = self.memo.get
+    memo = self.memo
+    misses = []  # (leaf index, caller's object, array to convert, dtype, where it goes)
     if self.flat is not None:
       for li, src, d in self.flat:
-        args[li] = get(li, args[li], src, d)
+        hit, a = memo.lookup(li, args[li], src)
+        if hit is None:
+          misses.append((li, args[li], a, d, li))
+        else:
+          args[li] = hit
+      for m, out in zip(misses, memo.fill(misses) if misses else (), strict=True):
+        args[m[4]] = out
       return args
+    flat = {}
     for pos, items in self.by_arg:
       leaves, tree = jax.tree_util.tree_flatten(args[pos])
       if len(leaves) != self.counts[pos]:  # another structure: a new family
         raise TypeError("Function compiled with input pytree does not match the argument")
       for j, li, src, d in items:
-        leaves[j] = get(li, leaves[j], src, d)
+        hit, a = memo.lookup(li, leaves[j], src)
+        if hit is None:
+          misses.append((li, leaves[j], a, d, (pos, j)))
+        else:
+          leaves[j] = hit
+      flat[pos] = (leaves, tree)
+    for m, out in zip(misses, memo.fill(misses) if misses else (), strict=True):
+      flat[m[4][0]][0][m[4][1]] = out
+    for pos, (leaves, tree) in flat.items():
       args[pos] = jax.tree_util.tree_unflatten(tree, leaves)
     return args
 

@@ -16,6 +16,15 @@ from dynjax._errors import SpecError
 BF16 = jnp.bfloat16
 
 
+@pytest.fixture(autouse=True)
+def _every_leaf(monkeypatch):
+  """The tests' parameters are tiny: cast them all (the default skips leaves < 256 KiB)."""
+  from dynjax.jit import _casts
+
+  monkeypatch.setattr(_casts, "MIN_BYTES", 0)
+  monkeypatch.setattr(_casts, "MIN_SAVED_SECONDS", 0.0)
+
+
 class Block(nn.Module):
   """The mixed-precision idiom of public Flax code: float32 params, bfloat16 compute."""
 
@@ -267,3 +276,63 @@ def test_nnx_model_keeps_its_arrays_under_numpy_requests():
   np.testing.assert_allclose(np.asarray(mean), np.asarray(twin.bn.mean[...]), rtol=1e-5,
                              atol=1e-6)
   assert f.stats()["cast_once"] == {"leaves": 2, "conversions": 2}
+
+
+def test_new_params_every_call_convert_in_one_dispatch(compiles):
+  """A training loop passes new parameters each step: the misses of a call are converted by
+  one executable (compiled once), and the gradients are jax.jit's."""
+  def grads(p, x):
+    def loss(p):
+      h = jnp.tanh(x.astype(BF16) @ p["w1"].astype(BF16))
+      return jnp.sum((h @ p["w2"].astype(BF16)).astype(jnp.float32) ** 2)
+    return jax.grad(loss)(p)
+
+  rng = np.random.RandomState(7)
+  p = {"w1": jnp.asarray(rng.randn(4, 8).astype(np.float32)),
+       "w2": jnp.asarray(rng.randn(8, 3).astype(np.float32))}
+  f = dynjax.jit(grads, dims={"x": "b, 4"})
+  x = rng.randn(3, 4).astype(np.float32)
+  for step in range(5):
+    g = f(p, x)
+    want = jax.jit(grads)(p, x)
+    for k in p:
+      np.testing.assert_allclose(np.asarray(g[k]), np.asarray(want[k]), rtol=2e-2, atol=2e-2)
+    if step == 1:
+      start = compiles()
+    p = jax.tree.map(lambda a, b: a - 0.01 * b, p, g)  # new arrays: misses
+  assert compiles() - start == 0  # steps 2-4: no compile (the converter included)
+  assert f.stats()["cast_once"] == {"leaves": 2, "conversions": 10}
+
+
+def test_small_leaves_stay_as_they_are(monkeypatch):
+  from dynjax.jit import _casts
+
+  monkeypatch.setattr(_casts, "MIN_BYTES", 1 << 18)  # (the total bound stays off)
+
+  def fn(p, x):
+    return (x.astype(BF16) @ p["big"].astype(BF16)) + p["small"].astype(BF16)
+
+  p = {"big": jnp.ones((256, 256), jnp.float32), "small": jnp.ones((256,), jnp.float32)}
+  f = dynjax.jit(fn, dims={"x": "b, 256"})
+  x = np.ones((3, 256), np.float32)
+  np.testing.assert_array_equal(np.asarray(f(p, x)), np.asarray(jax.jit(fn)(p, x)))
+  fam = next(iter(f._dispatcher.all_families.values()))
+  assert [fam.leaf_paths[i] for i in fam.casts] == ["p['big']"]  # 256 KiB: cast; 1 KiB: not
+
+
+def test_a_family_with_little_to_convert_casts_nothing(monkeypatch):
+  """Casting once adds host work to every call (a flatten of the argument, a lookup a leaf):
+  a family whose conversions would save less than MIN_SAVED_SECONDS a call keeps float32."""
+  from dynjax.jit import _casts
+
+  monkeypatch.setattr(_casts, "MIN_SAVED_SECONDS", 1e-4)  # CPU: 1e10 B/s -> 1 MB moved
+
+  def fn(p, x):
+    return x.astype(BF16) @ p["w"].astype(BF16)
+
+  x = np.ones((3, 256), np.float32)
+  for n, want in ((256, 0), (1024, 1)):  # 256 x 256 x 6 B = 393 KB; 1024 x 256: 1.6 MB
+    p = {"w": jnp.ones((256, n), jnp.float32)}
+    f = dynjax.jit(fn, dims={"x": "b, 256"})
+    np.testing.assert_array_equal(np.asarray(f(p, x)), np.asarray(jax.jit(fn)(p, x)))
+    assert f.stats()["cast_once"]["leaves"] == want
