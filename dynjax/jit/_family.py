@@ -506,7 +506,8 @@ class Family:
     if self.mode == "trust":
       flat_fun = _attention.fun_at(flat_fun, avals, self.attention_impl, self.name)
       def bucket_fun(*xs):
-        return _forward.drop(flat_fun(*_casts.upcast(as_leaves(xs), casts, dtypes)), fwd)
+        leaves = _casts.upcast(as_leaves(xs), casts, dtypes)
+        return _forward.drop(flat_fun(*leaves), fwd, leaves)
 
       bucket_fun.__name__ = flat_fun.__name__
       return jax.jit(bucket_fun, donate_argnums=donate, **shard).trace(*args), ()
@@ -519,8 +520,8 @@ class Family:
     nv = len(self.sig.var_order)
 
     def padded_fun(sizes, *xs):
-      return _forward.drop(plan.fun(tuple(sizes[i] for i in range(nv)),
-                                    *_casts.upcast(as_leaves(xs), casts, dtypes)), fwd)
+      leaves = _casts.upcast(as_leaves(xs), casts, dtypes)
+      return _forward.drop(plan.fun(tuple(sizes[i] for i in range(nv)), *leaves), fwd, leaves)
 
     padded_fun.__name__ = flat_fun.__name__
     sizes_aval = jax.ShapeDtypeStruct((nv,), jnp.int32)

@@ -9,9 +9,12 @@ stored them), and each later call uploaded them again.  Now:
 
 * :func:`find` (once per family, on the symbolic jaxpr): output index -> input leaf index for
   every output that *is* an input leaf without dims (the jaxpr's outvar is that invar);
-* the bucket executables leave those outputs out (:func:`drop` inside the lowered function),
-  and :class:`Inserter` puts the caller's own objects back in their places after a run;
-* the exact-shape path (whose executable returns every output) replaces them too.
+* the bucket executables leave those outputs out (:func:`drop` inside the lowered function,
+  which checks that the bucket's own trace returns the input there too: ``trust`` re-traces
+  the Python per bucket; otherwise the family runs exact, with a warning), and
+  :class:`Inserter` puts the caller's own objects back in their places after a run;
+* the exact-shape path (one trace per shape, unchecked) returns what its executable computed:
+  copies (for an NNX model, the wrapper puts numpy state back on its device).
 
 Parameters that are only forwarded and otherwise only cast count as cast-once candidates
 (``jit/_casts.py``): the caller still gets its own float32 array back.
@@ -41,10 +44,18 @@ def arg_starts(fam) -> tuple[int, ...]:
   return tuple(starts)
 
 
-def drop(outs, forward: dict) -> list:
-  """The outputs an executable computes: all but the forwarded ones."""
+def drop(outs, forward: dict, leaves) -> list:
+  """The outputs an executable computes: all but the forwarded ones, each checked to be its
+  input in this trace too (``trust`` re-traces the Python per bucket: a shape-dependent
+  branch could return something else there; the family then runs exact, with a warning)."""
   if not forward:
     return outs
+  for o, li in forward.items():
+    if outs[o] is not leaves[li]:
+      from dynjax._errors import PaddingUnsupportedError
+
+      raise PaddingUnsupportedError(
+          f"output {o} is input leaf {li} in the symbolic trace but not in this bucket's")
   return [o for i, o in enumerate(outs) if i not in forward]
 
 

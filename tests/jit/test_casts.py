@@ -225,7 +225,7 @@ def test_stages_and_store_round_trip(tmp_path):
 # -- outputs that are inputs (jit/_forward.py) ------------------------------------------------
 def test_forwarded_param_is_the_callers_own_object():
   """``return y, params['w']``: jax.jit hands back the very array; so does dynjax, for host
-  and device requests, padded and exact, without computing it (and the leaf can still be
+  and device requests on padded buckets, without computing it (and the leaf can still be
   cast once, since returning it unchanged is no use of its float32 values)."""
   def fn(p, x):  # (a bfloat16 output: see test_general_path_flat_leaves)
     return x.astype(BF16) @ p["w"].astype(BF16), p["w"], p["b"]
@@ -237,7 +237,10 @@ def test_forwarded_param_is_the_callers_own_object():
     f = dynjax.jit(fn, dims={"x": "b, 4"}, padding=padding)
     for x in (rng.randn(3, 4).astype(np.float32), jnp.asarray(rng.randn(5, 4), jnp.float32)):
       y, w, b = f(p, x)
-      assert w is p["w"] and b is p["b"]
+      if padding == "exact":  # one trace per shape, unchecked: the executable's copies
+        np.testing.assert_array_equal(np.asarray(w), np.asarray(p["w"]))
+      else:
+        assert w is p["w"] and b is p["b"]
       np.testing.assert_array_equal(np.asarray(y), np.asarray(jax.jit(fn)(p, x)[0]))
     fam = next(iter(f._dispatcher.all_families.values()))
     assert fam.forward == {1: 1, 2: 0}  # leaves in key order: b, w
@@ -336,3 +339,22 @@ def test_a_family_with_little_to_convert_casts_nothing(monkeypatch):
     f = dynjax.jit(fn, dims={"x": "b, 256"})
     np.testing.assert_array_equal(np.asarray(f(p, x)), np.asarray(jax.jit(fn)(p, x)))
     assert f.stats()["cast_once"]["leaves"] == want
+
+
+def test_a_bucket_that_does_not_forward_runs_exact():
+  """``trust`` re-traces the Python per bucket: if a bucket's trace computes an output that
+  the symbolic trace returned as an input, the family runs exact (with a warning), never
+  handing back the input in its place."""
+  state = {"other": False}
+
+  def fn(p, x):
+    return x * 2, (p * 3 if state["other"] else p)
+
+  p = jnp.ones((4,), jnp.float32)
+  f = dynjax.jit(fn, dims={"x": "b"}, padding="trust")
+  y, q = f(p, np.ones((3,), np.float32))
+  assert q is p
+  state["other"] = True
+  with pytest.warns(UserWarning, match="not in this bucket's"):
+    y, q = f(p, np.ones((6,), np.float32))
+  np.testing.assert_array_equal(np.asarray(q), np.full((4,), 3.0, np.float32))
