@@ -131,9 +131,10 @@ class Family:
     # One device: executables take the arguments' own pytrees (jax flattens them in C++), so
     # the hot path never flattens model parameters in Python.  Sharded: flat leaves.
     self.structured = self.shard is None
-    # Outputs that are inputs (never computed); leaves only cast narrower: cast once per array.
-    self.forward = _forward.find(self) if self.structured and self.jaxpr is not None else {}
-    self.casts = _casts.plan(self) if self.mode in PADDED_MODES else {}
+    # Outputs that are inputs (not computed); leaves only cast narrower: cast once per array.
+    padded = self.structured and self.mode in PADDED_MODES and self.jaxpr is not None
+    self.forward = _forward.find(self) if padded else {}
+    self.casts = _casts.plan(self) if padded else {}  # (reads self.forward)
     self.cast_memo = _casts.Memo()
     self.buckets: dict[tuple, BucketEntry] = {}
     self.executors: dict[tuple, Any] = {}  # hot-path key -> dispatch.Executor
@@ -483,10 +484,9 @@ class Family:
       self.ctx.counters.lowered(time.perf_counter() - t0)
 
   def _lower_bucket(self, bkey):
-    casts = self.casts
-    if casts:  # verified on the jaxpr this bucket really lowers (trust re-traces per shape)
-      traced, rewrites = self._trace_bucket(bkey, casts)
-      if _casts.holds(traced.jaxpr.jaxpr, casts, 1 if self.mode == "auto" else 0):
+    if self.casts:  # verified on the jaxpr this bucket really lowers (trust re-traces per shape)
+      traced, rewrites = self._trace_bucket(bkey, self.casts)
+      if _casts.holds(traced.jaxpr.jaxpr, self.casts, 1 if self.mode == "auto" else 0):
         return traced.lower(), rewrites
     traced, rewrites = self._trace_bucket(bkey, {})  # a parameter used uncast here
     return traced.lower(), rewrites

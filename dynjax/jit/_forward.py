@@ -22,8 +22,12 @@ Parameters that are only forwarded and otherwise only cast count as cast-once ca
 
 from __future__ import annotations
 
+import bisect
+
 import jax
 from jax.extend import core as jex_core
+
+from dynjax._errors import PaddingUnsupportedError
 
 
 def find(fam) -> dict[int, int]:
@@ -34,14 +38,18 @@ def find(fam) -> dict[int, int]:
           if not isinstance(v, jex_core.Literal) and v in leaf_of}
 
 
-def arg_starts(fam) -> tuple[int, ...]:
-  """The index of each dynamic argument's first leaf among the family's leaves (the leaves of
-  a top-level call's arguments, concatenated)."""
+def arg_positions(fam, leaves) -> dict[int, tuple[int, int]]:
+  """leaf index -> (dynamic argument position, index among that argument's leaves), for each
+  of ``leaves`` (the family's leaves are its arguments' leaves, concatenated)."""
   starts, n = [], 0
   for child in fam.treedef.children():
     starts.append(n)
     n += child.num_leaves
-  return tuple(starts)
+  out = {}
+  for li in leaves:
+    pos = bisect.bisect_right(starts, li) - 1  # the last argument starting at or before li
+    out[li] = (pos, li - starts[pos])
+  return out
 
 
 def drop(outs, forward: dict, leaves) -> list:
@@ -52,8 +60,6 @@ def drop(outs, forward: dict, leaves) -> list:
     return outs
   for o, li in forward.items():
     if outs[o] is not leaves[li]:
-      from dynjax._errors import PaddingUnsupportedError
-
       raise PaddingUnsupportedError(
           f"output {o} is input leaf {li} in the symbolic trace but not in this bucket's")
   return [o for i, o in enumerate(outs) if i not in forward]
@@ -62,12 +68,17 @@ def drop(outs, forward: dict, leaves) -> list:
 class Inserter:
   """Puts the forwarded inputs of one call back among an executable's outputs."""
 
-  __slots__ = ("items", "top", "starts")
+  __slots__ = ("items", "top")
 
   def __init__(self, fam, top: bool):
-    self.items = tuple(sorted(fam.forward.items()))  # (output index, leaf index), ascending
+    # Ascending output index; with the leaf index (flat leaves), or the argument position and
+    # the index among its leaves (top-level arguments).
+    items = sorted(fam.forward.items())
     self.top = top
-    self.starts = arg_starts(fam) if top else None
+    if top:
+      where = arg_positions(fam, [li for _, li in items])
+      items = [(o, *where[li]) for o, li in items]
+    self.items = tuple(items)
 
   def insert(self, res: list, vals) -> list:
     """``res`` (the computed outputs, in order) with the forwarded inputs of ``vals`` (the
@@ -78,9 +89,8 @@ class Inserter:
         res.insert(o, vals[li])
       return res
     flat: dict[int, list] = {}
-    for o, li in self.items:
-      pos = max(p for p, s in enumerate(self.starts) if s <= li)
+    for o, pos, j in self.items:
       if pos not in flat:
         flat[pos] = jax.tree_util.tree_leaves(vals[pos])
-      res.insert(o, flat[pos][li - self.starts[pos]])
+      res.insert(o, flat[pos][j])
     return res
