@@ -189,19 +189,12 @@ def pad_jaxpr(closed_jaxpr, dim_vars: Sequence[str], bucket: Mapping[str, int],
 
   if not validate:
     return PaddingPlan(fun, rewrites, dim_vars, bucket_env, in_shapes, out_shapes, tracing)
-  found: list[str] = []
-  recording[0], problems[0] = rewrites, found
-  try:
-    size_specs = tuple(jax.ShapeDtypeStruct((), jnp.int32) for _ in dim_vars)
-    arg_specs = [
-      jax.ShapeDtypeStruct(s, a.dtype)
-      for s, a in zip(in_shapes, closed_jaxpr.in_avals, strict=False)
-    ]
+  size_specs = tuple(jax.ShapeDtypeStruct((), jnp.int32) for _ in dim_vars)
+  arg_specs = [
+    jax.ShapeDtypeStruct(s, a.dtype) for s, a in zip(in_shapes, closed_jaxpr.in_avals, strict=False)
+  ]
+  with tracing():
     out_specs = jax.eval_shape(fun, size_specs, *arg_specs)
-  finally:
-    recording[0] = problems[0] = None
-  if found:  # every equation it cannot pad, in one message
-    raise unsupported_all(found)
   plan = PaddingPlan(fun, rewrites, dim_vars, bucket_env, in_shapes, out_shapes)
   plan.check_outputs([o.shape for o in out_specs])
   return plan
