@@ -469,14 +469,17 @@ def run_e2e(args) -> dict:
           buckets=dynjax.buckets.geometric(1.25, min=64).aligned(64)))
     else:
       variants[{"ragged_dot": "lax.ragged_dot", "dense": "dense MoE"}[v]] = (v, None)
-  grouped = next((r for d, r in variants.values() if d == "grouped"), None)
+  if args.e2e_device_outputs:  # the same variants with host_outputs=False, in the same process
+    variants |= {f"{label} [device outputs]": (d, r, False) for label, (d, r) in variants.items()}
+  variants = {label: v if len(v) == 3 else (*v, None) for label, v in variants.items()}
+  grouped = next((r for d, r, _ in variants.values() if d == "grouped"), None)
   init_tok, init_len = stream[0]
   w1 = {"w1": jnp.zeros((1, cfg["d"], cfg["ffn"]))}
   ts = [16 << i for i in range(8) if 16 << i <= cfg["max_len"]]
   out = {"setting": cfg, "cast_once": not args.no_cast_once, "methods": {},
          "kernels": {  # per length bucket t (rows = batch t k)
       label: {t: r.grouped_kernel(w1, jnp.bfloat16, cfg["batch"] * t * cfg["k"]) for t in ts}
-      for label, (d, r) in variants.items() if d == "grouped"}}
+      for label, (d, r, _) in variants.items() if d == "grouped"}}
   variables = jax.jit(build_flax_model(cfg, "dense", None).init)(
       jax.random.PRNGKey(0), jnp.asarray(init_tok), jnp.asarray(init_len))
   # Process warm-up, untimed: the model without experts over every length bucket of the stream,
@@ -504,14 +507,15 @@ def run_e2e(args) -> dict:
         f"{np.median(ts):8.3f}", flush=True)
   outputs = {}
   fns = {"no MoE": warm}
-  for label, (dispatch, routed) in variants.items():
+  for label, (dispatch, routed, host_outputs) in variants.items():
     if elapsed() > args.budget:
       print(f"  {label:32s} skipped (budget)", flush=True)
       continue
     model = build_flax_model(cfg, dispatch, routed)
     fn = dynjax.flax.jit(model, dims={"tokens": "b, t", "lengths": "b"},
                          buckets={"t": t_policy, "b": dynjax.buckets.explicit([cfg["batch"]])},
-                         padding="trust", cast_once=not args.no_cast_once)
+                         padding="trust", cast_once=not args.no_cast_once,
+                         host_outputs=host_outputs)
     t0 = time.perf_counter()
     try:
       ys = [np.asarray(fn(variables, tok, lens)) for tok, lens in stream]
@@ -531,6 +535,7 @@ def run_e2e(args) -> dict:
                              "build_s": float(st.get("compile_seconds", 0.0)),
                              "builds": int(st.get("compiles", 0)),
                              "cast_once": st.get("cast_once"),
+                             "host_outputs": st.get("host_outputs"),
                              # float32 copies of the expert weights left in the optimized
                              # HLO of the largest bucket (0: the casts folded away)
                              "hlo_f32_expert_weights": f32_expert_weights(fn, cfg)}
@@ -639,6 +644,9 @@ def main(argv=None) -> dict:
                        "grouped-KERNEL:TILING (tm x tk x tn x warps x stages g grid_block_n), "
                        "ragged_dot, dense, profiled; the first grouped one also times the "
                        "training step")
+  ap.add_argument("--e2e-device-outputs", action="store_true",
+                  help="also every e2e variant with host_outputs=False (outputs in device "
+                       "memory, the default before session 10), interleaved with the others")
   ap.add_argument("--budget", type=float, default=1e9, help="seconds; later rows are skipped")
   ap.add_argument("--seed", type=int, default=0)
   args = ap.parse_args(argv)

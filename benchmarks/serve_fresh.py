@@ -46,6 +46,8 @@ Modes (``--modes``, in order; a ``*_restart`` mode reuses the cache of the mode 
   itself, as this one does: the bucket executable is exactly the hand-written one);
   ``*cudnn*``: with ``attention="cudnn"`` (the opt-in rewrite to cuDNN's fused attention; bf16);
   ``*pallas*``: with ``attention="pallas"`` (dynjax's Pallas flash attention; fp32 too).
+  ``*_devout*``: ``host_outputs=False`` (outputs in device memory, the default before
+  session 10; the default puts a numpy request's outputs in pinned host memory on GPU).
   ``*_nostore*``: no ``cache_dir`` (no executable store, no JAX cache: what the store's
   writes cost a cold start).  ``*_noprerun*``: ``DYNJAX_PRERUN=0`` (background builds do not run their executables once
   on zeros before they serve).  ``*t0tune*`` (an experiment, not an option): tier 0 autotunes its cuBLAS gemms (triton gemms
@@ -387,7 +389,8 @@ def _child_dynjax(args, clock, mode):
                            cache_dir=args.cache, padding="trust" if "trust" in mode else "auto",
                            attention=("cudnn" if "cudnn" in mode
                                       else "pallas" if "pallas" in mode else None),
-                           compile_workers=int(workers.group(1)) if workers else None)
+                           compile_workers=int(workers.group(1)) if workers else None,
+                           host_outputs=False if "devout" in mode else None)
 
   import logging
 
@@ -479,13 +482,15 @@ def _child_lengths(args, clock):
   lengths = [int(x) for x in args.lengths.split(",") if x]
   rng = np.random.default_rng(0)
   apply = jax.jit(module.apply)
-  def dj(padding, cache=None, attention=None):
+  def dj(padding, cache=None, attention=None, host_outputs=None):
     return dynjax_flax.jit(module, dims={"tokens": "b, t", "lengths": "b"},
                            buckets={"t": dynjax.buckets.pow2(16, args.max_len)},
-                           padding=padding, cache_dir=cache, attention=attention)
+                           padding=padding, cache_dir=cache, attention=attention,
+                           host_outputs=host_outputs)
 
   store = tempfile.mkdtemp(prefix="serve_fresh_lengths_")
   f, ft = dj("auto", store), dj("trust")
+  fd = dj("trust", host_outputs=False)  # outputs in device memory (before session 10)
   tmodel = None
   if models.torch_available():
     import torch
@@ -525,7 +530,8 @@ def _child_lengths(args, clock):
         row[name] = med(lambda e=e: np.asarray(e(variables, tok, lens)))
     row |= {
            "dynjax_full": med(lambda: f(variables, tok, lens)),
-           "dynjax_full_trust": med(lambda: ft(variables, tok, lens))}
+           "dynjax_full_trust": med(lambda: ft(variables, tok, lens)),
+           "dynjax_full_trust_devout": med(lambda: fd(variables, tok, lens))}
     fl = dj("auto", store)  # a second function: its bucket executable loads from the store
     row["dynjax_loaded"] = med(lambda: fl(variables, tok, lens))
     row["loaded_from_store"] = fl.stats().get("loaded_from_store")

@@ -33,7 +33,7 @@ from dynjax._errors import (
   format_list,
 )
 from dynjax._padded import Padded
-from dynjax.jit import _args, _casts, _forward, _serving
+from dynjax.jit import _args, _casts, _forward, _placement, _serving
 from dynjax.jit._args import is_padded, leaf_key, on_device, tree_flatten, tree_unflatten
 from dynjax.jit._cache import ExecutableCache
 from dynjax.jit._family import PADDED_MODES, Family
@@ -53,7 +53,7 @@ class Executor:
                "in_shapes", "tree", "dev_sizes", "out_slices", "out_shapes", "out_tree",
                "single", "sync", "device", "return_padded", "timed", "check", "ctx", "n", "lock",
                "padded_elems", "true_elems", "larger", "bucket_id", "out_dynamic", "top",
-               "plain_out", "casts", "fwd")
+               "plain_out", "casts", "fwd", "to_device")
 
   def __init__(self, ctx, fam: Family, sizes, own, bkey, entry, shapes, device: bool,
                top: bool, dev_sizes, out_shapes, true_elems: int, all_leaves: bool):
@@ -95,6 +95,8 @@ class Executor:
     self.return_padded = opts.return_padded
     self.device = device
     self.sync = not device and not opts.return_padded  # host request: numpy results
+    # pinned host outputs (jit/_placement.py) of a device request go back to the device
+    self.to_device = entry.host_out and not self.sync
     self.timed = bool(fam.observers) or (opts.serving and self.sync)
     self.check = opts.check
     self.n = 0  # calls served, summed into the counters by stats()
@@ -137,10 +139,13 @@ class Executor:
       else:
         res = [h if sl is None else h[sl] for h, sl in zip(to_host(outs), self.out_slices, strict=True)]
     elif self.return_padded:
+      if self.to_device:
+        outs = [_placement.to_device(o) for o in outs]
       res = [Padded(o, s) if dyn else o
              for o, s, dyn in zip(outs, self.out_shapes, self.out_dynamic, strict=True)]
-    else:
-      res = [o if sl is None else self._unpad_device(o, s)
+    else:  # (a sliced output goes through the host either way: one transfer)
+      mv = _placement.to_device if self.to_device else None
+      res = [(o if mv is None else mv(o)) if sl is None else self._unpad_device(o, s)
              for o, sl, s in zip(outs, self.out_slices, self.out_shapes, strict=True)]
     if self.timed:
       fam.record_time(self.bkey, time.perf_counter() - t0)
@@ -386,7 +391,7 @@ class Dispatcher:
           return fam
         self._check_new_dtype(static, treedef, avals, specs, paths)
       fam = Family(self, self.binder.flat_fun(static, treedef), paths, specs, avals, treedef,
-                   key, next(self._fids))
+                   key, next(self._fids), first_leaves=leaves)
       for i, (x, a) in enumerate(zip(leaves, avals, strict=True)):
         if type(x) is np.ndarray and x.dtype != a.dtype:
           fam.note_converted(i, x.dtype, a.dtype)

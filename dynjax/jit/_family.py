@@ -5,8 +5,8 @@ and rank.  It holds the symbolic signature (one ``jax.export.SymbolicScope`` for
 argument), the symbolic jaxpr traced ONCE, the output shape functions, its mode, the bucket
 plan (which bucket a tuple of true sizes runs on), and its bucket entries.  It lowers and
 compiles one bucket on request (:meth:`Family.lower_bucket`, :meth:`Family.compile_bucket`);
-*when* buckets compile is the compiler's business (``jit/_serving.py``).  Modes: ``trust`` (jit of the function at the bucket shape), ``auto`` (jit of the padding
-pass's function of ``(sizes, *padded)``: one executable serves every size of a bucket),
+*when* buckets compile is the compiler's business (``jit/_serving.py``).  Modes: ``trust``
+(jit at the bucket shape), ``auto`` (jit of the padding pass's ``(sizes, *padded)`` function),
 ``exact`` (one AOT compile per exact shape: ``padding="exact"``, nothing dynamic, or a
 fallback), ``program`` (the function uses ``dynjax.while_loop``/``cond``/``recursive``: a
 host program on the VM, see ``dynjax.control``).
@@ -40,8 +40,8 @@ from dynjax.bucketing import _attention, _auto
 from dynjax.bucketing._joint import JointPlan
 from dynjax.bucketing._padding import pad_jaxpr
 from dynjax.bucketing._policies import BucketPolicy
-from dynjax.jit import _args, _casts, _forward, _sharding
-from dynjax.jit._guards import MAX_GUARDS, guard_texts, inconclusive_comparison
+from dynjax.jit import _args, _casts, _forward, _placement, _sharding
+from dynjax.jit._guards import MAX_GUARDS, add_guard, guard_texts
 from dynjax.jit._store import ExecutableStore, family_store
 
 logger = logging.getLogger("dynjax")
@@ -59,6 +59,7 @@ class BucketEntry:
   tier: int = 0  # 0: quick compile options (serving on GPU) or the only tier; 1: full options
   source: str = "compiled"  # or "stored": loaded from the executable store
   casts: tuple = ()  # ((leaf index, dtype), ...) the executable takes cast (jit/_casts.py)
+  host_out: bool = False  # its outputs are in pinned host memory (jit/_placement.py)
 
 
 class Family:
@@ -68,7 +69,8 @@ class Family:
   binder, policies and cache, and reports fallbacks to it.
   """
 
-  def __init__(self, ctx, flat_fun, leaf_paths, leaf_specs, avals, treedef, key, fid: int):
+  def __init__(self, ctx, flat_fun, leaf_paths, leaf_specs, avals, treedef, key, fid: int,
+               first_leaves=None):
     self.ctx = ctx
     opts = ctx.opts
     self.name = ctx.name
@@ -136,6 +138,8 @@ class Family:
     self.forward = _forward.find(self) if padded else {}
     self.casts = _casts.plan(self) if padded else {}  # (reads self.forward)
     self.cast_memo = _casts.Memo()
+    self.host_out, self.host_out_reason = _placement.plan(self, None if first_leaves is None else
+        _placement.host_request(first_leaves, self.dyn_leaves)) if padded else (False, None)
     self.buckets: dict[tuple, BucketEntry] = {}
     self.executors: dict[tuple, Any] = {}  # hot-path key -> dispatch.Executor
     self.tuple_hist: Counter = Counter()  # true size tuples seen (explain, compile values)
@@ -207,7 +211,7 @@ class Family:
           return
         if self.mode == "exact":
           return
-        if attempt < MAX_GUARDS and self._add_guard(e):
+        if attempt < MAX_GUARDS and add_guard(self, e):
           continue  # re-trace under one more inferred guard
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         self.fall_back(self._under_guards(
@@ -252,49 +256,6 @@ class Family:
   # whether ``t < 3``), the family decides it the way torch.compile guards do: it assumes the
   # side that holds for more of the sizes the policy allows (``t >= 3``), re-traces under that
   # constraint and records it.  Sizes outside a guard run exact (``guard_ok`` says which).
-
-  def _add_guard(self, e: BaseException) -> bool:
-    """Adds the guard that decides the comparison ``e`` found inconclusive; False when there
-    is none to add (not such an error, not ``var OP const``, too many, or no progress)."""
-    # Only a dispatcher that checks ``guard_ok`` on every call may run guarded executables.
-    if not getattr(self.ctx, "checks_guards", False):
-      return False
-    cmp = inconclusive_comparison(e)
-    if cmp is None or cmp[0] not in self.sig.var_order:
-      return False
-    var, split = cmp  # the sizes of ``var`` split into [1, split - 1] and [split, ...)
-    pol = self.ctx.policies.for_var(var)
-    top = pol.max if self.ctx.opts.overflow != "grow" else None
-    i = self.sig.var_order.index(var)
-    bounds = {j: (lo, hi) for j, lo, hi in self._guard_bounds}
-    lo, hi = bounds.get(i, (1, math.inf))
-    top = hi if top is None else min(top, hi)
-    above, below = top - max(lo, split) + 1, min(top, split - 1) - lo + 1  # sizes per side
-    if above >= below:  # ties (and no max): the side of the larger sizes
-      new = (max(lo, split), hi)
-    else:
-      new = (lo, min(hi, split - 1))
-    if new == (lo, hi) or new[0] > new[1]:
-      return False  # no progress, or no size left
-    bounds[i] = new
-    guards = guard_texts(self.sig.var_order, bounds)
-    try:
-      sig = self._signature(guards)
-    except Exception:  # noqa: BLE001 - jax refuses the constraint: no guard, run exact
-      return False
-    self.sig = sig
-    self.guards = guards
-    self._guard_bounds = tuple((j, lo, hi) for j, (lo, hi) in sorted(bounds.items()))
-    logger.info("dynjax: %s traces under the inferred guards %s", self.name, guards)
-    return True
-
-  def _signature(self, guards: tuple[str, ...]):
-    """The family's signature with ``guards`` added to its constraints (same specs)."""
-    specs = [(path, None if spec is None else spec.text, len(aval.shape))
-             for path, spec, aval in zip(self.leaf_paths, self.sig.leaves, self.avals,
-                                         strict=True)]
-    texts = [text for _, text, _ in specs]
-    return _symbolic.build_signature(specs, self._constraints(texts) + guards)
 
   def _under_guards(self, reason: str) -> str:
     if not self.guards:
@@ -502,7 +463,8 @@ class Family:
       args = avals
       donate = self.donate_leaves()
       as_leaves = list
-    shard = {} if self.shard is None else self.shard.jit_kwargs(self, bkey, self.mode == "auto")
+    shard = (_placement.jit_kwargs(self) if self.shard is None
+             else self.shard.jit_kwargs(self, bkey, self.mode == "auto"))
     if self.mode == "trust":
       flat_fun = _attention.fun_at(flat_fun, avals, self.attention_impl, self.name)
       def bucket_fun(*xs):
@@ -536,7 +498,8 @@ class Family:
     padded = sum(math.prod(s) for s, spec in zip(in_shapes, self.sig.leaves, strict=True)
                  if spec is not None)
     casts = _casts.of_executable(self, exe, 1 if self.mode == "auto" else 0)
-    return BucketEntry(exe, in_shapes, padded, tuple(rewrites), tier, source, casts)
+    return BucketEntry(exe, in_shapes, padded, tuple(rewrites), tier, source, casts,
+                       _placement.of_executable(exe))
 
   def load_stored(self, bkey, stored_min: int = 0) -> BucketEntry | None:
     """The bucket's best stored executable of tier >= ``stored_min`` (``cache_dir``), or None."""

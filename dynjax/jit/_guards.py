@@ -1,4 +1,4 @@
-"""Guards: size conditions a family infers while tracing (see ``Family._add_guard``).
+"""Guards: size conditions a family infers while tracing (:func:`add_guard`).
 
 Where symbolic tracing needs a comparison it cannot decide (``lax.top_k(x, 3)`` asks whether
 ``t < 3``), the family decides it as torch.compile's guards do: it assumes the side that holds
@@ -8,9 +8,13 @@ call.  This module reads the comparison out of jax's error and writes the constr
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 
+from dynjax import _symbolic
+
+logger = logging.getLogger("dynjax")
 MAX_GUARDS = 8  # re-traces under inferred guards per family; one more falls back
 
 _INCONCLUSIVE = re.compile(
@@ -52,3 +56,48 @@ def inconclusive_comparison(e: BaseException | None) -> tuple[str, int] | None:
       return v.group(1), (k if op in ("<", ">=") else k + 1)
     e = e.__cause__ or e.__context__
   return None
+
+
+def add_guard(fam, e: BaseException) -> bool:
+  """Adds the guard that decides the comparison ``e`` found inconclusive; False when there
+  is none to add (not such an error, not ``var OP const``, too many, or no progress)."""
+  # Only a dispatcher that checks ``guard_ok`` on every call may run guarded executables.
+  if not getattr(fam.ctx, "checks_guards", False):
+    return False
+  cmp = inconclusive_comparison(e)
+  if cmp is None or cmp[0] not in fam.sig.var_order:
+    return False
+  var, split = cmp  # the sizes of ``var`` split into [1, split - 1] and [split, ...)
+  pol = fam.ctx.policies.for_var(var)
+  top = pol.max if fam.ctx.opts.overflow != "grow" else None
+  i = fam.sig.var_order.index(var)
+  bounds = {j: (lo, hi) for j, lo, hi in fam._guard_bounds}
+  lo, hi = bounds.get(i, (1, math.inf))
+  top = hi if top is None else min(top, hi)
+  above, below = top - max(lo, split) + 1, min(top, split - 1) - lo + 1  # sizes per side
+  if above >= below:  # ties (and no max): the side of the larger sizes
+    new = (max(lo, split), hi)
+  else:
+    new = (lo, min(hi, split - 1))
+  if new == (lo, hi) or new[0] > new[1]:
+    return False  # no progress, or no size left
+  bounds[i] = new
+  guards = guard_texts(fam.sig.var_order, bounds)
+  try:
+    sig = _signature(fam, guards)
+  except Exception:  # noqa: BLE001 - jax refuses the constraint: no guard, run exact
+    return False
+  fam.sig = sig
+  fam.guards = guards
+  fam._guard_bounds = tuple((j, lo, hi) for j, (lo, hi) in sorted(bounds.items()))
+  logger.info("dynjax: %s traces under the inferred guards %s", fam.name, guards)
+  return True
+
+
+def _signature(fam, guards: tuple[str, ...]):
+  """The family's signature with ``guards`` added to its constraints (same specs)."""
+  specs = [(path, None if spec is None else spec.text, len(aval.shape))
+           for path, spec, aval in zip(fam.leaf_paths, fam.sig.leaves, fam.avals,
+                                       strict=True)]
+  texts = [text for _, text, _ in specs]
+  return _symbolic.build_signature(specs, fam._constraints(texts) + guards)

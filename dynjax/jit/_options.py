@@ -53,13 +53,14 @@ class Options:
   on_fallback: str = "warn"
   attention: str | None = None  # rewrite attention to jax.nn.dot_product_attention
   cast_once: bool = True  # parameters the function only casts narrower: cast once (_casts)
+  host_outputs: bool | None = None  # outputs in pinned host memory (_placement)
 
 
 def check(name: str, param_names: list[str], dyn_names: tuple[str, ...], *, dims, buckets,
           padding, overflow, static_argnames, donate_argnames, return_padded, constraints,
           max_executables, cache_dir, check, async_compile, in_shardings, out_shardings,
           serving, compile_workers, compiler_options, on_fallback,
-          attention=None, cast_once=True) -> Options:
+          attention=None, cast_once=True, host_outputs=None) -> Options:
   """Validates every option of ``dynjax.jit(fun, ...)``; ``SpecError`` names what is wrong."""
   static = names(static_argnames, "static_argnames")
   donate = names(donate_argnames, "donate_argnames")
@@ -95,12 +96,14 @@ def check(name: str, param_names: list[str], dyn_names: tuple[str, ...], *, dims
                   else None),
       on_fallback=choice(on_fallback, ON_FALLBACK, "on_fallback"),
       attention=_check_attention(attention, padding),
-      cast_once=_check_bool(cast_once, "cast_once"))
+      cast_once=_check_bool(cast_once, "cast_once"),
+      host_outputs=None if host_outputs is None else _check_bool(host_outputs, "host_outputs",
+                                                                 "True, False or None"))
 
 
-def _check_bool(value, what: str) -> bool:
+def _check_bool(value, what: str, legal: str = "True or False") -> bool:
   if not isinstance(value, bool | np.bool_):
-    raise SpecError(f"{what} must be True or False, got {value!r}")
+    raise SpecError(f"{what} must be {legal}, got {value!r}")
   return bool(value)
 
 

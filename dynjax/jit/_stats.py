@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 from collections import Counter
 
-from dynjax.jit import _casts
+from dynjax.jit import _casts, _placement
 
 
 class Counters:
@@ -155,6 +155,7 @@ def stats_dict(d) -> dict:
       "preruns": d.compiler.prerunner.describe(),
       "cast_once": {"leaves": sum(len(f.casts) for f in fams.values()),
                     "conversions": sum(f.cast_memo.conversions for f in fams.values())},
+      "host_outputs": sum(1 for f in fams.values() if f.host_out),
       "waited_for_compile": counters.waits,
       "wait_seconds": counters.wait_seconds,
       "background": (None if sched is None else {
@@ -248,6 +249,9 @@ def explain(d) -> str:
     if fam.casts:
       lines.append("  cast once per array (cast_once=True; the executables take the copies):")
       lines.extend(f"    {r}" for r in _casts.describe(fam))
+    placed = _placement.describe(fam)
+    if placed:
+      lines.append(f"  {placed}")
     if fam.rewrites:
       lines.append("  padding pass:")
       lines.extend(f"    {r}" for r in fam.rewrites)

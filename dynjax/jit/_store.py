@@ -318,6 +318,7 @@ def family_parts(fam) -> dict:
       "compiler_options": opts.compiler_options,
       "attention": opts.attention,
       "casts": sorted((i, str(d)) for i, d in fam.casts.items()),
+      "host_outputs": fam.host_out,
       "versions": (jax.__version__, _jax_private.jaxlib_version(), dynjax_source_hash()),
       "backend": (jax.default_backend(), dev.device_kind, jax.device_count()),
       "config": _jax_private.lowering_config(),

@@ -1,0 +1,123 @@
+"""Where a bucket executable's outputs live: device memory, or pinned host memory.
+
+A host request (numpy in, numpy out: a server's) ends with a device-to-host copy of every
+output.  ``np.asarray`` of a device array waits for the computation, then asks the runtime for
+the copy and waits again; an executable compiled with its outputs in pinned host memory
+(``out_shardings`` of memory kind ``pinned_host``) copies them itself, on its own stream, and
+``np.asarray`` of such an output is a host memcpy.  Measured (H100, jax 0.11.2,
+``benchmarks/probe_transfers.py``, three processes, (8, 1024) float32 out): a small call with
+device inputs and ``np.asarray`` of its result 172-196 us, with pinned host outputs 66-85 us;
+with numpy inputs 212-249 vs 126-136 us (torch eager, the same call: 54-73 us).
+
+``jit(host_outputs=None)`` (default) decides per family, once, before its first bucket lowers:
+pinned host outputs on GPU for a family whose first call was a host request (its leaves with
+dims all numpy), or, for a family first met abstractly (``warmup``/``trace`` with
+``jax.ShapeDtypeStruct``), when ``serving=True``.  ``True`` asks for them on any backend with
+pinned host memory, ``False`` never.  Never for sharded families, donated arguments,
+``return_padded=True`` or PRNG-key outputs.  A device request that reaches such an executable
+gets its outputs moved back to the device (correct; one transfer each, as the host round trip
+of an unpadded output).  The choice is part of the executable store's fingerprint.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+HOST_KIND = "pinned_host"
+AUTO_PLATFORMS = ("gpu",)  # where host_outputs=None turns them on (measured there)
+
+
+def host_request(leaves, idx) -> bool | None:
+  """True: the leaves at ``idx`` are all host values; False: one is on a device; None: one
+  is abstract (``jax.ShapeDtypeStruct``: a warmup or trace from shapes)."""
+  from dynjax.jit._args import on_device
+
+  xs = [leaves[i] for i in idx]
+  if any(type(x) is jax.ShapeDtypeStruct for x in xs):
+    return None
+  return not any(on_device(x) for x in xs)
+
+
+def default_device():
+  """The device unsharded executables run on (``jax_default_device``, else the first)."""
+  d = jax.config.jax_default_device
+  if isinstance(d, jax.Device):
+    return d
+  return jax.devices(d if isinstance(d, str) else None)[0]
+
+
+@functools.cache
+def has_host_memory(device) -> bool:
+  try:
+    return any(m.kind == HOST_KIND for m in device.addressable_memories())
+  except Exception:  # noqa: BLE001 - a backend without memories: no pinned host outputs
+    return False
+
+
+def plan(fam, request: bool | None) -> tuple[bool, str]:
+  """(host outputs?, why) for a padded family whose first call was ``request``."""
+  opts = fam.ctx.opts
+  want = opts.host_outputs
+  if want is False:
+    return False, "host_outputs=False"
+  if fam.shard is not None:
+    return False, "sharded"
+  if opts.donate_argnames:
+    return False, "donated arguments (their buffers may become outputs)"
+  if opts.return_padded:
+    return False, "return_padded=True (results stay on the device)"
+  from dynjax.jit._dispatch import is_key
+
+  if any(is_key(a) for a in fam.out_avals):
+    return False, "PRNG-key outputs"
+  dev = default_device()
+  if not has_host_memory(dev):
+    return False, f"{dev.platform} has no {HOST_KIND} memory"
+  if want is True:
+    return True, "host_outputs=True"
+  if dev.platform not in AUTO_PLATFORMS:
+    return False, f"measured on GPU only ({dev.platform})"
+  if request is None:
+    return opts.serving, ("serving=True" if opts.serving else
+                          "first met abstractly, serving=False")
+  return request, "the first call was a host request" if request else \
+      "the first call was a device request"
+
+
+def jit_kwargs(fam) -> dict:
+  """``jax.jit`` arguments of a bucket function: pinned host outputs, or none."""
+  if not fam.host_out:
+    return {}
+  return {"out_shardings": jax.sharding.SingleDeviceSharding(default_device(),
+                                                             memory_kind=HOST_KIND)}
+
+
+def of_executable(exe) -> bool:
+  """Whether a compiled (or stored) executable writes its outputs to pinned host memory."""
+  try:
+    return any(getattr(s, "memory_kind", None) == HOST_KIND
+               for s in jax.tree_util.tree_leaves(exe.output_shardings))
+  except Exception:  # noqa: BLE001 - unknown: treated as device outputs (always correct)
+    return False
+
+
+@functools.cache
+def _device_kind(device) -> str:
+  return device.default_memory().kind
+
+
+def to_device(o):
+  """A pinned host output moved to its device's default memory (a device request)."""
+  s = getattr(o, "sharding", None)
+  if s is None or s.memory_kind != HOST_KIND:
+    return o
+  return jax.device_put(o, s.with_memory_kind(_device_kind(next(iter(s.device_set)))))
+
+
+def describe(fam) -> str | None:
+  if not getattr(fam, "host_out_reason", None):
+    return None
+  where = "pinned host memory" if fam.host_out else "device memory"
+  return f"outputs in {where} ({fam.host_out_reason})"

@@ -1,0 +1,167 @@
+"""Outputs in pinned host memory (``dynjax.jit(host_outputs=...)``, ``jit/_placement.py``):
+the executables of a host-request family write their outputs to pinned host memory, so a
+numpy result needs no separate device-to-host copy.  On CPU (these tests) pinned host memory
+exists, so ``host_outputs=True`` runs the real path; the automatic rule is GPU-only and is
+exercised here by letting it apply to the CPU."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dynjax
+from dynjax._errors import SpecError
+from dynjax.jit import _placement
+
+
+def fn(p, x):
+  h = jnp.tanh(x @ p["w"]) * p["b"]  # pad-safe (padding="trust" runs it as written)
+  return {"pooled": h.sum(1), "h": h, "n": jnp.sum(x > 0.5, axis=(1, 2)).astype(jnp.int32)}
+
+
+REF = jax.jit(fn)
+P = {"w": jnp.asarray(np.random.RandomState(0).randn(8, 4).astype(np.float32)),
+     "b": jnp.asarray(np.arange(4, dtype=np.float32))}
+
+
+def _x(b, t, seed=0):
+  return np.random.RandomState(seed + 31 * t + b).rand(b, t, 8).astype(np.float32)
+
+
+def _family(f):
+  return next(iter(f._dispatcher.all_families.values()))
+
+
+def _same(got, want, device: bool):
+  for k in want:
+    assert isinstance(got[k], jax.Array if device else np.ndarray), (k, type(got[k]))
+    if device:
+      assert got[k].sharding.memory_kind != _placement.HOST_KIND
+    # (tanh at another shape may take XLA:CPU's other vector path: 1 ulp)
+    np.testing.assert_allclose(np.asarray(got[k]), np.asarray(want[k]), rtol=1e-6, atol=1e-6)
+    assert np.asarray(got[k]).dtype == want[k].dtype
+
+
+@pytest.fixture
+def auto_on_cpu(monkeypatch):
+  """The automatic rule (GPU only) applied to this CPU."""
+  monkeypatch.setattr(_placement, "AUTO_PLATFORMS", ("gpu", jax.devices()[0].platform))
+
+
+@pytest.mark.parametrize("padding", ["auto", "trust"])
+def test_host_outputs_exact_for_host_and_device_requests(padding, compiles):
+  f = dynjax.jit(fn, dims={"x": "b, t, 8"}, padding=padding, host_outputs=True)
+  cases = [(x, jnp.asarray(x), REF(P, x)) for x in (_x(3, 13), _x(4, 16), _x(3, 9))]
+  start = compiles()
+  for x, dx, want in cases:  # sliced outputs, and the bucket's own shape
+    _same(f(P, x), want, device=False)
+    _same(f(P, dx), want, device=True)  # moved back to the device
+  fam = _family(f)
+  assert fam.host_out and all(e.host_out for e in fam.buckets.values())
+  assert compiles() - start == len(fam.buckets) == 1  # no extra executable for the outputs
+  assert f.stats()["host_outputs"] == 1
+  assert "outputs in pinned host memory (host_outputs=True)" in f.explain()
+
+
+def test_return_padded_device_request_gets_device_buffers():
+  f = dynjax.jit(lambda x: x * 2, dims={"x": "b, t"}, host_outputs=True)
+  x = np.arange(15, dtype=np.float32).reshape(3, 5)
+  np.testing.assert_array_equal(f(x), x * 2)
+  y = f(jnp.asarray(x))
+  assert y.sharding.memory_kind != _placement.HOST_KIND
+  np.testing.assert_array_equal(np.asarray(y), x * 2)
+
+
+def test_default_is_device_memory_on_cpu():
+  f = dynjax.jit(fn, dims={"x": "b, t, 8"})
+  _same(f(P, _x(3, 13)), REF(P, _x(3, 13)), device=False)
+  fam = _family(f)
+  assert not fam.host_out and not any(e.host_out for e in fam.buckets.values())
+  assert "measured on GPU only" in f.explain()
+
+
+def test_auto_rule_follows_the_first_request(auto_on_cpu):
+  host = dynjax.jit(fn, dims={"x": "b, t, 8"})
+  _same(host(P, _x(3, 13)), REF(P, _x(3, 13)), device=False)
+  assert _family(host).host_out
+  assert "the first call was a host request" in host.explain()
+  dev = dynjax.jit(fn, dims={"x": "b, t, 8"})
+  _same(dev(P, jnp.asarray(_x(3, 13))), REF(P, _x(3, 13)), device=True)
+  assert not _family(dev).host_out
+  assert "the first call was a device request" in dev.explain()
+
+
+@pytest.mark.parametrize("serving", [True, False])
+def test_auto_rule_for_a_warmup_from_shapes(auto_on_cpu, serving):
+  f = dynjax.jit(fn, dims={"x": "b, t, 8"}, buckets=dynjax.buckets.pow2(4, 16),
+                 serving=serving)
+  f.warmup(P, jax.ShapeDtypeStruct((4, 16, 8), jnp.float32))
+  f.wait()
+  assert _family(f).host_out is serving
+  _same(f(P, _x(3, 13)), REF(P, _x(3, 13)), device=False)
+
+
+@pytest.mark.parametrize("kw", [dict(host_outputs=False), dict(return_padded=True),
+                                dict(donate_argnames="x")])
+def test_auto_rule_exclusions(auto_on_cpu, kw):
+  f = dynjax.jit(lambda x: x * 2, dims={"x": "b, t"}, **kw)
+  x = np.ones((3, 5), np.float32)
+  y = f(x)
+  np.testing.assert_array_equal(np.asarray(y.unpad() if hasattr(y, "unpad") else y), x * 2)
+  assert not _family(f).host_out
+
+
+def test_prng_key_outputs_stay_on_the_device(auto_on_cpu):
+  f = dynjax.jit(lambda k, x: (jax.random.split(k), x + 1), dims={"x": "b, t"})
+  k, y = f(jax.random.key(0), np.ones((3, 5), np.float32))
+  assert not _family(f).host_out and "PRNG-key outputs" in f.explain()
+  np.testing.assert_array_equal(jax.random.key_data(k),
+                                jax.random.key_data(jax.random.split(jax.random.key(0))))
+
+
+def test_store_round_trip_keeps_the_placement(tmp_path):
+  kw = dict(dims={"x": "b, t, 8"}, cache_dir=str(tmp_path))
+  f = dynjax.jit(fn, host_outputs=True, **kw)
+  _same(f(P, _x(3, 13)), REF(P, _x(3, 13)), device=False)
+  g = dynjax.jit(fn, host_outputs=True, **kw)  # a restart loads it, outputs still on the host
+  _same(g(P, _x(3, 11)), REF(P, _x(3, 11)), device=False)
+  _same(g(P, jnp.asarray(_x(3, 11))), REF(P, _x(3, 11)), device=True)
+  assert g.stats()["loaded_from_store"] == 1
+  assert all(e.host_out for e in _family(g).buckets.values())
+  h = dynjax.jit(fn, host_outputs=False, **kw)  # another fingerprint: compiled anew
+  _same(h(P, _x(3, 13)), REF(P, _x(3, 13)), device=False)
+  assert h.stats()["loaded_from_store"] == 0
+  assert not any(e.host_out for e in _family(h).buckets.values())
+
+
+def test_flax_forwarded_and_cast_params_with_host_outputs(monkeypatch):
+  from dynjax.jit import _casts
+
+  monkeypatch.setattr(_casts, "MIN_BYTES", 0)
+  monkeypatch.setattr(_casts, "MIN_SAVED_SECONDS", 0.0)
+
+  class M(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(4, dtype=jnp.bfloat16)(x)
+
+  m = M()
+  v = m.init(jax.random.key(0), np.ones((2, 3, 8), np.float32))
+
+  def step(v, x):
+    return m.apply(v, x), v  # the params come back unchanged: forwarded, not copied
+
+  f = dynjax.jit(step, dims={"x": "b, t, 8"}, host_outputs=True)
+  x = _x(3, 5)
+  y, v2 = f(v, x)
+  np.testing.assert_array_equal(np.asarray(y), np.asarray(jax.jit(step)(v, x)[0]))
+  assert all(a is b for a, b in zip(jax.tree.leaves(v2), jax.tree.leaves(v), strict=True))
+  assert _family(f).host_out
+
+
+def test_bad_option_names_it():
+  with pytest.raises(SpecError, match=r"host_outputs must be True, False or None, got 'yes'"):
+    dynjax.jit(lambda x: x, host_outputs="yes")
