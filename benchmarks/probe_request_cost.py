@@ -57,6 +57,15 @@ def count_kernels(text: str) -> dict:
   return kinds
 
 
+def _median_us(fn, n: int) -> float:
+  xs = []
+  for _ in range(n):
+    t1 = time.perf_counter()
+    fn()
+    xs.append(time.perf_counter() - t1)
+  return float(sorted(xs)[len(xs) // 2]) * 1e6
+
+
 def child(args) -> dict:
   import jax
   import jax.numpy as jnp
@@ -111,15 +120,8 @@ def child(args) -> dict:
         y = exe(v16, dtok, dlens)
       jax.block_until_ready(y)
       piped = (time.perf_counter() - t0) / n
-      def per(fn):
-        xs = []
-        for _ in range(n):
-          t1 = time.perf_counter()
-          fn()
-          xs.append(time.perf_counter() - t1)
-        return float(np.median(xs)) * 1e6
-      sync = per(lambda: jax.block_until_ready(exe(v16, dtok, dlens)))
-      nump = per(lambda: np.asarray(exe(v16, tok, lens)))
+      sync = _median_us(lambda e=exe, a=dtok, b=dlens: jax.block_until_ready(e(v16, a, b)), n)
+      nump = _median_us(lambda e=exe, a=tok, b=lens: np.asarray(e(v16, a, b)), n)
       res["buckets"][t] = {"pipelined_us": piped * 1e6, "sync_us": sync, "numpy_us": nump,
                            "kernels": count_kernels(exe.as_text())}
       print(f"  {name:8s} t={t:4d} pipelined {piped * 1e6:8.1f} us  sync {sync:8.1f}  numpy "

@@ -463,7 +463,7 @@ class Family:
       args = avals
       donate = self.donate_leaves()
       as_leaves = list
-    shard = (_placement.jit_kwargs(self) if self.shard is None
+    shard = (_placement.jit_kwargs(self, bkey) if self.shard is None
              else self.shard.jit_kwargs(self, bkey, self.mode == "auto"))
     if self.mode == "trust":
       flat_fun = _attention.fun_at(flat_fun, avals, self.attention_impl, self.name)

@@ -12,7 +12,8 @@ with numpy inputs 212-249 vs 126-136 us (torch eager, the same call: 54-73 us).
 ``jit(host_outputs=None)`` (default) decides per family, once, before its first bucket lowers:
 pinned host outputs on GPU for a family whose first call was a host request (its leaves with
 dims all numpy), or, for a family first met abstractly (``warmup``/``trace`` with
-``jax.ShapeDtypeStruct``), when ``serving=True``.  ``True`` asks for them on any backend with
+``jax.ShapeDtypeStruct``), when ``serving=True``; a bucket whose outputs exceed
+``MAX_BYTES`` (64 MiB) keeps them in device memory.  ``True`` asks for them on any backend with
 pinned host memory, ``False`` never.  Never for sharded families, donated arguments,
 ``return_padded=True`` or PRNG-key outputs.  A device request that reaches such an executable
 gets its outputs moved back to the device (correct; one transfer each, as the host round trip
@@ -22,11 +23,16 @@ of an unpadded output).  The choice is part of the executable store's fingerprin
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
+import numpy as np
 
 HOST_KIND = "pinned_host"
 AUTO_PLATFORMS = ("gpu",)  # where host_outputs=None turns them on (measured there)
+# A bucket whose outputs are larger keeps them in device memory: pinned host memory is a
+# scarcer pool (page-locked), and above a few MB the copy, not its start-up, is the cost.
+MAX_BYTES = 64 << 20
 
 
 def host_request(leaves, idx) -> bool | None:
@@ -86,9 +92,13 @@ def plan(fam, request: bool | None) -> tuple[bool, str]:
       "the first call was a device request"
 
 
-def jit_kwargs(fam) -> dict:
-  """``jax.jit`` arguments of a bucket function: pinned host outputs, or none."""
+def jit_kwargs(fam, bkey) -> dict:
+  """``jax.jit`` arguments of one bucket's function: pinned host outputs, or none."""
   if not fam.host_out:
+    return {}
+  size = sum(math.prod(fn(bkey)) * np.dtype(a.dtype).itemsize for i, (fn, a) in enumerate(
+      zip(fam.out_shape_fns, fam.out_avals, strict=True)) if i not in fam.forward)
+  if size > MAX_BYTES:
     return {}
   return {"out_shardings": jax.sharding.SingleDeviceSharding(default_device(),
                                                              memory_kind=HOST_KIND)}

@@ -165,3 +165,13 @@ def test_flax_forwarded_and_cast_params_with_host_outputs(monkeypatch):
 def test_bad_option_names_it():
   with pytest.raises(SpecError, match=r"host_outputs must be True, False or None, got 'yes'"):
     dynjax.jit(lambda x: x, host_outputs="yes")
+
+
+def test_a_bucket_with_large_outputs_keeps_them_on_the_device(monkeypatch):
+  monkeypatch.setattr(_placement, "MAX_BYTES", 4 * 16 * 4)  # (4, 16) float32 fits, (4, 32) not
+  f = dynjax.jit(lambda x: x * 2, dims={"x": "b, t"}, host_outputs=True)
+  for t in (13, 30):
+    x = np.ones((3, t), np.float32)
+    np.testing.assert_array_equal(f(x), x * 2)
+  fam = _family(f)
+  assert {b: e.host_out for b, e in fam.buckets.items()} == {(4, 16): True, (4, 32): False}
