@@ -53,7 +53,7 @@ class Executor:
                "in_shapes", "tree", "dev_sizes", "out_slices", "out_shapes", "out_tree",
                "single", "sync", "device", "return_padded", "timed", "check", "ctx", "n", "lock",
                "padded_elems", "true_elems", "larger", "bucket_id", "out_dynamic", "top",
-               "plain_out", "casts", "fwd", "to_device")
+               "plain_out", "casts", "fwd", "to_device", "numpy_out")
 
   def __init__(self, ctx, fam: Family, sizes, own, bkey, entry, shapes, device: bool,
                top: bool, dev_sizes, out_shapes, true_elems: int, all_leaves: bool):
@@ -94,9 +94,14 @@ class Executor:
     self.plain_out = not any(is_key(fam.out_avals[i]) for i in kept)  # no PRNG keys among them
     self.return_padded = opts.return_padded
     self.device = device
-    self.sync = not device and not opts.return_padded  # host request: numpy results
+    # A host request (numpy leaves with dims) gets numpy results for its outputs with dims
+    # (cut to the exact shapes on the host); outputs without dims (a training step's new
+    # parameters) stay device arrays, as jax.jit returns them: never a round trip of the state.
+    host = not device and not opts.return_padded
+    self.numpy_out = tuple(host and dyn for dyn in self.out_dynamic)
+    self.sync = any(self.numpy_out)  # the call blocks for its numpy results
     # pinned host outputs (jit/_placement.py) of a device request go back to the device
-    self.to_device = entry.host_out and not self.sync
+    self.to_device = entry.host_out and not host
     self.timed = bool(fam.observers) or (opts.serving and self.sync)
     self.check = opts.check
     self.n = 0  # calls served, summed into the counters by stats()
@@ -137,7 +142,8 @@ class Executor:
         sl = self.out_slices[0]
         res = h if sl is None else h[sl]
       else:
-        res = [h if sl is None else h[sl] for h, sl in zip(to_host(outs), self.out_slices, strict=True)]
+        res = [h if sl is None else h[sl] for h, sl in zip(
+            to_host(outs, self.numpy_out), self.out_slices, strict=True)]
     elif self.return_padded:
       if self.to_device:
         outs = [_placement.to_device(o) for o in outs]
@@ -308,8 +314,9 @@ class Dispatcher:
     exe = fam.exact_executable(leaves)
     flat = exe(*leaves)
     tree = fam.flat_fun.out_tree
-    if not device:
-      flat = to_host(flat)
+    if not device:  # as the padded path: with dims numpy, without dims device arrays
+      dyn = fam.out_dynamic
+      flat = to_host(flat, dyn if fam.sig.var_order and len(dyn) == len(flat) else None)
     self.counters.unpadded(fam.fid, "exact",
                            sum(math.prod(np.shape(leaves[i])) for i in fam.dyn_leaves),
                            not device)
@@ -480,15 +487,18 @@ def pad_leaf(x, shape, target):
   return buf
 
 
-def to_host(outs) -> list:
-  """Device outputs to numpy. ``np.asarray`` per output costs ~2 us on CPU where
-  ``jax.device_get`` costs ~40 us (tree walk); several outputs start their copies first.
-  Arrays of an extended dtype (PRNG keys) have no numpy form and stay jax arrays."""
+def to_host(outs, which=None) -> list:
+  """Device outputs to numpy (those ``which`` marks; default all). ``np.asarray`` per output
+  costs ~2 us on CPU where ``jax.device_get`` costs ~40 us (tree walk); several outputs start
+  their copies first. Arrays of an extended dtype (PRNG keys) have no numpy form and stay jax
+  arrays."""
+  if which is None:
+    which = (True,) * len(outs)
   if len(outs) > 1:
-    for o in outs:
-      if isinstance(o, jax.Array) and not is_key(o):
+    for o, w in zip(outs, which, strict=True):
+      if w and isinstance(o, jax.Array) and not is_key(o):
         o.copy_to_host_async()
-  return [o if is_key(o) else np.asarray(o) for o in outs]
+  return [np.asarray(o) if w and not is_key(o) else o for o, w in zip(outs, which, strict=True)]
 
 
 def is_key(x) -> bool:

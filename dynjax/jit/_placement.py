@@ -93,15 +93,19 @@ def plan(fam, request: bool | None) -> tuple[bool, str]:
 
 
 def jit_kwargs(fam, bkey) -> dict:
-  """``jax.jit`` arguments of one bucket's function: pinned host outputs, or none."""
+  """``jax.jit`` arguments of one bucket's function: its outputs with dims in pinned host
+  memory (a host request returns those as numpy; the others stay device arrays), or none."""
   if not fam.host_out:
     return {}
-  size = sum(math.prod(fn(bkey)) * np.dtype(a.dtype).itemsize for i, (fn, a) in enumerate(
-      zip(fam.out_shape_fns, fam.out_avals, strict=True)) if i not in fam.forward)
-  if size > MAX_BYTES:
+  kept = [i for i in range(len(fam.out_avals)) if i not in fam.forward]
+  size = sum(math.prod(fam.out_shape_fns[i](bkey)) * np.dtype(fam.out_avals[i].dtype).itemsize
+             for i in kept if fam.out_dynamic[i])
+  if size == 0 or size > MAX_BYTES:
     return {}
-  return {"out_shardings": jax.sharding.SingleDeviceSharding(default_device(),
-                                                             memory_kind=HOST_KIND)}
+  dev = default_device()
+  host = jax.sharding.SingleDeviceSharding(dev, memory_kind=HOST_KIND)
+  on_dev = jax.sharding.SingleDeviceSharding(dev)
+  return {"out_shardings": [host if fam.out_dynamic[i] else on_dev for i in kept]}
 
 
 def of_executable(exe) -> bool:

@@ -175,3 +175,65 @@ def test_a_bucket_with_large_outputs_keeps_them_on_the_device(monkeypatch):
     np.testing.assert_array_equal(f(x), x * 2)
   fam = _family(f)
   assert {b: e.host_out for b, e in fam.buckets.items()} == {(4, 16): True, (4, 32): False}
+
+
+# -- which outputs come back as numpy -------------------------------------------------------
+def train_step(params, x, y):
+  """A training step in the idiom of public JAX code: new params, the loss, per-example."""
+  def loss_fn(p):
+    err = jnp.tanh(x @ p["w"]).sum(1) @ p["v"] - y  # (b,)
+    return jnp.mean(err ** 2), err
+
+  (loss, err), g = jax.value_and_grad(loss_fn, has_aux=True)(params)
+  return jax.tree.map(lambda a, b: a - 0.01 * b, params, g), loss, err
+
+
+TP = {"w": jnp.asarray(np.random.RandomState(1).randn(8, 4).astype(np.float32) * 0.3),
+      "v": jnp.asarray(np.random.RandomState(2).randn(4).astype(np.float32))}
+
+
+@pytest.mark.parametrize("host_outputs", [None, True])
+def test_training_step_with_numpy_batches_keeps_its_state_on_the_device(host_outputs):
+  """numpy batches (a data loader's): the per-example output comes back as numpy (it has the
+  request's dims), the new parameters and the loss stay device arrays, as from jax.jit, so
+  the next step takes them without an upload (before: every output came back as numpy)."""
+  f = dynjax.jit(train_step, dims={"x": "b, t, 8", "y": "b"}, host_outputs=host_outputs)
+  ref = jax.jit(train_step)
+  p = TP
+  for step, (b, t) in enumerate(((3, 13), (4, 9), (3, 16))):
+    x = _x(b, t, seed=step)
+    y = np.random.RandomState(step).randn(b).astype(np.float32)
+    p_ref, loss_ref, err_ref = ref(p, x, y)  # from the same parameters: no drift compounds
+    p, loss, err = f(p, x, y)  # the step's own outputs feed the next step
+    assert isinstance(err, np.ndarray) and err.shape == (b,)
+    assert isinstance(loss, jax.Array) and loss.shape == ()
+    for k in p:
+      assert type(p[k]) is type(p_ref[k]) and p[k].sharding.memory_kind != _placement.HOST_KIND
+      np.testing.assert_allclose(np.asarray(p[k]), np.asarray(p_ref[k]), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(err, np.asarray(err_ref), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(float(loss), float(loss_ref), rtol=1e-5)
+  assert f.stats()["host_syncs"] == 3  # each step blocks for its numpy per-example output
+  assert _family(f).host_out is bool(host_outputs)
+
+
+def test_outputs_without_dims_only_do_not_block():
+  f = dynjax.jit(lambda p, x: (p["w"] * 2, jnp.sum(x)), dims={"x": "b, t"})
+  w, s = f({"w": jnp.ones(3)}, np.ones((3, 5), np.float32))
+  assert isinstance(w, jax.Array) and isinstance(s, jax.Array) and float(s) == 15.0
+  assert f.stats()["host_syncs"] == 0
+
+
+def test_exact_runs_return_the_same_kinds_as_padded_ones():
+  """A size past the largest bucket runs exact (overflow="exact"): same output kinds."""
+  f = dynjax.jit(train_step, dims={"x": "b, t, 8", "y": "b"}, overflow="exact",
+                 buckets={"t": dynjax.buckets.pow2(4, 16)})
+  kinds = []
+  for t in (9, 40):  # padded, then exact
+    x = _x(3, t)
+    y = np.ones(3, np.float32)
+    p, loss, err = f(TP, x, y)
+    kinds.append((type(p["w"]), type(loss), type(err)))
+    want = jax.jit(train_step)(TP, x, y)
+    np.testing.assert_allclose(np.asarray(p["w"]), np.asarray(want[0]["w"]), rtol=1e-5, atol=1e-6)
+  assert kinds[0] == kinds[1] and kinds[0][2] is np.ndarray
+  assert f.stats()["exact_calls"] == 1
