@@ -304,9 +304,11 @@ class NnxWrapped:
     wrapped, graph_names, values = self._prepare(args, kwargs)
     nodes, call = self._split(graph_names, values)
     out, new_state = wrapped(**call)
-    # Numpy inputs get numpy outputs: changed state then comes back as numpy (a few us to see).
+    # Numpy inputs get numpy outputs for outputs with dims: state with dims (or of a family
+    # with none) then comes back as numpy (a few us to see; the fix-up flattens the state).
     rest = [v for k, v in call.items() if k not in (_GRAPHDEF, _STATE)]
-    if any(type(x) is np.ndarray for x in jax.tree_util.tree_leaves(rest)):
+    if (_state_may_be_numpy(wrapped)
+        and any(type(x) is np.ndarray for x in jax.tree_util.tree_leaves(rest))):
       new_state = _state_where_it_was(new_state, call[_STATE])
     nnx.update(nodes, new_state)
     return out
@@ -334,6 +336,29 @@ class NnxWrapped:
 
   def __repr__(self) -> str:
     return f"<dynjax.flax.nnx_jit {getattr(self.fun, '__qualname__', self.fun)}>"
+
+
+def _state_may_be_numpy(wrapped) -> bool:
+  """Whether a host request to ``wrapped`` can return state leaves as numpy: a family with
+  no dims (everything comes back as the request came), one without a symbolic trace, or
+  state outputs with dims; state without dims comes back as device arrays.  Cached per count
+  of families (they only grow until ``clear_cache``)."""
+  fams = wrapped._dispatcher.all_families
+  known = wrapped.__dict__.get("_dynjax_state_numpy")
+  if known is not None and known[0] == len(fams):
+    return known[1]
+  may = False
+  for fam in list(fams.values()):
+    tree = fam.out_tree
+    if not fam.sig.var_order or tree is None or len(tree.children()) != 2:
+      may = True
+      break
+    n = tree.children()[1].num_leaves  # (out, new_state): the state is the last leaves
+    if n and any(fam.out_dynamic[-n:]):
+      may = True
+      break
+  wrapped.__dict__["_dynjax_state_numpy"] = (len(fams), may)
+  return may
 
 
 def _state_where_it_was(new, old):

@@ -237,3 +237,40 @@ def test_exact_runs_return_the_same_kinds_as_padded_ones():
     np.testing.assert_allclose(np.asarray(p["w"]), np.asarray(want[0]["w"]), rtol=1e-5, atol=1e-6)
   assert kinds[0] == kinds[1] and kinds[0][2] is np.ndarray
   assert f.stats()["exact_calls"] == 1
+
+
+@pytest.mark.parametrize("dims,fixups,kind", [({"x": "b, t, 16"}, 0, np.ndarray),
+                                              ("auto", 1, jax.Array)])
+def test_nnx_state_needs_no_fix_up_when_it_has_no_dims(monkeypatch, dims, fixups, kind):
+  """NNX state (BatchNorm statistics) has no dims, so a numpy request gets it back as device
+  arrays and the wrapper skips its fix-up (a flatten of the state).  A family without dims
+  (dims="auto", first shape) keeps the fix-up: there every leaf decides (the state is on the
+  device, so this call is a device request and gets device outputs)."""
+  from flax import nnx
+
+  import dynjax.flax as dflax
+
+  calls = []
+  real = dflax._state_where_it_was
+  monkeypatch.setattr(dflax, "_state_where_it_was", lambda new, old: calls.append(1) or
+                      real(new, old))
+
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.lin = nnx.Linear(16, 8, rngs=rngs)
+      self.bn = nnx.BatchNorm(8, rngs=rngs)
+
+    def __call__(self, x):
+      return self.bn(self.lin(x)).sum(1)
+
+  model, twin = Net(nnx.Rngs(0)), Net(nnx.Rngs(0))
+  f = dflax.nnx_jit(Net.__call__, dims=dims)
+  x = np.random.RandomState(0).randn(3, 7, 16).astype(np.float32)
+  got = f(model, x)
+  want = nnx.jit(Net.__call__)(twin, x)
+  assert isinstance(got, kind)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+  assert isinstance(model.bn.mean[...], jax.Array)
+  np.testing.assert_allclose(np.asarray(model.bn.mean[...]), np.asarray(twin.bn.mean[...]),
+                             rtol=1e-5, atol=1e-6)
+  assert len(calls) == fixups
