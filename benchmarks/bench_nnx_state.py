@@ -19,7 +19,7 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # after PYTHONPATH
 
 
 def main(argv=None) -> dict:
@@ -65,7 +65,8 @@ def main(argv=None) -> dict:
   rec = {"jax": jax.__version__, "device": str(jax.devices()[0].device_kind),
          "params_mb": args.layers * args.d * args.d * 4 / 2 ** 20,
          "median_ms": float(np.median(ts)), "mean_ms": float(ts.mean()),
-         "params_after": type(kernel).__name__, "cast_once": st.get("cast_once")}
+         "params_after": type(kernel).__name__, "cast_once": st.get("cast_once"),
+         "dynjax": os.path.dirname(dynjax.__file__)}
   print(json.dumps(rec), flush=True)
   if args.out:
     os.makedirs(args.out, exist_ok=True)

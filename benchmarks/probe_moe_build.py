@@ -1,0 +1,119 @@
+"""Where issue 19's e2e MoE encoder spends its builds: per length bucket, ``jax.jit`` of the
+model's ``apply`` traced, lowered and compiled AOT (what a ``padding="trust"`` bucket build
+does), for the grouped layer (dynjax.route, hopper kernel) and for ``lax.ragged_dot``.
+
+  python benchmarks/probe_moe_build.py [--variants grouped,ragged_dot] [--out DIR] [--small]
+
+Each variant in a fresh process (no shared jax caches), buckets t = 64, 128, 256, 512 (batch 8)
+in that order: seconds of trace, lower (StableHLO, the GPU kernels' export included) and XLA
+compile, and the first run.  Writes DIR/probe_moe_build.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+
+def child(variants: str, small: bool) -> list:
+  """Each of ``variants`` (``+``-separated) built in this one process, in order."""
+  return [_build(v, small) for v in variants.split("+")]
+
+
+def _build(variant: str, small: bool) -> dict:
+  t00 = time.perf_counter()
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+  import bench_moe_gmm as bm
+
+  from dynjax import route
+
+  cfg = dict(vocab=30522, d=1024, heads=16, ffn=4096, experts=8, k=2, max_len=512, batch=8)
+  ts = (64, 128, 256, 512)
+  if small:
+    cfg.update(vocab=512, d=128, heads=4, ffn=256, max_len=128)
+    ts = (32, 64)
+  on_gpu = jax.default_backend() != "cpu"
+  routed = route.Routed(route.Experts(route.ffn()),
+                        route.Router(cfg["experts"], k=cfg["k"], renormalize=True),
+                        mode="grouped", kernel="auto" if on_gpu else "xla")
+  model = bm.build_flax_model(cfg, variant, routed if variant == "grouped" else None)
+  tok = np.ones((cfg["batch"], ts[0]), np.int32)
+  lens = np.full(cfg["batch"], ts[0], np.int32)
+  variables = jax.jit(bm.build_flax_model(cfg, "dense", None).init)(
+      jax.random.PRNGKey(0), jnp.asarray(tok), jnp.asarray(lens))
+  v16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16) if x.ndim >= 2 else x, variables)
+  out = {"variant": variant, "imports_s": time.perf_counter() - t00, "buckets": {},
+         "xla_flags": os.environ.get("XLA_FLAGS", "")}
+  for t in ts:
+    tok = np.ones((cfg["batch"], t), np.int32)
+    lens = np.full(cfg["batch"], t, np.int32)
+    fn = jax.jit(model.apply)
+    t0 = time.perf_counter()
+    traced = fn.trace(v16, tok, lens)
+    t1 = time.perf_counter()
+    lowered = traced.lower()
+    t2 = time.perf_counter()
+    exe = lowered.compile()
+    t3 = time.perf_counter()
+    jax.block_until_ready(exe(v16, tok, lens))
+    t4 = time.perf_counter()
+    out["buckets"][t] = {"trace_s": t1 - t0, "lower_s": t2 - t1, "compile_s": t3 - t2,
+                         "first_run_s": t4 - t3}
+    print(f"  {variant:10s} t={t:4d} trace {t1 - t0:6.2f} s  lower {t2 - t1:6.2f}  compile "
+          f"{t3 - t2:6.2f}  first run {t4 - t3:6.3f}", flush=True)
+  return out
+
+
+def main(argv=None) -> dict:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap.add_argument("--variants", default="grouped,ragged_dot,grouped,ragged_dot",
+                  help="one process each; a+b+c: a, b and c built in one process, in order "
+                       "(none: the model without experts)")
+  ap.add_argument("--out", default=None)
+  ap.add_argument("--small", action="store_true")
+  ap.add_argument("--xla_flags", default="", help="added to XLA_FLAGS of every process")
+  ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+  args = ap.parse_args(argv)
+  if args.child:
+    print("CHILD_RESULT " + json.dumps(child(args.child, args.small)), flush=True)
+    return {}
+  report = {"runs": []}
+  for v in args.variants.split(","):
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", v] + (
+        ["--small"] if args.small else [])
+    env = dict(os.environ)
+    if args.xla_flags:
+      env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + args.xla_flags).strip()
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    lines = p.stdout.splitlines()
+    print("\n".join(ln for ln in lines if not ln.startswith("CHILD_RESULT")), flush=True)
+    res = [ln for ln in lines if ln.startswith("CHILD_RESULT")]
+    for r in (json.loads(res[0][13:]) if res else [{"variant": v, "error": p.stderr[-1500:]}]):
+      r["process"] = v
+      report["runs"].append(r)
+    if not res:
+      print(p.stderr[-1500:], flush=True)
+  for r in report["runs"]:
+    if "buckets" in r:
+      b = r["buckets"].values()
+      print(f"[{r['process']}] {r['variant']:10s} imports {r['imports_s']:.1f} s  trace {sum(x['trace_s'] for x in b):.2f}"
+            f"  lower {sum(x['lower_s'] for x in b):.2f}  compile "
+            f"{sum(x['compile_s'] for x in b):.2f}  first runs "
+            f"{sum(x['first_run_s'] for x in b):.2f}", flush=True)
+  if args.out:
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "probe_moe_build.json"), "w") as fh:
+      json.dump(report, fh, indent=1)
+  return report
+
+
+if __name__ == "__main__":
+  main()
