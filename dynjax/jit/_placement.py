@@ -28,6 +28,8 @@ import math
 import jax
 import numpy as np
 
+from dynjax.jit._args import on_device
+
 HOST_KIND = "pinned_host"
 AUTO_PLATFORMS = ("gpu",)  # where host_outputs=None turns them on (measured there)
 # A bucket whose outputs are larger keeps them in device memory: pinned host memory is a
@@ -38,8 +40,6 @@ MAX_BYTES = 64 << 20
 def host_request(leaves, idx) -> bool | None:
   """True: the leaves at ``idx`` are all host values; False: one is on a device; None: one
   is abstract (``jax.ShapeDtypeStruct``: a warmup or trace from shapes)."""
-  from dynjax.jit._args import on_device
-
   xs = [leaves[i] for i in idx]
   if any(type(x) is jax.ShapeDtypeStruct for x in xs):
     return None
@@ -74,9 +74,7 @@ def plan(fam, request: bool | None) -> tuple[bool, str]:
     return False, "donated arguments (their buffers may become outputs)"
   if opts.return_padded:
     return False, "return_padded=True (results stay on the device)"
-  from dynjax.jit._dispatch import is_key
-
-  if any(is_key(a) for a in fam.out_avals):
+  if any(jax.dtypes.issubdtype(a.dtype, jax.dtypes.extended) for a in fam.out_avals):
     return False, "PRNG-key outputs"
   dev = default_device()
   if not has_host_memory(dev):
