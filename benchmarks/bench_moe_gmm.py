@@ -534,13 +534,16 @@ def run_e2e(args) -> dict:
                              # and XLA compile, Mosaic GPU kernels included), and how many
                              "build_s": float(st.get("compile_seconds", 0.0)),
                              "builds": int(st.get("compiles", 0)),
+                             # of those, the Python side: trace + padding + JAX lowering
+                             "lowering_s": float(st.get("lowering_seconds", 0.0)),
                              "cast_once": st.get("cast_once"),
                              "host_outputs": st.get("host_outputs"),
                              # float32 copies of the expert weights left in the optimized
                              # HLO of the largest bucket (0: the casts folded away)
                              "hlo_f32_expert_weights": f32_expert_weights(fn, cfg)}
     print(f"  {label:32s} mean {ts.mean():8.3f} ms  p50 {np.median(ts):8.3f}  cold {cold:6.1f} s"
-          f"  (builds {st.get('compiles', 0)}: {st.get('compile_seconds', 0.0):.1f} s)", flush=True)
+          f"  (builds {st.get('compiles', 0)}: {st.get('compile_seconds', 0.0):.1f} s, lowering "
+          f"{st.get('lowering_seconds', 0.0):.1f} s)", flush=True)
   if args.e2e_interleave and len(fns) > 2:
     inter = time_interleaved(fns, variables, stream, args.e2e_interleave)
     out["interleaved"] = {n: {"mean_ms": float(v.mean()), "median_ms": float(np.median(v))}
