@@ -51,7 +51,9 @@ Modes (``--modes``, in order; a ``*_restart`` mode reuses the cache of the mode 
   ``*_nostore*``: no ``cache_dir`` (no executable store, no JAX cache: what the store's
   writes cost a cold start).  ``*_noprerun*``: ``DYNJAX_PRERUN=0`` (background builds do not run their executables once
   on zeros before they serve).  ``*t0tune*`` (an experiment, not an option): tier 0 autotunes its cuBLAS gemms (triton gemms
-  stay off) instead of taking cuBLAS's heuristic choice.
+  stay off) instead of taking cuBLAS's heuristic choice; ``*t0lvl1*`` the same at autotune level 1
+  (no buffer initialisation or correctness checks; the default since session 10);
+  ``*t0lvl0*`` without autotuning (the default before).
 
 Per mode: start -> 1,000th answer (s), the stream (first request to last answer, s), the mean
 latency over the second half of the requests per length bin (the request's padded length:
@@ -373,6 +375,12 @@ def _child_dynjax(args, clock, mode):
 
   if "t0tune" in mode:  # experiment: tier 0 autotunes cuBLAS gemms (triton gemms still off)
     _serving.QUICK_GPU_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
+  if "t0lvl1" in mode:  # experiment: tier 0 autotunes at level 1 (no buffer init or checks)
+    _serving.QUICK_GPU_OPTIONS = {"xla_gpu_enable_triton_gemm": False,
+                                  "xla_gpu_autotune_level": 1}
+  if "t0lvl0" in mode:  # experiment: tier 0 without autotuning (the default before session 10)
+    _serving.QUICK_GPU_OPTIONS = {"xla_gpu_enable_triton_gemm": False,
+                                  "xla_gpu_autotune_level": 0}
   if "t1xla" in mode:  # experiment: tier 1 with XLA's defaults (triton gemms on; before run 12)
     _serving.FULL_GPU_OPTIONS = {}
   if "t1before" in mode:  # experiment: tier-up before the first call too (before run 13)

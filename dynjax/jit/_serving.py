@@ -13,7 +13,7 @@ it while its own bucket compiles in the background (progressive serving):
   :class:`~dynjax.jit._scheduler.CompileScheduler` runs the job worth the most serving
   seconds saved per second of compiling (:meth:`Compiler.job_value`); buckets an ``auto``
   policy re-planned away are worth 0.
-- Tiers on GPU: tier 0 compiles without autotuning (``QUICK_GPU_OPTIONS``), tier 1
+- Tiers on GPU: tier 0 compiles with cheap autotuning (``QUICK_GPU_OPTIONS``), tier 1
   recompiles with XLA's defaults when the compile queue is idle (no tier-0 compile running or
   wanted) and traffic has a gap or is steady, one at a time, the most used bucket first;
   ``wait()`` forces them.
@@ -45,15 +45,14 @@ from dynjax.jit._family import BucketEntry, Family
 from dynjax.jit._scheduler import WARM_AT_ONCE, CompileScheduler
 from dynjax.jit._store import FirstRun
 
-# Quick compiles on GPU (serving, tier 0): cuBLAS gemms chosen by cuBLAS's heuristics, no
-# autotuning.  H100, BERT-base, jax 0.11.2 (benchmarks/probe_serving.py, probe_contention.py):
-# compile 2.2 s (T=128) / 3.0 s (T=512) vs 5.2 / 5.1 s with XLA's defaults and 3.3 / 3.9 s
-# with triton gemms off but autotuned; run 2.72 / 8.70 ms vs 2.03 / 6.70 (defaults).  What
-# decides it is serving *during* background compiles: autotuning runs kernels on the GPU, and
-# while four compiles autotuned, every request took ~110 ms instead of ~8 (5 s of stalls in
-# a 600-request cold start); without autotuning the stalls were gone.  Tier 1 recompiles
-# with XLA's defaults once traffic is steady.
-QUICK_GPU_OPTIONS = {"xla_gpu_enable_triton_gemm": False, "xla_gpu_autotune_level": 0}
+# Quick compiles on GPU (serving, tier 0): Triton gemms off, cuBLAS autotuned at level 1
+# (timing only: no buffer init or checks).  Level 0 (cuBLAS heuristics; compile 2.2 / 3.0 s
+# at T=128 / 512 vs 5.2 / 5.1 with XLA's defaults, run 2.72 / 8.70 ms vs 2.03 / 6.70) was the
+# choice while four compiles ran at once and autotuning stalled every request (~110 ms).  With
+# one at a time, level 1 serves better from the first request (H100 BERT-base fp32 cold,
+# serve_fresh runs 27/28, tag t0lvl1: 3.96-4.13 vs 4.51-5.09 ms a request, stream 4.21-4.40 vs
+# 4.74-5.40 s, torch eager 4.35-4.39).  Tier 1 recompiles with XLA's defaults once steady.
+QUICK_GPU_OPTIONS = {"xla_gpu_enable_triton_gemm": False, "xla_gpu_autotune_level": 1}
 # Buckets lowered in the background during the first wait (serving).
 PRELOWER_MAX = 12
 # A tier-0 build keeps its (Lowered, rewrites) for its tier-1 recompile (the same module, other
@@ -270,7 +269,7 @@ class Compiler:
       # Nothing compiled covers this call: it waits for the first covering executable.
       # Serving: the bucket covering everything compiles first; the own bucket follows in
       # the background, or (GPU quick tier, >= 8 cores) at the same time: quick compiles
-      # run no autotuning, so two at once barely slow each other, and the first requests
+      # autotune little (level 1), so two at once barely slow each other, and the first requests
       # are served on the own bucket instead of the largest (H100, BERT-base: the 512
       # bucket runs 8.7 ms a request, the 256 one 4.2).  Otherwise (or with no declared
       # max): the own bucket, now.

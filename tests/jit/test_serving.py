@@ -163,7 +163,7 @@ def test_gpu_tiers_quick_compile_first_then_full_options_replace_it(monkeypatch)
   np.testing.assert_allclose(f(p, _x(5)), EXACT(p, _x(5)), rtol=1e-6, atol=1e-6)
   fam = next(iter(f._dispatcher.families.values()))
   assert fam.buckets[(2, 64)].tier == 0
-  quick = {"xla_gpu_enable_triton_gemm": False, "xla_gpu_autotune_level": 0}
+  quick = {"xla_gpu_enable_triton_gemm": False, "xla_gpu_autotune_level": 1}
   assert seen and all(o == quick for o in seen)
   # Tier 1 starts by itself once the queue is idle and traffic pauses (here: no more calls),
   # one at a time, after every tier-0 compile.
