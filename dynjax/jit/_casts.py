@@ -22,11 +22,13 @@ caches those casts (``cache_enabled=True``); this module is dynjax's equivalent:
 * :class:`Memo` / :class:`Applier` (each call): the cast copies, one per leaf of a family,
   cached by the *identity* of the array the caller passed (``jax.Array`` is immutable; a weak
   reference, so the caller's old parameters are freed when dropped).  numpy leaves can change
-  in place and are cast on every call.  Cost on a hit: a weakref compare per leaf and, on the
-  top-level path, one C++ flatten/unflatten of each argument holding such leaves (2-core CPU
-  box, an argument of 200 leaves: 90 / 124 / 184 us with 11 / 74 / 200 of them cast); the
-  misses of a call are converted in one dispatch (a training step's new parameters: one extra
-  executable call a step).
+  in place and are cast on every call.  Cost on a hit, top-level path: a walk down the key
+  paths of plain dicts/lists/tuples to the cast leaves, a weakref compare each, copying only
+  the containers on those paths (2-core CPU box, ``benchmarks/bench_cast_apply.py``, an
+  argument of 200 leaves, three alternating runs: 5.6-10 us with 12 cast, 56-107 us with 150;
+  the C++ flatten/unflatten of the whole argument it replaces took 48-95 / 92-161 us, and
+  still serves other containers and misses); the misses of a call are converted in one
+  dispatch (a training step's new parameters: one extra executable call a step).
   Memory: the cast copies live beside the caller's float32 arrays (+50% of those parameters
   for bfloat16), as torch's autocast cache.  ``dynjax.jit(cast_once=False)`` turns it off.
 
@@ -210,16 +212,76 @@ class Memo:
     return outs
 
 
-class Applier:
-  """Swaps the cast leaves of one call (top-level arguments or flat leaves) for their copies."""
+class _Fallback(Exception):
+  """A path walk met a container it cannot copy (not a plain dict/list/tuple)."""
 
-  __slots__ = ("memo", "flat", "by_arg", "counts")
+
+def _key_paths(treedef) -> list | None:
+  """Per leaf of ``treedef``: its path as plain keys (dict keys, sequence indices), or None
+  when some container on a path is another kind of node (a dataclass, an NNX State)."""
+  tu = jax.tree_util
+  out = []
+  for path, _ in tu.tree_flatten_with_path(tu.tree_unflatten(treedef, list(range(
+      treedef.num_leaves))))[0]:
+    keys = []
+    for k in path:
+      if isinstance(k, tu.DictKey):
+        keys.append(k.key)
+      elif isinstance(k, tu.SequenceKey):
+        keys.append(k.idx)
+      else:
+        return None
+    out.append(tuple(keys))
+  return out
+
+
+def _swap(node, plan: dict, items: tuple, copies: dict):
+  """``node`` with the leaves ``plan`` names (key -> sub-plan, or slot in ``items``) replaced
+  by their cached copies, copying only the containers on their paths; ``_Fallback`` on a
+  miss (or a container of another kind): the flatten path converts and explains."""
+  t = type(node)
+  if t is dict:
+    new = dict(node)
+  elif t is list or t is tuple:
+    new = list(node)
+  else:
+    raise _Fallback
+  for k, sub in plan.items():
+    x = node[k]
+    if type(sub) is int:
+      hit = copies.get(items[sub])
+      if hit is None or hit[0]() is not x or x.is_deleted():
+        raise _Fallback
+      new[k] = hit[1]
+    else:
+      new[k] = _swap(x, sub, items, copies)
+  return tuple(new) if t is tuple else new
+
+
+def _plain_paths(plan) -> list:
+  return [()] if type(plan) is int else [(k, *r) for k, sub in plan.items()
+                                          for r in _plain_paths(sub)]
+
+
+class Applier:
+  """Swaps the cast leaves of one call (top-level arguments or flat leaves) for their copies.
+
+  Top-level arguments that are plain dicts/lists/tuples down to the cast leaves (Flax's
+  ``{"params": {...}}``) are patched by key path when every cast leaf hits: the leaves are
+  looked up and only the containers on their paths copied, with no flatten of the argument
+  (see the module docstring for the cost).  Misses and other containers (a FrozenDict, a
+  dataclass, an NNX State) flatten and unflatten in C++.  Either way the executable checks
+  the argument's whole structure itself.
+  """
+
+  __slots__ = ("memo", "flat", "by_arg", "counts", "paths")
 
   def __init__(self, fam, casts: tuple, top: bool):
     self.memo = fam.cast_memo
     casts = tuple((li, np.dtype(fam.avals[li].dtype), d) for li, d in casts)
     self.flat = None if top else casts
     self.by_arg = None
+    self.paths = None
     if top:
       where = _forward.arg_positions(fam, [li for li, _, _ in casts])
       groups: dict[int, list] = {}
@@ -229,9 +291,39 @@ class Applier:
       children = fam.treedef.children()
       self.counts = {pos: children[pos].num_leaves for pos in groups}  # leaves an argument has
       self.by_arg = tuple((pos, tuple(items)) for pos, items in sorted(groups.items()))
+      paths = []  # (pos, ((key path, li, src, d), ...), plan) per argument, when all plain
+      for pos, items in self.by_arg:
+        kp = _key_paths(children[pos])
+        if kp is None:
+          paths = None
+          break
+        plan: dict = {}
+        for slot, (j, _, _, _) in enumerate(items):
+          if not kp[j]:  # the argument itself is the leaf
+            plan = 0
+            break
+          node = plan
+          for k in kp[j][:-1]:
+            node = node.setdefault(k, {})
+          node[kp[j][-1]] = slot
+        paths.append((pos, tuple(li for _, li, _, _ in items), plan))
+      # (an argument that is itself a cast leaf has an empty path: flatten)
+      self.paths = (None if not paths or any(() in _plain_paths(p[2]) for p in paths)
+                    else tuple(paths))
 
   def apply(self, vals) -> list:
     args = list(vals)
+    if self.paths is not None:  # every cast leaf a hit: one walk, no flatten
+      copies = self.memo.copies
+      try:
+        for pos, items, plan in self.paths:
+          args[pos] = _swap(args[pos], plan, items, copies)
+        return args
+      except (_Fallback, KeyError, IndexError):
+        args = list(vals)
+    return self._by_flatten(args)
+
+  def _by_flatten(self, args: list) -> list:
     memo = self.memo
     misses = []  # (leaf index, caller's object, array to convert, dtype, where it goes)
     if self.flat is not None:

@@ -360,3 +360,81 @@ def test_a_bucket_that_does_not_forward_runs_exact():
   with pytest.warns(UserWarning, match="not in this bucket's"):
     y, q = f(p, np.ones((6,), np.float32))
   np.testing.assert_array_equal(np.asarray(q), np.full((4,), 3.0, np.float32))
+
+
+# -- the per-call swap by key path (Applier.paths) --------------------------------------------
+def _mlp(p, x):
+  h = jnp.tanh(x.astype(BF16) @ p["layers"][0]["w"].astype(BF16))
+  h = h @ p["layers"][1]["w"].astype(BF16) * p["scale"]  # scale: float32 use, not cast
+  return (h.astype(jnp.float32) + p["pair"][0].astype(BF16).astype(jnp.float32)).sum(1)
+
+
+def _mlp_params(seed=0):
+  rng = np.random.RandomState(seed)
+  return {"layers": [{"w": jnp.asarray(rng.randn(4, 8).astype(np.float32))},
+                     {"w": jnp.asarray(rng.randn(8, 8).astype(np.float32))}],
+          "scale": jnp.asarray(rng.randn(8).astype(np.float32)),
+          "pair": (jnp.asarray(rng.randn(8).astype(np.float32)), jnp.ones(3))}
+
+
+def test_hits_swap_by_key_path_without_a_flatten(monkeypatch):
+  """Dicts, lists and tuples down to the cast leaves: a call whose leaves all hit copies only
+  the containers on their paths (no flatten); a rebuilt dict holding the same arrays still
+  hits; a replaced leaf misses and is converted once; results stay jax.jit's."""
+  from dynjax.jit import _casts
+
+  flattens = []
+  real = _casts.Applier._by_flatten
+  monkeypatch.setattr(_casts.Applier, "_by_flatten",
+                      lambda self, args: flattens.append(1) or real(self, args))
+  f = dynjax.jit(_mlp, dims={"x": "b, 4"})
+  p = _mlp_params()
+  x = np.random.RandomState(1).randn(3, 4).astype(np.float32)
+  want = np.asarray(jax.jit(_mlp)(p, x))
+  np.testing.assert_array_equal(np.asarray(f(p, x)), want)  # misses: converted (flatten)
+  n0 = len(flattens)
+  fam = next(iter(f._dispatcher.all_families.values()))
+  assert len(fam.casts) == 3  # two layer kernels and pair[0]
+  for _ in range(3):
+    np.testing.assert_array_equal(np.asarray(f(p, x)), want)
+  rebuilt = {"layers": list(p["layers"]), "scale": p["scale"], "pair": tuple(p["pair"])}
+  np.testing.assert_array_equal(np.asarray(f(rebuilt, x)), want)
+  assert len(flattens) == n0  # every hit swapped by path
+  assert f.stats()["cast_once"]["conversions"] == 3
+  q = dict(p, layers=[p["layers"][0], {"w": p["layers"][1]["w"] * 2}])  # one new array
+  np.testing.assert_array_equal(np.asarray(f(q, x)), np.asarray(jax.jit(_mlp)(q, x)))
+  assert f.stats()["cast_once"]["conversions"] == 4 and len(flattens) == n0 + 1
+  assert p["layers"][0]["w"].dtype == jnp.float32  # the caller's tree is never modified
+
+
+def test_another_structure_takes_a_new_family():
+  """An argument with an extra key walks its paths fine, but the executable's own structure
+  check sends the call to a new family, as a jax.jit retrace."""
+  f = dynjax.jit(_mlp, dims={"x": "b, 4"})
+  p = _mlp_params()
+  x = np.ones((3, 4), np.float32)
+  f(p, x)
+  f(p, x)
+  q = dict(p, extra=jnp.zeros(2))
+  np.testing.assert_array_equal(np.asarray(f(q, x)), np.asarray(jax.jit(_mlp)(q, x)))
+  assert len(f._dispatcher.all_families) == 2
+
+
+def test_frozen_dict_params_take_the_flatten_path(monkeypatch):
+  """A container that is no plain dict/list/tuple (a FrozenDict) stops the path walk at once:
+  its calls flatten and unflatten, and still hit the cache."""
+  from flax.core import FrozenDict
+
+  from dynjax.jit import _casts
+
+  flattens = []
+  real = _casts.Applier._by_flatten
+  monkeypatch.setattr(_casts.Applier, "_by_flatten",
+                      lambda self, args: flattens.append(1) or real(self, args))
+  f = dynjax.jit(_mlp, dims={"x": "b, 4"})
+  p = FrozenDict(_mlp_params())
+  x = np.ones((3, 4), np.float32)
+  for _ in range(3):
+    np.testing.assert_array_equal(np.asarray(f(p, x)), np.asarray(jax.jit(_mlp)(p, x)))
+  assert len(flattens) == 3
+  assert f.stats()["cast_once"]["conversions"] == 3
