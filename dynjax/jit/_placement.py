@@ -1,13 +1,14 @@
 """Where a bucket executable's outputs live: device memory, or pinned host memory.
 
-A host request (numpy in, numpy out: a server's) ends with a device-to-host copy of every
-output.  ``np.asarray`` of a device array waits for the computation, then asks the runtime for
-the copy and waits again; an executable compiled with its outputs in pinned host memory
-(``out_shardings`` of memory kind ``pinned_host``) copies them itself, on its own stream, and
-``np.asarray`` of such an output is a host memcpy.  Measured (H100, jax 0.11.2,
-``benchmarks/probe_transfers.py``, three processes, (8, 1024) float32 out): a small call with
-device inputs and ``np.asarray`` of its result 172-196 us, with pinned host outputs 66-85 us;
-with numpy inputs 212-249 vs 126-136 us (torch eager, the same call: 54-73 us).
+A host request (numpy in, numpy out: a server's) ends with a device-to-host copy of each
+output with dims (outputs without dims stay device arrays: ``Executor.numpy_out``).
+``np.asarray`` of a device array waits for the computation, then asks the runtime for the copy
+and waits again; an executable compiled with those outputs in pinned host memory
+(``out_shardings`` of memory kind ``pinned_host``, per output) copies them itself, on its own
+stream, and ``np.asarray`` of such an output is a host memcpy.  Measured (H100, jax 0.11.2,
+``benchmarks/probe_transfers.py``, five processes, (8, 1024) float32 out): a small call with
+device inputs and ``np.asarray`` of its result 172-314 us, with pinned host outputs 66-123 us;
+with numpy inputs 212-409 vs 125-192 us (torch eager, the same call: 54-97 us).
 
 ``jit(host_outputs=None)`` (default) decides per family, once, before its first bucket lowers:
 pinned host outputs on GPU for a family whose first call was a host request (its leaves with
