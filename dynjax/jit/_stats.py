@@ -218,7 +218,9 @@ def explain(d) -> str:
     if fam.out_avals is not None:
       lines.append("  outputs (shape functions of the dims):")
       for i, o in enumerate(fam.out_avals):
-        lines.append(f"    out[{i}]: {o.dtype}[{', '.join(map(str, o.shape))}]")
+        note = ("  (no dims: a device array, numpy requests too)"
+                if sig.var_order and not fam.out_dynamic[i] else "")
+        lines.append(f"    out[{i}]: {o.dtype}[{', '.join(map(str, o.shape))}]{note}")
     if sig.var_order:
       lines.append("  bucket plan:")
       hists = [Counter() for _ in sig.var_order]

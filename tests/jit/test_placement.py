@@ -213,6 +213,8 @@ def test_training_step_with_numpy_batches_keeps_its_state_on_the_device(host_out
     np.testing.assert_allclose(err, np.asarray(err_ref), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(float(loss), float(loss_ref), rtol=1e-5)
   assert f.stats()["host_syncs"] == 3  # each step blocks for its numpy per-example output
+  text = f.explain()
+  assert text.count("(no dims: a device array, numpy requests too)") == 3  # w, v and the loss
   assert _family(f).host_out is bool(host_outputs)
 
 
