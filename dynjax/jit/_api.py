@@ -134,7 +134,7 @@ def jit(
       result needs no separate device-to-host copy (H100: a small call's numpy round trip
       ~180 -> ~70 us); device memory otherwise.  ``True``: pinned host memory on any backend
       that has it; ``False``: device memory.  Never for sharded functions, donated arguments,
-      ``return_padded`` or PRNG-key outputs; a bucket whose outputs exceed 64 MiB keeps them
+      ``return_padded`` or PRNG-key outputs; a bucket whose outputs exceed 4 MiB keeps them
       on the device.  A device request to a function with host outputs gets them moved back
       to the device.  ``explain()`` says which and why; part of the ``cache_dir`` key.
 

@@ -14,7 +14,7 @@ with numpy inputs 212-409 vs 125-192 us (torch eager, the same call: 54-97 us).
 pinned host outputs on GPU for a family whose first call was a host request (its leaves with
 dims all numpy), or, for a family first met abstractly (``warmup``/``trace`` with
 ``jax.ShapeDtypeStruct``), when ``serving=True``; a bucket whose outputs exceed
-``MAX_BYTES`` (64 MiB) keeps them in device memory.  ``True`` asks for them on any backend with
+``MAX_BYTES`` (4 MiB) keeps them in device memory.  ``True`` asks for them on any backend with
 pinned host memory, ``False`` never.  Never for sharded families, donated arguments,
 ``return_padded=True`` or PRNG-key outputs.  A device request that reaches such an executable
 gets its outputs moved back to the device (correct; one transfer each, as the host round trip
@@ -33,9 +33,10 @@ from dynjax.jit._args import on_device
 
 HOST_KIND = "pinned_host"
 AUTO_PLATFORMS = ("gpu",)  # where host_outputs=None turns them on (measured there)
-# A bucket whose outputs are larger keeps them in device memory: pinned host memory is a
-# scarcer pool (page-locked), and above a few MB the copy, not its start-up, is the cost.
-MAX_BYTES = 64 << 20
+# A bucket whose outputs with dims are larger keeps them in device memory: the gain was
+# measured on small results (32 KiB) only; pinned host memory is a scarcer (page-locked) pool,
+# and above a few MB the copy itself, not its start-up, is the cost (4 MiB: ~0.2 ms on PCIe).
+MAX_BYTES = 4 << 20
 
 
 def host_request(leaves, idx) -> bool | None:
