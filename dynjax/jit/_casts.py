@@ -25,7 +25,7 @@ caches those casts (``cache_enabled=True``); this module is dynjax's equivalent:
   in place and are cast on every call.  Cost on a hit, top-level path: a walk down the key
   paths of plain dicts/lists/tuples to the cast leaves, a weakref compare each, copying only
   the containers on those paths (2-core CPU box, ``benchmarks/bench_cast_apply.py``, an
-  argument of 200 leaves, three alternating runs: 5.6-10 us with 12 cast, 56-107 us with 150;
+  argument of 200 leaves, five runs (three alternating with the old tree): 5.6-10.3 us with 12 cast, 56-112 us with 150;
   the C++ flatten/unflatten of the whole argument it replaces took 48-95 / 92-161 us, and
   still serves other containers and misses); the misses of a call are converted in one
   dispatch (a training step's new parameters: one extra executable call a step).
@@ -176,14 +176,19 @@ class Memo:
     self.conversions = 0  # leaves converted (misses); stats()["cast_once"]
     self.lock = threading.Lock()
 
+  def hit(self, li: int, x):
+    """The cached copy of leaf ``li`` while the caller passes the same live array, else None."""
+    h = self.copies.get(li)
+    return h[1] if h is not None and h[0]() is x and not x.is_deleted() else None
+
   def lookup(self, li: int, x, src: np.dtype):
     """(the cached copy of ``x``, None) while the caller passes the same array, else (None,
     the array to convert).  ``x`` was traced as ``src``: another dtype raises the
     executable's own signature error, so the call takes the general path and a new family
     (as a ``jax.jit`` retrace)."""
-    hit = self.copies.get(li)
-    if hit is not None and hit[0]() is x and not x.is_deleted():
-      return hit[1], None
+    hit = self.hit(li, x)
+    if hit is not None:
+      return hit, None
     if type(x) is np.ndarray:
       if x.dtype != src and _args.canonical(x.dtype) != src:
         raise TypeError(f"Argument types differ: leaf {li} is {x.dtype}, traced as {src}")
@@ -235,7 +240,7 @@ def _key_paths(treedef) -> list | None:
   return out
 
 
-def _swap(node, plan: dict, items: tuple, copies: dict):
+def _swap(node, plan: dict, items: tuple, memo: Memo):
   """``node`` with the leaves ``plan`` names (key -> sub-plan, or slot in ``items``) replaced
   by their cached copies, copying only the containers on their paths; ``_Fallback`` on a
   miss (or a container of another kind): the flatten path converts and explains."""
@@ -249,18 +254,13 @@ def _swap(node, plan: dict, items: tuple, copies: dict):
   for k, sub in plan.items():
     x = node[k]
     if type(sub) is int:
-      hit = copies.get(items[sub])
-      if hit is None or hit[0]() is not x or x.is_deleted():
+      hit = memo.hit(items[sub], x)
+      if hit is None:
         raise _Fallback
-      new[k] = hit[1]
+      new[k] = hit
     else:
-      new[k] = _swap(x, sub, items, copies)
+      new[k] = _swap(x, sub, items, memo)
   return tuple(new) if t is tuple else new
-
-
-def _plain_paths(plan) -> list:
-  return [()] if type(plan) is int else [(k, *r) for k, sub in plan.items()
-                                          for r in _plain_paths(sub)]
 
 
 class Applier:
@@ -291,35 +291,36 @@ class Applier:
       children = fam.treedef.children()
       self.counts = {pos: children[pos].num_leaves for pos in groups}  # leaves an argument has
       self.by_arg = tuple((pos, tuple(items)) for pos, items in sorted(groups.items()))
-      paths = []  # (pos, ((key path, li, src, d), ...), plan) per argument, when all plain
-      for pos, items in self.by_arg:
-        kp = _key_paths(children[pos])
-        if kp is None:
-          paths = None
-          break
-        plan: dict = {}
-        for slot, (j, _, _, _) in enumerate(items):
-          if not kp[j]:  # the argument itself is the leaf
-            plan = 0
-            break
-          node = plan
-          for k in kp[j][:-1]:
-            node = node.setdefault(k, {})
-          node[kp[j][-1]] = slot
-        paths.append((pos, tuple(li for _, li, _, _ in items), plan))
-      # (an argument that is itself a cast leaf has an empty path: flatten)
-      self.paths = (None if not paths or any(() in _plain_paths(p[2]) for p in paths)
-                    else tuple(paths))
+      self.paths = self._plans(children)
+
+  def _plans(self, children) -> tuple | None:
+    """(argument position, leaf indices by slot, plan: key -> sub-plan or slot) per argument
+    holding cast leaves, or None when one is not plain dicts/lists/tuples down to them (or is
+    itself a cast leaf): those calls flatten."""
+    plans = []
+    for pos, items in self.by_arg:
+      kp = _key_paths(children[pos])
+      if kp is None or any(not kp[j] for j, _, _, _ in items):
+        return None
+      plan: dict = {}
+      for slot, (j, _, _, _) in enumerate(items):
+        node = plan
+        for k in kp[j][:-1]:
+          node = node.setdefault(k, {})
+        node[kp[j][-1]] = slot
+      plans.append((pos, tuple(li for _, li, _, _ in items), plan))
+    return tuple(plans)
 
   def apply(self, vals) -> list:
     args = list(vals)
     if self.paths is not None:  # every cast leaf a hit: one walk, no flatten
-      copies = self.memo.copies
       try:
         for pos, items, plan in self.paths:
-          args[pos] = _swap(args[pos], plan, items, copies)
+          args[pos] = _swap(args[pos], plan, items, self.memo)
         return args
-      except (_Fallback, KeyError, IndexError):
+      # a miss, or another structure (a list where a dict was traced: TypeError on a str
+      # index): the flatten path converts, or the executable's own check takes a new family
+      except (_Fallback, KeyError, IndexError, TypeError):
         args = list(vals)
     return self._by_flatten(args)
 

@@ -438,3 +438,20 @@ def test_frozen_dict_params_take_the_flatten_path(monkeypatch):
     np.testing.assert_array_equal(np.asarray(f(p, x)), np.asarray(jax.jit(_mlp)(p, x)))
   assert len(flattens) == 3
   assert f.stats()["cast_once"]["conversions"] == 3
+
+
+def test_a_list_where_a_dict_was_traced_takes_a_new_family():
+  """The key-path walk meets a list where the plan names dict keys: it falls back (before the
+  fix a raw "list indices must be integers" TypeError reached the caller), and the call runs
+  as a new family, as a jax.jit retrace."""
+  def f(p, x):
+    w = p["a"] if isinstance(p, dict) else p[0]
+    return (x.astype(BF16) @ w.astype(BF16)).astype(jnp.float32)
+
+  g = dynjax.jit(f, dims={"x": "b, 4"})
+  w = jnp.asarray(np.random.RandomState(3).randn(4, 3).astype(np.float32))
+  x = np.ones((2, 4), np.float32)
+  g({"a": w}, x)
+  g({"a": w}, x)  # warm: the key-path walk
+  np.testing.assert_array_equal(np.asarray(g([w], x)), np.asarray(jax.jit(f)([w], x)))
+  assert len(g._dispatcher.all_families) == 2
