@@ -14,9 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
+
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import _isolated  # noqa: E402
 
 
 def child(variants: str, small: bool) -> list:
@@ -83,24 +86,20 @@ def main(argv=None) -> dict:
   ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
   if args.child:
-    print("CHILD_RESULT " + json.dumps(child(args.child, args.small)), flush=True)
+    _isolated.emit(child(args.child, args.small))
     return {}
+  known = {"none", "grouped", "ragged_dot", "dense"}
+  bad = {x for v in args.variants.split(",") for x in v.split("+")} - known
+  if bad:
+    raise SystemExit(f"--variants: unknown {sorted(bad)}; known: {sorted(known)}")
   report = {"runs": []}
   for v in args.variants.split(","):
     cmd = [sys.executable, os.path.abspath(__file__), "--child", v] + (
         ["--small"] if args.small else [])
-    env = dict(os.environ)
-    if args.xla_flags:
-      env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + args.xla_flags).strip()
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-    lines = p.stdout.splitlines()
-    print("\n".join(ln for ln in lines if not ln.startswith("CHILD_RESULT")), flush=True)
-    res = [ln for ln in lines if ln.startswith("CHILD_RESULT")]
-    for r in (json.loads(res[0][13:]) if res else [{"variant": v, "error": p.stderr[-1500:]}]):
+    got = _isolated.run(cmd, _isolated.env_with_xla_flags(args.xla_flags), 300)
+    for r in (got if isinstance(got, list) else [dict(got, variant=v)]):
       r["process"] = v
       report["runs"].append(r)
-    if not res:
-      print(p.stderr[-1500:], flush=True)
   for r in report["runs"]:
     if "buckets" in r:
       b = r["buckets"].values()

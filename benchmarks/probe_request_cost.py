@@ -28,9 +28,12 @@ import json
 import os
 import platform
 import re
-import subprocess
 import sys
 import time
+
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import _isolated  # noqa: E402
 
 FLAGS = {
     "default": "",
@@ -101,7 +104,8 @@ def child(args) -> dict:
     return x if keep else x.astype(jnp.bfloat16)
   v16 = jax.tree_util.tree_map_with_path(cast, variables)
   pol = dynjax.buckets.pow2(min=16, max=cfg["max_len"])
-  out = {"flags": os.environ.get("XLA_FLAGS", ""), "models": {}}
+  out = {"flags": os.environ.get("XLA_FLAGS", ""), "device": jax.devices()[0].device_kind,
+         "models": {}}
   rng = np.random.default_rng(1)
   for name, model in models.items():
     res = out["models"][name] = {"buckets": {}}
@@ -177,41 +181,23 @@ def main(argv=None) -> dict:
   ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
   if args.child:
-    print("CHILD_RESULT " + json.dumps(child(args)), flush=True)
+    _isolated.emit(child(args))
     return {}
   import jax
 
   report = {"jax": jax.__version__, "python": platform.python_version(), "runs": {}}
   for name in args.flags.split(","):
-    env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " +
-                                      FLAGS[name]).strip())
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--models", args.models,
            "--iters", str(args.iters), "--requests", str(args.requests)]
     if args.small:
       cmd.append("--small")
     print(f"== flags {name}: {FLAGS[name] or '(none)'}", flush=True)
-    try:
-      p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
-      lines = p.stdout.splitlines()
-      print("\n".join(ln for ln in lines if not ln.startswith("CHILD_RESULT")), flush=True)
-      res = [ln for ln in lines if ln.startswith("CHILD_RESULT")]
-      report["runs"][name] = (json.loads(res[0][13:]) if res else
-                              {"error": f"rc {p.returncode}: {p.stderr[-1500:]}"})
-      if not res:
-        print(report["runs"][name]["error"], flush=True)
-    except subprocess.TimeoutExpired:
-      report["runs"][name] = {"error": "timeout"}
+    report["runs"][name] = _isolated.run(cmd, _isolated.env_with_xla_flags(FLAGS[name]),
+                                         args.timeout)
     if args.out:
       os.makedirs(args.out, exist_ok=True)
       with open(os.path.join(args.out, "probe_request_cost.json"), "w") as fh:
         json.dump(report, fh, indent=1)
-  if report["runs"] and "default" in report["runs"]:
-    try:
-      import jax
-
-      report["device"] = jax.devices()[0].device_kind
-    except Exception:  # noqa: BLE001
-      pass
   return report
 
 
