@@ -209,6 +209,13 @@ def reject_abstract(name: str, binder: Binder, dyn) -> None:
           "before the weights exist); pass arrays to call it.")
 
 
+def is_key(x) -> bool:
+  """A jax array (or abstract value) of an extended dtype (``jax.random.key``): it has no
+  numpy form."""
+  dtype = getattr(x, "dtype", None)
+  return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
+
+
 def aval(x) -> jax.ShapeDtypeStruct:
   """The abstract value a leaf is traced with (numpy dtypes canonicalised, as jax.jit)."""
   if is_padded(x):
@@ -216,7 +223,7 @@ def aval(x) -> jax.ShapeDtypeStruct:
   if isinstance(x, np.ndarray):
     return jax.ShapeDtypeStruct(x.shape, canonical(x.dtype))
   if type(x) is jax.ShapeDtypeStruct:  # trace/lower/warmup with abstract arguments (as jax.jit)
-    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended):  # a PRNG key: not a numpy dtype
+    if is_key(x):  # a PRNG key: not a numpy dtype
       return x
     return jax.ShapeDtypeStruct(x.shape, canonical(np.dtype(x.dtype)), weak_type=x.weak_type)
   if isinstance(x, jax.Array):

@@ -34,7 +34,14 @@ from dynjax._errors import (
 )
 from dynjax._padded import Padded
 from dynjax.jit import _args, _casts, _forward, _placement, _serving
-from dynjax.jit._args import is_padded, leaf_key, on_device, tree_flatten, tree_unflatten
+from dynjax.jit._args import (
+  is_key,
+  is_padded,
+  leaf_key,
+  on_device,
+  tree_flatten,
+  tree_unflatten,
+)
 from dynjax.jit._cache import ExecutableCache
 from dynjax.jit._family import PADDED_MODES, Family
 from dynjax.jit._options import Policies
@@ -499,9 +506,3 @@ def to_host(outs, which=None) -> list:
       if w and isinstance(o, jax.Array) and not is_key(o):
         o.copy_to_host_async()
   return [np.asarray(o) if w and not is_key(o) else o for o, w in zip(outs, which, strict=True)]
-
-
-def is_key(x) -> bool:
-  """A jax array of an extended dtype (``jax.random.key``): it cannot become numpy."""
-  dtype = getattr(x, "dtype", None)
-  return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.extended)

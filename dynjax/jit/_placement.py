@@ -29,7 +29,7 @@ import math
 import jax
 import numpy as np
 
-from dynjax.jit._args import on_device
+from dynjax.jit._args import is_key, on_device
 
 HOST_KIND = "pinned_host"
 AUTO_PLATFORMS = ("gpu",)  # where host_outputs=None turns them on (measured there)
@@ -76,7 +76,7 @@ def plan(fam, request: bool | None) -> tuple[bool, str]:
     return False, "donated arguments (their buffers may become outputs)"
   if opts.return_padded:
     return False, "return_padded=True (results stay on the device)"
-  if any(jax.dtypes.issubdtype(a.dtype, jax.dtypes.extended) for a in fam.out_avals):
+  if any(is_key(a) for a in fam.out_avals):
     return False, "PRNG-key outputs"
   dev = default_device()
   if not has_host_memory(dev):
@@ -131,7 +131,7 @@ def to_device(o):
 
 
 def describe(fam) -> str | None:
-  if not getattr(fam, "host_out_reason", None):
+  if not fam.host_out_reason:
     return None
   where = "pinned host memory" if fam.host_out else "device memory"
   return f"outputs in {where} ({fam.host_out_reason})"
