@@ -16,7 +16,7 @@ JAX_PIN := "jax==$(JAX_VERSION)" "jaxlib==$(JAX_VERSION)"
 DEMO_ARGS := --size tiny --quick
 endif
 
-.PHONY: test demo lint clean
+.PHONY: test test-slow test-all demo lint clean
 
 # --no-compile: pip byte-compiles every installed module (~14 s of a 28 s install on the 2-core
 # CI box); Python compiles the ~few hundred the suite imports on first use (~0.4 s).
@@ -27,10 +27,19 @@ $(BIN)/.installed-$(DYNJAX_DEVICE): pyproject.toml
 	touch $@
 
 # -n: pytest-xdist, one worker per core (the suite is compile-bound: ~2x on the 2-core CI box);
-# worksteal: an idle worker takes queued tests from the busy one (the trials and MoE tests are
-# 5-17 s each): pytest 228 -> 200 s on the 2-core box.
+# worksteal: an idle worker takes queued tests from the busy one.  `make test` runs the tests
+# not marked slow (tests/_slow.py lists the ones measured at >= 1.5 s each: 128 of 877 tests,
+# ~70% of the suite's time); `make test-slow` runs those, `make test-all` everything in one run.
+PYTEST := $(BIN)/python -m pytest -q -p no:cacheprovider -n auto --dist worksteal
+
 test: $(BIN)/.installed-$(DYNJAX_DEVICE)
-	$(BIN)/python -m pytest -q -p no:cacheprovider -n auto --dist worksteal
+	$(PYTEST) -m "not slow"
+
+test-slow: $(BIN)/.installed-$(DYNJAX_DEVICE)
+	$(PYTEST) -m slow
+
+test-all: $(BIN)/.installed-$(DYNJAX_DEVICE)
+	$(PYTEST)
 
 # The main job: BERT served with dynjax against jax.jit, padding to the max and (when torch is
 # installed) PyTorch; on a GPU the BERT-base table, on a CPU a small one (~80 s on 2 cores).

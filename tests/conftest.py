@@ -42,8 +42,12 @@ def _xla_flags() -> str:
 os.environ.setdefault("XLA_FLAGS", _xla_flags())
 # The stdlib corpus (examples/data.py) parsed once for the whole run, not once per worker and
 # per benchmark child process (~10 s each on 2 cores).
-os.environ.setdefault("DYNJAX_BENCH_STREAM_CACHE", os.path.join(
-    tempfile.gettempdir(), f"dynjax-test-corpus-{os.getuid() if hasattr(os, 'getuid') else 0}"))
+os.environ.setdefault(
+  "DYNJAX_BENCH_STREAM_CACHE",
+  os.path.join(
+    tempfile.gettempdir(), f"dynjax-test-corpus-{os.getuid() if hasattr(os, 'getuid') else 0}"
+  ),
+)
 
 import jax  # noqa: E402
 import jax.monitoring  # noqa: E402
@@ -81,3 +85,32 @@ def compiles():
   """``compiles()`` returns the number of backend compiles since the test started."""
   start = _counter.count
   return lambda: _counter.count - start
+
+
+# -- tiers: ``make test`` runs the tests not marked ``slow`` (tests/_slow.py lists them) -------
+
+
+def pytest_configure(config):
+  config.addinivalue_line(
+    "markers", "slow: a test of the slow tier (tests/_slow.py); make test-slow runs them"
+  )
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker
+def pytest_collection_modifyitems(config, items):
+  from tests import _slow
+
+  seen = set()
+  for item in items:
+    module = item.nodeid.split("::")[0]
+    if item.nodeid in _slow.TESTS or module in _slow.MODULES:
+      item.add_marker(pytest.mark.slow)
+      seen.add(item.nodeid)
+  collected = {item.nodeid.split("::")[0] for item in items}
+  gone = sorted(n for n in _slow.TESTS if n.split("::")[0] in collected and n not in seen)
+  if gone and not (config.option.keyword or config.option.deselect):
+    raise pytest.UsageError(
+      "tests/_slow.py lists tests that their modules no longer have (renamed or removed?): "
+      + ", ".join(gone)
+      + ". Update tests/_slow.py: move each entry to the test's new id, or delete it."
+    )

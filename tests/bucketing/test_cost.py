@@ -6,7 +6,6 @@ import itertools
 
 import numpy as np
 import pytest
-from scipy.optimize import nnls
 
 from dynjax.bucketing import _cost, _plan
 
@@ -34,6 +33,9 @@ def test_fit_recovers_a_b_c_from_noisy_points(seed):
 def test_fit_is_the_exact_nonnegative_least_squares(seed):
   # A fixed part plus a square, no linear part: with noise, the unconstrained fit often has
   # b < 0; the constrained one matches scipy's NNLS on the same weighted problem.
+  from scipy.optimize import nnls  # here, not at import: scipy.optimize costs every worker's
+  # collection ~2.6 s on the 2-core box
+
   rng = np.random.default_rng(seed)
   t = np.array([16, 40, 100, 180, 300, 420, 512], float)
   n = rng.integers(1, 100, len(t)).astype(float)
