@@ -6,6 +6,10 @@ one place.  Append-only across the team: keep functions small and documented.
 
 from __future__ import annotations
 
+import contextlib
+import sys
+import threading
+
 import jax
 
 
@@ -235,3 +239,80 @@ def eqn_context(eqn):
     return stack
   except Exception:  # pragma: no cover - private API moved: lose source lines, not results
     return contextlib.nullcontext()
+
+
+# --- equalities of symbolic dimensions that user code decides (dynjax/jit/_family.py) ---
+# jax answers ``d == 5`` for a symbolic ``d`` with False when it cannot decide it (shape_poly
+# ``_DimExpr.__eq__``: "which is really unsound"; it cannot raise, hashing uses it).  A user's
+# ``if x.shape[1] == 5:`` then takes the "not equal" side for every size, silently.  While a
+# family traces, the equality is wrapped so that such undecided comparisons made by code outside
+# jax, jaxlib and dynjax (the user's model, flax, optax) are recorded: the family checks
+# ``lhs != rhs`` on every call (a guard) and runs the sizes where they are equal exact.
+_EQ_LOCAL = threading.local()
+_EQ_STATE: dict = {}  # "patched": whether __eq__ is wrapped (once a process)
+_EQ_LOCK = threading.Lock()
+
+
+def _wrap_dim_equality() -> bool:
+  """Wraps ``_DimExpr.__eq__`` once a process; False where jax's class moved (no recording:
+  jax's own answer, as before)."""
+  if "patched" in _EQ_STATE:
+    return _EQ_STATE["patched"]
+  with _EQ_LOCK:
+    if "patched" in _EQ_STATE:
+      return _EQ_STATE["patched"]
+    try:
+      from jax._src.export import shape_poly
+
+      cls, is_symbolic = shape_poly._DimExpr, shape_poly.is_symbolic_dim
+      original = cls.__eq__
+      own_file = original.__code__.co_filename  # __ne__ calls __eq__ from there too
+    except Exception:  # pragma: no cover - private API moved
+      _EQ_STATE["patched"] = False
+      return False
+    import os
+
+    import jaxlib
+
+    import dynjax
+
+    internal = tuple(os.path.dirname(m.__file__) + os.sep for m in (jax, jaxlib, dynjax))
+
+    def __eq__(self, other):  # noqa: N807 - the wrapped dunder
+      answer = original(self, other)
+      record = getattr(_EQ_LOCAL, "record", None)
+      if record is None or answer is not False:  # not tracing a family, or decided equal
+        return answer
+      frame = sys._getframe(1)
+      while frame is not None and frame.f_code.co_filename == own_file:
+        frame = frame.f_back
+      if frame is None or frame.f_code.co_filename.startswith(internal):
+        return answer  # jax's own shape rules (``definitely_equal(d, 1)``) and dynjax's
+      try:
+        if not is_symbolic(self - other):
+          return answer  # decided: unequal for every size
+      except Exception:  # noqa: BLE001 - another scope, not a dimension: jax's answer stands
+        return answer
+      record.append((self, other, f"{frame.f_code.co_filename}:{frame.f_lineno}"))
+      return answer
+
+    cls.__eq__ = __eq__
+    _EQ_STATE["patched"] = True
+    return True
+
+
+@contextlib.contextmanager
+def undecided_equalities():
+  """A context (this thread only) yielding a list that collects ``(lhs, rhs, "file:line")``
+  for every equality of symbolic dimensions that code outside jax/jaxlib/dynjax evaluated and
+  jax answered False without deciding it; None where the wrap is unavailable."""
+  if not _wrap_dim_equality():
+    yield None
+    return
+  previous = getattr(_EQ_LOCAL, "record", None)
+  record: list = []
+  _EQ_LOCAL.record = record
+  try:
+    yield record
+  finally:
+    _EQ_LOCAL.record = previous

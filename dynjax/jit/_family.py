@@ -41,7 +41,15 @@ from dynjax.bucketing._joint import JointPlan
 from dynjax.bucketing._padding import pad_jaxpr
 from dynjax.bucketing._policies import BucketPolicy
 from dynjax.jit import _args, _casts, _forward, _placement, _sharding
-from dynjax.jit._guards import MAX_GUARDS, add_guard, guard_texts
+from dynjax.jit._guards import (
+  MAX_GUARDS,
+  add_guard,
+  broken_declared,
+  declared_checks,
+  equality_guards,
+  guard_texts,
+  trust_bucket_holds,
+)
 from dynjax.jit._store import ExecutableStore, family_store
 
 logger = logging.getLogger("dynjax")
@@ -101,6 +109,7 @@ class Family:
     self.in_shape_fns = tuple(
         None if s is None else _symbolic.compile_shape(s.dims, self.sig.var_order)
         for s in self.sig.leaves)
+    self.declared = declared_checks(opts.constraints, self.sig)  # checked per new size tuple
     self.spec_idx = tuple(i for i, spec in enumerate(self.sig.leaves) if spec is not None)
     # Leaves that decide numpy vs device outputs: those with dims (all leaves when none has).
     self.dyn_leaves = self.spec_idx or tuple(range(len(self.sig.leaves)))
@@ -200,10 +209,12 @@ class Family:
     self.guards: tuple[str, ...] = ()
     self._guard_bounds: tuple[tuple[int, int, float], ...] = ()  # (var index, lo, hi)
     self._warned_guards = False
+    self._unequal: tuple = ()  # guards ``lhs != rhs``: (text, fn(sizes) -> lhs - rhs, where)
     for attempt in range(MAX_GUARDS + 1):
       sym = _symbolic.symbolic_avals(self.sig, self.avals)
       try:
-        closed, out_shape = jax.make_jaxpr(self.flat_fun, return_shape=True)(*sym)
+        with _jax_private.undecided_equalities() as equalities:
+          closed, out_shape = jax.make_jaxpr(self.flat_fun, return_shape=True)(*sym)
         break
       except Exception as e:  # noqa: BLE001 - any trace failure means: run exact
         if needs_program(e):
@@ -216,6 +227,11 @@ class Family:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         self.fall_back(self._under_guards(
             f"symbolic tracing failed ({type(e).__name__}: {first})"))
+        return
+    if equalities:  # ``if x.shape[1] == 5:`` traced as unequal: checked on every call
+      reason = equality_guards(self, equalities)
+      if reason is not None:
+        self.fall_back(reason)
         return
     if self.ctx.opts.attention is not None:  # auto: the symbolic jaxpr itself is rewritten
       closed, self.attention_notes, ok = _attention.for_family(
@@ -272,7 +288,10 @@ class Family:
       n = sizes[i]
       if n < lo or n > hi:
         return False
-    return True
+    for _, diff, _ in self._unequal:
+      if diff(sizes) == 0:
+        return False
+    return not (self.declared and broken_declared(self, sizes))
 
   def outside_guards(self, sizes) -> None:
     """Call before running ``sizes`` (with ``guard_ok(sizes)`` False) exact: raises
@@ -280,6 +299,8 @@ class Family:
     names = self.sig.var_order
     bad = list(guard_texts(names, {i: (lo, hi) for i, lo, hi in self._guard_bounds
                                    if not lo <= sizes[i] <= hi}))
+    bad += [f"{text} ({where})" for text, diff, where in self._unequal if diff(sizes) == 0]
+    bad += [f"{text} (constraints=)" for text in broken_declared(self, sizes)]
     at = ", ".join(f"{v} = {n}" for v, n in zip(self.sig.var_order, sizes, strict=True))
     what = (f"dynjax.jit({self.name}): sizes {at} violate the guard(s) {', '.join(bad)} "
             "inferred while tracing")
@@ -354,7 +375,7 @@ class Family:
     (``overflow="exact"``, a size of 0, or sizes outside the inferred guards).  ``observe``:
     the policies see the sizes."""
     overflow = self.ctx.opts.overflow
-    if self._guard_bounds and not self.guard_ok(sizes):
+    if (self._guard_bounds or self._unequal or self.declared) and not self.guard_ok(sizes):
       return None  # outside a guard inferred while tracing: the padded executables don't hold
     if observe:
       for i, p in self.observers:
@@ -385,6 +406,8 @@ class Family:
       bkey.append(b)
     if 0 in sizes:
       return None
+    if self._unequal and self.mode == "trust" and not trust_bucket_holds(self, bkey):
+      return None  # re-traced at the bucket's sizes, the Python would take the other side
     return tuple(bkey)
 
   def raise_overflow(self, sizes) -> None:

@@ -11,8 +11,10 @@ from __future__ import annotations
 import logging
 import math
 import re
+import warnings
 
 from dynjax import _symbolic
+from dynjax._errors import user_stacklevel
 
 logger = logging.getLogger("dynjax")
 MAX_GUARDS = 8  # re-traces under inferred guards per family; one more falls back
@@ -101,3 +103,80 @@ def _signature(fam, guards: tuple[str, ...]):
                                        strict=True)]
   texts = [text for _, text, _ in specs]
   return _symbolic.build_signature(specs, fam._constraints(texts) + guards)
+
+
+def equality_guards(fam, equalities) -> str | None:
+  """Guards ``lhs != rhs`` for the equalities of symbolic dims that the traced code evaluated
+  and jax answered False without deciding (``if x.shape[1] == 5:``; ``_jax_private.
+  undecided_equalities``): the trace holds only for sizes where they differ, so the family
+  checks that on every call and runs the others exact.  Returns a fallback reason when one
+  cannot be checked (its expression does not compile), else None."""
+  unequal, seen = [], set()
+  for lhs, rhs, where in equalities:
+    text = f"{lhs} != {rhs}"
+    if text in seen:
+      continue
+    seen.add(text)
+    try:
+      diff = _symbolic.compile_dim(lhs - rhs, fam.sig.var_order)
+    except Exception as e:  # noqa: BLE001 - an expression we cannot evaluate: run exact
+      return (f"the function compares {lhs} == {rhs} at {where}, which symbolic tracing "
+              f"cannot decide and dynjax cannot check per call ({type(e).__name__}: {e})")
+    unequal.append((text, diff, where))
+  fam._unequal = tuple(unequal)
+  fam.guards = fam.guards + tuple(text for text, _, _ in unequal)
+  logger.info("dynjax: %s traced %s as unequal: checked on every call", fam.name,
+              ", ".join(f"{text} ({where})" for text, _, where in unequal))
+  return None
+
+
+def trust_bucket_holds(fam, bkey) -> bool:
+  """Whether ``padding="trust"``'s trace at the bucket's sizes takes the side the symbolic trace
+  took (it re-runs the Python there): every ``lhs != rhs`` guard holds at ``bkey`` too.
+  Warns once per family when not (such calls run exact)."""
+  bad = [(text, where) for text, diff, where in fam._unequal if diff(bkey) == 0]
+  if not bad:
+    return True
+  if not getattr(fam, "_warned_trust_bucket", False):
+    fam._warned_trust_bucket = True
+    at = ", ".join(f"{v} = {n}" for v, n in zip(fam.sig.var_order, bkey, strict=True))
+    warnings.warn(
+      f"dynjax.jit({fam.name}): the bucket {at} breaks the guard(s) "
+      f"{', '.join(f'{t} ({w})' for t, w in bad)}: padding='trust' re-runs the function at "
+      "the bucket's sizes, where it would take the other side, so calls in that bucket run "
+      "unpadded, one compile per shape. Fix: padding='auto', or buckets that keep the guard",
+      stacklevel=user_stacklevel())
+  return False
+
+
+_RELATION = re.compile(r"^(.*?)(>=|<=|==)(.*)$")
+
+
+def declared_checks(constraints, sig) -> tuple:
+  """``(text, lhs(sizes), op, rhs(sizes))`` of each ``constraints=[...]`` the user gave that
+  names only the family's dimension variables.  The padded executables were traced under them
+  (jax decides comparisons with them), so they are guards too: sizes outside them run exact
+  (``Family.guard_ok``), as jax.export would refuse them."""
+  out = []
+  for text in constraints:
+    m = _RELATION.match(text)
+    if m is None:
+      continue
+    try:
+      from jax import export  # noqa: PLC0415
+
+      lhs, rhs = (export.symbolic_shape(side.strip(), scope=sig.scope)[0]
+                  for side in (m.group(1), m.group(3)))
+      out.append((text, _symbolic.compile_dim(lhs, sig.var_order), m.group(2),
+                  _symbolic.compile_dim(rhs, sig.var_order)))
+    except Exception:  # noqa: BLE001 - other variables (no spec names them): nothing to check
+      continue
+  return tuple(out)
+
+
+_HOLDS = {">=": lambda a, b: a >= b, "<=": lambda a, b: a <= b, "==": lambda a, b: a == b}
+
+
+def broken_declared(fam, sizes) -> list[str]:
+  """The user's ``constraints=[...]`` that true ``sizes`` break (none: ``[]``)."""
+  return [text for text, lhs, op, rhs in fam.declared if not _HOLDS[op](lhs(sizes), rhs(sizes))]

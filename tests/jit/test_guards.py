@@ -6,6 +6,9 @@ of the sizes the policy allows), traces and pads under it, and runs sizes outsid
 
 from __future__ import annotations
 
+import re
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -204,3 +207,100 @@ def test_without_a_dispatcher_that_checks_guards_it_falls_back_as_before():
   with pytest.warns(UserWarning, match=r"symbolic tracing failed \(InconclusiveDimensionOperation"):
     _assert_same(f(_x(5)), jax.jit(top3)(_x(5)))
   assert f.trace(_x(5)).family.guards == ()
+
+
+# -- equalities: jax answers an undecided ``d == 5`` with False (it cannot raise there) -------
+
+
+def branch_eq(x):
+  if x.shape[1] == 5:  # public code's special case of one length
+    return x.sum(-1)
+  return x.max(-1)
+
+
+def branch_even(x):
+  return x.sum(-1) if x.shape[1] % 2 == 0 else x.max(-1)
+
+
+def branch_square(x):
+  return jnp.trace(x) if x.shape[0] == x.shape[1] else x.sum()
+
+
+def where_eq(x):
+  return jnp.where(x.shape[1] != 5, x.max(-1), x.sum(-1))  # != too
+
+
+EQUALITIES = {  # (function, its guard, a violating (b, t))
+  "if t == 5": (branch_eq, "t != 5", (2, 5)),
+  "t % 2 == 0": (branch_even, "mod(t, 2) != 0", (2, 4)),
+  "b == t": (branch_square, "b != t", (3, 3)),
+  "jnp.where(t != 5)": (where_eq, "t != 5", (2, 5)),
+}
+
+
+@pytest.mark.parametrize("padding", ["auto", "trust"])
+@pytest.mark.parametrize("name", sorted(EQUALITIES))
+def test_an_undecided_shape_equality_is_a_guard_never_a_wrong_branch(name, padding):
+  fun, guard, (vb, vt) = EQUALITIES[name]
+  f = dynjax.jit(fun, dims={"x": "b, t"}, buckets={"b": [4], "t": [8, 16]}, padding=padding)
+  for b, t in [(2, 3), (2, 7), (3, 9)]:
+    x = np.random.default_rng(b * t).normal(size=(b, t)).astype(np.float32)
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore")  # trust buckets of even t break mod(t, 2) != 0 (below)
+      _assert_same(f(x), jax.jit(fun)(x))
+  fam = f.trace(_x(3)).family
+  assert fam.guards == (guard,) and fam.mode == padding
+  x = np.random.default_rng(0).normal(size=(vb, vt)).astype(np.float32)
+  with pytest.warns(UserWarning, match=rf"violate the guard\(s\) {re.escape(guard)} \(.*test_guards.py:\d+\)"):
+    _assert_same(f(x), jax.jit(fun)(x))  # the other side: exact, as jax.jit
+  assert f.stats()["fallbacks"] == []
+
+
+def test_trust_runs_exact_where_the_bucket_would_take_the_other_side():
+  # padding="trust" re-runs the Python at the bucket's sizes: t = 3 pads to t = 8, where
+  # ``t % 2 == 0`` holds although it does not at 3
+  f = dynjax.jit(branch_even, dims={"x": "b, t"}, buckets={"b": [2], "t": [8]}, padding="trust",
+                 on_fallback="warn")
+  with pytest.warns(UserWarning, match=r"the bucket b = 2, t = 8 breaks the guard\(s\) mod\(t, 2\)"):
+    _assert_same(f(_x(3)), jax.jit(branch_even)(_x(3)))
+  assert f.stats()["compiles"] == 1  # t = 3 exact, no bucket
+
+
+def test_undecided_equality_with_dims_auto_and_on_fallback_error():
+  g = dynjax.jit(branch_eq)  # dims="auto": static first, then t becomes a variable
+  for t in [3, 4, 5, 5, 6]:
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore")
+      _assert_same(g(_x(t)), jax.jit(branch_eq)(_x(t)))
+  f = dynjax.jit(branch_eq, dims={"x": "b, t"}, on_fallback="error")
+  _assert_same(f(_x(4)), jax.jit(branch_eq)(_x(4)))
+  with pytest.raises(dynjax.PaddingFallbackError, match=r"t = 5 violate the guard\(s\) t != 5"):
+    f(_x(5))
+
+
+def test_jax_internal_equalities_add_no_guard():
+  # broadcasting, squeeze, reshape and gather rules ask jax's definitely_equal(d, 1) etc.:
+  # those are jax's own decisions, not the user's, and must not turn into guards
+  def fun(x, y):
+    z = x[:, :, None] * y[:, None, :]  # (b, t, 1) * (b, 1, t)
+    z = z.reshape(x.shape[0], -1).sum(-1) + jnp.squeeze(x[:, :1], 1)
+    return z + jnp.take_along_axis(x, jnp.argmax(x, 1, keepdims=True), 1)[:, 0]
+
+  f = dynjax.jit(fun, dims={"x": "b, t", "y": "b, t"})
+  x, y = _x(5), _x(5, seed=1)
+  _assert_same(f(x, y), jax.jit(fun)(x, y))
+  assert f.trace(x, y).family.guards == ()
+
+
+def test_declared_constraints_are_guards_sizes_outside_run_exact():
+  # traced under t <= 4, x[:, :4] is the whole axis: at t = 5 that trace would be wrong
+  def head4(x):
+    return x[:, :4].sum(-1) + x.shape[1]
+
+  f = dynjax.jit(head4, dims={"x": "b, t"}, constraints=["t <= 4"])
+  _assert_same(f(_x(3)), jax.jit(head4)(_x(3)))
+  with pytest.warns(UserWarning, match=r"t = 5 violate the guard\(s\) t <= 4 \(constraints=\)"):
+    _assert_same(f(_x(5)), jax.jit(head4)(_x(5)))
+  strict = dynjax.jit(head4, dims={"x": "b, t"}, constraints=["t <= 4"], on_fallback="error")
+  with pytest.raises(dynjax.PaddingFallbackError, match=r"t <= 4 \(constraints=\)"):
+    strict(_x(5))
