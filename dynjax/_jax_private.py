@@ -141,6 +141,12 @@ def private_primitives() -> dict:
     out["unstack"] = lax_internal.unstack_p  # jnp.roll under vmap emits it (jax >= 0.11)
   except Exception:  # pragma: no cover
     pass
+  try:
+    from jax._src.lax import lax as lax_internal
+
+    out["stack"] = lax_internal.stack_p  # jnp.stack (jax >= 0.10)
+  except Exception:  # pragma: no cover
+    pass
   return out
 
 

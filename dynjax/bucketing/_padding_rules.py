@@ -822,6 +822,18 @@ if "split" in _PRIVATE:
     return outs
 
 
+if "stack" in _PRIVATE:
+
+  @register(_PRIVATE["stack"])
+  def _stack_rule(ctx, eqn, invals):
+    # ``jnp.stack`` (jax >= 0.10): operands of one shape, so of one padded layout; the new axis
+    # is static (one entry per operand).  The padded region holds a known value only where
+    # every operand's holds the same one.
+    fill = common_fill(pv.fill for v, pv in zip(eqn.invars, invals, strict=True)
+                       if dynamic_axes(v.aval))
+    return [PaddedValue(o, fill) for o in _bind(ctx, eqn, [pv.val for pv in invals])]
+
+
 if "unstack" in _PRIVATE:
 
   @register(_PRIVATE["unstack"])
@@ -991,13 +1003,16 @@ def _scatter_rule(ctx, eqn, invals):
     for a, w in window.items():
       if is_dynamic_dim(w) and (a in sdo or not (w == oa.shape[a])):
         return _scatter_by_element(ctx, eqn, invals, window)
-  # per scatter-batch element: drop (padding, or out of bounds at true sizes in fill mode)
+  # per scatter-batch element: drop (padding, or out of bounds at true sizes in fill mode).  A
+  # reducing scatter runs in CLIP mode below, so in fill mode its out-of-bounds updates are
+  # masked on every axis, static ones too (``jnp.bincount(ids, length=3)`` drops ids >= 3,
+  # jraph points padded edges at num_nodes: clamped, they landed in the last slot).
   drop = None
   cols = []
   for k, a in enumerate(sdo):
     col = idx[..., k]
     hi = ctx.true_dim(oa.shape[a]) - ctx.true_dim(window[a])
-    if fill_mode and a in tricky:
+    if fill_mode and (a in tricky or kind is not None):
       bad = (col < 0) | (col > hi)
       drop = bad if drop is None else drop | bad
     cols.append(jnp.clip(col, 0, hi).astype(idx.dtype) if a in tricky else col)

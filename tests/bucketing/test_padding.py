@@ -279,6 +279,44 @@ CASES = [
       ],
     },
   ),
+  # Out-of-range ids of reducing scatters are dropped, on static operand axes too (jraph
+  # points padded edges at num_nodes; bincount(length=) and nonzero(size=) drop the rest):
+  # the rule once clamped them into the last slot.
+  (
+    "segment_sum_oob",
+    lambda x, s: (jax.ops.segment_sum(x, s, num_segments=5),
+                  jax.ops.segment_max(x, s, num_segments=5)),
+    lambda b, t: [(t,), (t,)],
+    {
+      "dtypes": [jnp.float32, jnp.int32],
+      "inputs": lambda rng, s: [
+        rng.normal(size=s[0]).astype(np.float32),
+        rng.integers(-2, 8, size=s[1]).astype(np.int32),
+      ],
+    },
+  ),
+  (
+    "scatter_reduce_oob",
+    lambda x, s: (jnp.zeros(5).at[s].add(x), jnp.ones(5).at[s].multiply(x, mode="drop"),
+                  jnp.zeros(5).at[s].max(x, mode="drop"), jnp.bincount(s, length=5),
+                  jnp.nonzero(x > 0, size=3, fill_value=-1)[0],
+                  jnp.histogram(x, bins=4, range=(-1.0, 1.0))[0]),
+    lambda b, t: [(t,), (t,)],
+    {
+      "dtypes": [jnp.float32, jnp.int32],
+      "inputs": lambda rng, s: [
+        rng.normal(size=s[0]).astype(np.float32),
+        rng.integers(-2, 8, size=s[1]).astype(np.int32),
+      ],
+    },
+  ),
+  (  # jnp.stack is a primitive of its own since jax 0.10 (it had no rule: ran exact)
+    "stack",
+    lambda x: (jnp.stack([x, 2 * x], axis=1), jnp.stack([x, jnp.exp(x)]).max(0),
+               jnp.stack([x.sum(1), x.max(1)], -1)),
+    BT,
+    {},
+  ),
   ("split", lambda x: jnp.split(x, 2, axis=1)[1] * 2, lambda b, t: [(b, 2 * t)], {}),
   ("jit_inner", lambda x: jax.jit(lambda y: y.sum(1))(x) + jax.jit(jnp.flip)(x).mean(), BT, {}),
   ("custom_jvp", lambda x: jax.nn.relu(x).sum(1) + jax.nn.gelu(x).max(1), BT, {}),
