@@ -74,11 +74,15 @@ def _named_parameters(fun: Callable, skip_first: bool, where: str) -> list[inspe
 
 def _call_in_order(fun, params: Sequence[inspect.Parameter], values: Mapping[str, Any],
                    prefix: tuple = ()):
-  """Calls ``fun(*prefix, ...)`` passing positional parameters by position, keyword-only by name."""
-  args = list(prefix)
-  kwargs = {}
+  """Calls ``fun(*prefix, ...)`` passing positional parameters by position, keyword-only by
+  name; a parameter missing from ``values`` (the caller left it out) is not passed, so ``fun``
+  takes its default (a Python value, as under ``jax.jit``: ``train: bool = False`` stays a
+  bool), and the positional ones after it go by name."""
+  args, kwargs, by_name = list(prefix), {}, False
   for p in params:
-    if p.kind == _P.KEYWORD_ONLY:
+    if p.name not in values:
+      by_name = True
+    elif p.kind == _P.KEYWORD_ONLY or by_name:
       kwargs[p.name] = values[p.name]
     else:
       args.append(values[p.name])
@@ -142,18 +146,21 @@ def jit(module, method: str | Callable = "__call__", *, dims: Mapping[str, Any] 
     raise SpecError("dynjax.flax.jit: dims names 'variables'; the variables' dimensions are "
                     "static, give dims only for the method's own arguments")
 
-  def apply(**kw):
-    variables, rngs = kw.pop("variables"), kw.pop("rngs")
+  keyword_only = [p for p in params if p.kind == _P.KEYWORD_ONLY]
+  positional = [p for p in params if p.kind != _P.KEYWORD_ONLY]
+  signature = inspect.Signature(
+      [_P("variables", _P.POSITIONAL_OR_KEYWORD), *positional,
+       *keyword_only, _P("rngs", _P.KEYWORD_ONLY, default=None)])
+
+  def apply(*args, **kwargs):  # called as the signature says; left-out arguments not passed
+    kw = dict(signature.bind(*args, **kwargs).arguments)
+    variables, rngs = kw.pop("variables"), kw.pop("rngs", None)
     extra = {} if rngs is None else {"rngs": rngs}
     return _call_in_order(
         functools.partial(module.apply, variables, method=method, mutable=mutable, **extra),
         params, kw)
 
-  keyword_only = [p for p in params if p.kind == _P.KEYWORD_ONLY]
-  positional = [p for p in params if p.kind != _P.KEYWORD_ONLY]
-  apply.__signature__ = inspect.Signature(
-      [_P("variables", _P.POSITIONAL_OR_KEYWORD), *positional,
-       *keyword_only, _P("rngs", _P.KEYWORD_ONLY, default=None)])
+  apply.__signature__ = signature
   apply.__name__ = label.replace(".", "_")
   apply.__qualname__ = label
   apply.__doc__ = getattr(target, "__doc__", None)
@@ -257,7 +264,7 @@ class NnxWrapped:
                         "arguments")
     from flax import nnx
 
-    def inner(**kw):
+    def inner(**kw):  # by keyword (the signature below); left-out arguments not passed
       graphdef, state = kw.pop(_GRAPHDEF).graphdef, kw.pop(_STATE)
       nodes = nnx.merge(graphdef, state)
       values = dict(kw)
@@ -268,8 +275,8 @@ class NnxWrapped:
 
     rest = [p for p in params if p.name not in graph_names]
     inner.__signature__ = inspect.Signature(
-        [_P(_GRAPHDEF, _P.POSITIONAL_OR_KEYWORD), _P(_STATE, _P.POSITIONAL_OR_KEYWORD),
-         *[p.replace(kind=_P.POSITIONAL_OR_KEYWORD, default=_P.empty) for p in rest]])
+        [_P(_GRAPHDEF, _P.KEYWORD_ONLY), _P(_STATE, _P.KEYWORD_ONLY),
+         *[p.replace(kind=_P.KEYWORD_ONLY) for p in rest]])
     inner.__name__ = getattr(fun, "__name__", "nnx_fn")
     inner.__qualname__ = getattr(fun, "__qualname__", inner.__name__)
     static = (_GRAPHDEF, *[n for n in self._static if n not in graph_names])
@@ -281,9 +288,9 @@ class NnxWrapped:
       bound = self._sig.bind(*args, **kwargs)
     except TypeError as e:
       raise TypeError(f"{getattr(self.fun, '__qualname__', self.fun)}(): {e}") from None
-    bound.apply_defaults()
-    values = bound.arguments
-    graph_names = tuple(n for n in self._names if _holds_graph_nodes(values[n]))
+    values = bound.arguments  # left-out arguments stay out: the function's defaults apply
+    graph_names = tuple(n for n in self._names if n in values
+                        and _holds_graph_nodes(values[n]))
     wrapped = self._inner.get(graph_names)
     if wrapped is None:
       wrapped = self._inner[graph_names] = self._build(graph_names)
@@ -295,7 +302,7 @@ class NnxWrapped:
     nodes = tuple(values[n] for n in graph_names)
     graphdef, state = nnx.split(nodes)
     call = {_GRAPHDEF: _GraphKey(graphdef), _STATE: state}
-    call.update((n, values[n]) for n in self._names if n not in graph_names)
+    call.update((n, values[n]) for n in self._names if n not in graph_names and n in values)
     return nodes, call
 
   def __call__(self, *args, **kwargs):

@@ -217,8 +217,11 @@ class Wrapped:
             if not is_signature_error(e):
               raise
       return d.call(static, dyn)
-    except TypeError:  # (a try costs nothing until it catches)
-      _args.reject_abstract(d.name, self._binder, dyn)  # a ShapeDtypeStruct: say so
+    except Exception as e:  # (a try costs nothing until it catches)
+      if _args.has_tracer(dyn):  # called inside jax.jit/grad/vmap or another function's trace
+        return d.inline(static, dyn)
+      if isinstance(e, TypeError):
+        _args.reject_abstract(d.name, self._binder, dyn)  # a ShapeDtypeStruct: say so
       raise
 
   # -- stages ------------------------------------------------------------------------------

@@ -30,6 +30,27 @@ def is_padded(x) -> bool:
   return type(x) is Padded
 
 
+def has_tracer(tree) -> bool:
+  """Whether a pytree holds a jax tracer (only asked on failures and new families)."""
+  return any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(tree))
+
+
+class _Omitted:
+  """An argument the caller left out: the function is called without it and takes its own
+  default, as ``jax.jit`` calls it (a default is a Python value, never traced).  An empty
+  pytree, so it adds no leaf, and a node of its own, so leaving an argument out is another
+  family than passing it."""
+
+  __slots__ = ()
+
+  def __repr__(self):
+    return "<default>"
+
+
+OMITTED = _Omitted()
+jax.tree_util.register_pytree_node(_Omitted, lambda _: ((), None), lambda _, __: OMITTED)
+
+
 class Binder:
   """Binds calls of one function to its parameters (static ones taken out)."""
 
@@ -42,6 +63,7 @@ class Binder:
     self.dyn_names = tuple(p.name for p in self.params if p.name not in static)
     self.nparams = len(self.params)
     self.defaults = tuple(p.default for p in self.params)
+    self.omitted = (OMITTED,) * self.nparams
     # Calls with only positional arguments may leave out trailing parameters with defaults
     # (keyword-only ones too, e.g. the Flax wrapper's rngs=None).
     positional = 0
@@ -62,14 +84,13 @@ class Binder:
     params = self.params
     n = len(args)
     if not kwargs and self.defaults_from <= n < self.nparams and n <= self.positional:
-      args = args + self.defaults[n:]
+      args = args + self.omitted[n:]
     if kwargs or len(args) != len(params):
       try:
         bound = inspect.Signature(params).bind(*args, **kwargs)
       except TypeError as e:
         raise TypeError(f"{self.name}(): {e}") from None
-      bound.apply_defaults()
-      values = tuple(bound.arguments[p.name] for p in params)
+      values = tuple(bound.arguments.get(p.name, OMITTED) for p in params)
     else:
       values = args
     if not self.static_pos:
@@ -84,11 +105,23 @@ class Binder:
     dyn = tuple(v for i, v in enumerate(values) if i not in self.static_pos)
     return static, dyn
 
-  def kwargs(self, static, dyn) -> dict:
-    """The call's keyword arguments again, from a static key and the dynamic values."""
+  def call_args(self, static, dyn) -> tuple[list, dict]:
+    """The call's arguments again, from a static key and the dynamic values: positional
+    parameters positionally (``jax.value_and_grad(f)`` differentiates its positional
+    arguments; a ``/`` parameter has no keyword), up to the first one left out, the rest by
+    keyword; the ones left out not at all (the function takes its defaults)."""
     dyn, st = iter(dyn), iter(static)
-    return {p.name: (next(st) if i in self.static_pos else next(dyn))
-            for i, p in enumerate(self.params)}
+    args, kwargs, by_name = [], {}, False
+    for i, p in enumerate(self.params):
+      value = next(st) if i in self.static_pos else next(dyn)
+      if value is OMITTED:
+        by_name = True
+      elif p.kind is inspect.Parameter.POSITIONAL_ONLY or (
+          p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD and not by_name):
+        args.append(value)
+      else:
+        kwargs[p.name] = value
+    return args, kwargs
 
   def flat_fun(self, static, treedef):
     """``fun`` as a function of the flat dynamic leaves, returning a flat list (its output
@@ -96,8 +129,8 @@ class Binder:
     fun = self.fun
 
     def flat_fun(*leaves):
-      kw = self.kwargs(static, tree_unflatten(treedef, leaves))
-      out_leaves, flat_fun.out_tree = tree_flatten(fun(**kw))
+      args, kwargs = self.call_args(static, tree_unflatten(treedef, leaves))
+      out_leaves, flat_fun.out_tree = tree_flatten(fun(*args, **kwargs))
       return out_leaves  # a flat list, so executables return flat lists too
 
     flat_fun.__name__ = self.name
@@ -116,13 +149,18 @@ class Binder:
     for name, value in zip(self.dyn_names, dyn, strict=True):
       n_leaves = len(tree_flatten(value, is_leaf=is_padded)[0])
       spec = dims.get(name)
-      if spec is None:
+      if spec is None or n_leaves == 0:  # no dims, or nothing to pad (None, left out)
         texts.extend([None] * n_leaves)
       elif isinstance(spec, str):
         if n_leaves != 1:
           raise SpecError(f"dims[{name!r}] = {spec!r} is one spec, but argument {name!r} is a "
                           f"pytree with {n_leaves} leaves; give a pytree of specs matching it")
         texts.append(spec)
+      elif (n_leaves == 1 and isinstance(spec, list | tuple) and spec
+            and all(isinstance(s, str) for s in spec)):
+        raise SpecError(f"dims[{name!r}] = {spec!r} is a list, but argument {name!r} is one "
+                        f"array; write its axes as one spec string: "
+                        f"dims={{{name!r}: {', '.join(spec)!r}}}")
       else:
         try:
           per = jax.tree_util.tree_map(

@@ -154,7 +154,7 @@ class Executor:
     elif self.return_padded:
       if self.to_device:
         outs = [_placement.to_device(o) for o in outs]
-      res = [Padded(o, s) if dyn else o
+      res = [Padded._of(o, s) if dyn else o
              for o, s, dyn in zip(outs, self.out_shapes, self.out_dynamic, strict=True)]
     else:  # (a sliced output goes through the host either way: one transfer)
       mv = _placement.to_device if self.to_device else None
@@ -235,11 +235,20 @@ class Dispatcher:
     if any(map(is_padded, jax.tree_util.tree_leaves(dyn, is_leaf=is_padded))):
       self.padded_trees.add(tree_flatten(dyn)[1])
       leaves, treedef = tree_flatten(dyn, is_leaf=is_padded)
+    if _args.has_tracer(leaves):  # not a family of traced values: see ``inline``
+      return self.inline(static, dyn)
     fam = self.family(static, dyn, leaves, treedef)
     self.fast[(static, treedef)] = fam
     if fam.top is not None:
       self.top[static] = fam
     return self.run(fam, leaves)
+
+  def inline(self, static, dyn):
+    """A call with traced arguments (inside ``jax.jit``, ``jax.grad``, ``jax.vmap`` or another
+    dynjax function's trace): the function is traced into the caller's computation, as a
+    ``jax.jit`` nested in a trace is; the outer trace decides shapes and compiles."""
+    args, kwargs = self.binder.call_args(static, dyn)
+    return self.binder.fun(*args, **kwargs)
 
   def run(self, fam: Family, leaves):
     """Runs one call of ``fam`` given its flat leaves, by the family's mode."""
@@ -344,8 +353,8 @@ class Dispatcher:
           self.name, self.opts.padding)
 
     def eager():
-      kw = self.binder.kwargs(fam.key[0], tree_unflatten(fam.treedef, leaves))
-      return run_in_program(self.binder.fun, (), kw, options=self.opts)
+      args, kw = self.binder.call_args(fam.key[0], tree_unflatten(fam.treedef, leaves))
+      return run_in_program(self.binder.fun, tuple(args), kw, options=self.opts)
 
     flat, tree = fam.program.run(leaves, not device, eager)
     if not device:

@@ -224,6 +224,11 @@ class Family:
           return
         if attempt < MAX_GUARDS and add_guard(self, e):
           continue  # re-trace under one more inferred guard
+        # A function that fails at the call's own shapes too has a bug of its own (a bad
+        # matmul, a missing rng): its error, as jax.jit raises it, not a fallback warning.
+        jax.make_jaxpr(self.flat_fun)(*(jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                                             weak_type=a.weak_type)
+                                        for a in self.avals))
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         self.fall_back(self._under_guards(
             f"symbolic tracing failed ({type(e).__name__}: {first})"))

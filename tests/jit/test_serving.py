@@ -410,8 +410,13 @@ def test_trailing_defaults_and_keywords_take_the_same_executable():
   want = 2.0 * np.asarray(EXACT(p, _x(5)))
   np.testing.assert_allclose(f(p, _x(5)), want, rtol=1e-6)
   np.testing.assert_allclose(f(p, x=_x(5)), want, rtol=1e-6)
-  np.testing.assert_allclose(f(p, _x(5), 2.0), want, rtol=1e-6)
   assert f.stats()["compiles"] == 1
+  # passing scale traces it (a left-out default is a Python value): another signature, as
+  # under jax.jit, and then one executable for it by position or keyword
+  np.testing.assert_allclose(f(p, _x(5), 2.0), want, rtol=1e-6)
+  np.testing.assert_allclose(f(p, _x(6), scale=2.0), 2.0 * np.asarray(EXACT(p, _x(6))),
+                             rtol=1e-6)
+  assert f.stats()["compiles"] == 2
 
 
 @pytest.mark.parametrize("on_fallback", ["warn", "error"])

@@ -1,0 +1,148 @@
+"""How dynjax calls the user's function: as ``jax.jit`` calls it.
+
+Positional parameters go positionally (``jax.value_and_grad(f)`` differentiates positional
+arguments only; a ``/`` parameter has no keyword; decorators forward ``*args``), a parameter the
+caller leaves out is not passed (its default is a Python value, never traced), and a function
+that fails at the call's own shapes raises its own error, not a fallback warning.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dynjax
+
+
+def _x(b=2, t=5, seed=0):
+  return np.random.default_rng(seed).normal(size=(b, t)).astype(np.float32)
+
+
+def _same(got, want):
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-6)
+
+
+def _loss(x, w):
+  return jax.nn.logsumexp(x * w, -1).sum()
+
+
+def test_value_and_grad_of_a_function_is_called_positionally():
+  vg = jax.value_and_grad(_loss)  # its signature is _loss's, its wrapper takes *args
+  f = dynjax.jit(vg, dims={"x": "b, t"})
+  for t in (3, 5, 9):
+    _same(f(_x(t=t), np.float32(0.5)), jax.jit(vg)(_x(t=t), np.float32(0.5)))
+  assert f.stats()["fallbacks"] == []
+
+
+def test_decorator_forwarding_args_and_positional_only_parameters():
+  def twice(fn):
+    @functools.wraps(fn)
+    def wrapper(*args):
+      return fn(*args) * 2
+
+    return wrapper
+
+  @twice
+  def row_sum(x):
+    return x.sum(-1)
+
+  def head(x, /, k=2):
+    return x[:, :k].sum(-1) + x.sum(-1)
+
+  for fun in (row_sum, head):
+    f = dynjax.jit(fun, dims={"x": "b, t"})
+    for t in (3, 6):
+      _same(f(_x(t=t)), jax.jit(fun)(_x(t=t)))
+    assert f.stats()["fallbacks"] == [], fun
+
+
+def test_a_left_out_default_stays_a_python_value():
+  def scan_sum(x, reverse=False, mask=None):
+    if reverse:  # a traced default raised TracerBoolConversionError here
+      x = x[:, ::-1]
+    if mask is not None:
+      x = x * mask
+    return jnp.cumsum(x, -1)
+
+  f = dynjax.jit(scan_sum, dims={"x": "b, t", "mask": "b, t"}, static_argnames=("reverse",))
+  for t in (3, 6):
+    _same(f(_x(t=t)), jax.jit(scan_sum)(_x(t=t)))  # reverse and mask left out
+    _same(f(_x(t=t), True), jax.jit(scan_sum, static_argnames="reverse")(_x(t=t), True))
+    m = (np.arange(t) < 2).astype(np.float32)[None].repeat(2, 0)
+    _same(f(_x(t=t), mask=m), jax.jit(scan_sum)(_x(t=t), mask=m))
+    _same(f(_x(t=t), mask=None), jax.jit(scan_sum)(_x(t=t), mask=None))  # dims, no leaves
+  g = dynjax.jit(lambda x, reverse=False: x[:, ::-1] if reverse else x, dims={"x": "b, t"})
+  _same(g(_x()), _x())  # not static: fine while left out, as under jax.jit
+  assert f.stats()["fallbacks"] == [] and g.stats()["fallbacks"] == []
+
+
+def test_a_bug_in_the_function_raises_its_own_error_not_a_fallback():
+  def bad(x, w):
+    return x @ w  # (b, t) @ (3, 4): wrong at every shape
+
+  f = dynjax.jit(bad, dims={"x": "b, t"})
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # no "running unpadded" warning first
+    with pytest.raises(TypeError, match="dot_general requires contracting dimensions"):
+      f(_x(t=5), np.ones((3, 4), np.float32))
+  assert f.stats()["fallbacks"] == []
+
+
+def test_flax_left_out_train_flag_and_mask():
+  nn = pytest.importorskip("flax.linen")
+
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x, mask=None, train: bool = False):
+      h = nn.Dense(4)(x)
+      h = nn.Dropout(0.5, deterministic=not train)(h)
+      return h.sum(-1) if mask is None else (h * mask[..., None]).sum(-1)
+
+  model = Block()
+  x = np.random.default_rng(0).normal(size=(2, 5, 3)).astype(np.float32)
+  variables = model.init(jax.random.key(0), x)
+  f = dynjax.flax.jit(model, dims={"x": "b, t, 3", "mask": "b, t"})
+  for t in (3, 5):
+    _same(f(variables, x[:, :t]), model.apply(variables, x[:, :t]))
+    m = np.ones((2, t), np.float32)
+    _same(f(variables, x[:, :t], m), model.apply(variables, x[:, :t], m))
+  assert f.stats()["fallbacks"] == []
+
+
+def test_under_jax_transformations_the_function_is_traced_in_like_a_nested_jit():
+  def lse(x):
+    return jax.nn.logsumexp(x, -1).sum()
+
+  g = dynjax.jit(lse, dims={"x": "b, t"})
+  x = _x(3, 5)
+  _same(g(x), lse(x))  # a family first: its executors must not see the tracers below
+  _same(jax.grad(g)(x), jax.grad(lse)(x))
+  _same(jax.jit(g)(x), jax.jit(lse)(x))
+  _same(jax.vmap(g)(x[None]), jax.vmap(lse)(x[None]))
+  outer = dynjax.jit(lambda y: g(y) * 2, dims={"y": "b, t"}, buckets={"b": [4], "t": [8]})
+  for t in (3, 7):
+    _same(outer(_x(t=t)), 2 * lse(_x(t=t)))
+  assert outer.stats()["fallbacks"] == [] and outer.stats()["compiles"] == 1
+
+
+def test_padded_refuses_a_shape_that_does_not_fit_its_buffer():
+  with pytest.raises(ValueError, match=r"shape=\(3, 5\).*buffer has shape \(2, 2\)"):
+    dynjax.Padded(np.ones((2, 2), np.float32), (3, 5))
+  with pytest.raises(ValueError, match="rank"):
+    dynjax.Padded(np.ones((2, 8), np.float32), (2,))
+  assert dynjax.Padded(np.ones((2, 8), np.float32), (2, 5)).shape == (2, 5)
+
+
+@pytest.mark.parametrize("spec, match", [
+  (["b", "t"], r"is a list, but argument 'x' is one array.*dims=\{'x': 'b, t'\}"),
+  ("b, -3", r"negative size\(s\) \[.-3.\]"),
+])
+def test_spec_mistakes_are_named_with_their_fix(spec, match):
+  with pytest.raises(dynjax.SpecError, match=match):
+    dynjax.jit(lambda x: x * 2, dims={"x": spec})(_x())  # (a negative size: at jit() already)
