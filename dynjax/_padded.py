@@ -27,6 +27,21 @@ class Padded:
   def __init__(self, buffer, shape):
     self.buffer = buffer
     self.shape = tuple(int(s) for s in shape)
+    have = getattr(buffer, "shape", None)
+    if have is not None and (len(have) != len(self.shape)
+                             or any(not 0 <= n <= b for n, b in zip(self.shape, have, strict=True))):
+      raise ValueError(
+          f"dynjax.Padded(buffer, shape={self.shape}): the true shape must have the buffer's "
+          f"rank and fit inside it, but the buffer has shape {tuple(have)}. Pass the shape of "
+          "the valid prefix buffer[:shape[0], :shape[1], ...]")
+
+  @classmethod
+  def _of(cls, buffer, shape: tuple):
+    """Without the checks (dynjax's own results: the shape fits by construction; ~1.5 us a
+    leaf saved on a ``return_padded`` call)."""
+    obj = object.__new__(cls)
+    obj.buffer, obj.shape = buffer, shape
+    return obj
 
   @property
   def dtype(self):

@@ -227,7 +227,7 @@ def find_cap(body_cj, cond_cj, nb: int, nc: int, n: int) -> Cap | None:
   stack, conj = [cj.outvars[0]], []
   while stack:
     v = stack.pop()
-    e = prod.get(v)
+    e = None if isinstance(v, jax.extend.core.Literal) else prod.get(v)  # a constant cond
     if e is not None and e.primitive.name == "and" and jnp.dtype(v.aval.dtype) == jnp.bool_:
       stack.extend(e.invars)
     else:
@@ -246,7 +246,7 @@ def find_cap(body_cj, cond_cj, nb: int, nc: int, n: int) -> Cap | None:
         a.aval.dtype, jnp.integer):
       continue
     out = bj.outvars[leaf]
-    be = bprod.get(out)
+    be = None if isinstance(out, jax.extend.core.Literal) else bprod.get(out)
     if be is None or be.primitive.name != "add":
       continue
     x, y = be.invars

@@ -153,10 +153,14 @@ def _check_dims(dims, name: str, param_names: list[str], static: tuple[str, ...]
                  f"{type(v).__name__} {v!r}")
       continue
     try:
-      export.symbolic_shape(v)
+      parsed = export.symbolic_shape(v)
     except Exception as e:  # noqa: BLE001 - jax explains the syntax error in its message
       first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
       bad.append(f"{where} = {v!r} does not parse: {first}")
+      continue
+    negative = [str(d) for d in parsed if not _symbolic.is_symbolic(d) and int(d) < 0]
+    if negative:
+      bad.append(f"{where} = {v!r} has the negative size(s) {negative}")
       continue
     texts.append(v)
   if bad:

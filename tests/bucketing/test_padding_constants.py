@@ -131,6 +131,7 @@ CASES = {
     _t3,
   ),
   "split": (lambda x: jnp.split(jnp.concatenate([x, jnp.ones_like(x)], 0), 2, 0)[1], _t3),
+  "stack": (lambda x: jnp.stack([x, jnp.zeros_like(x), jnp.full(x.shape, 2.0)], 1), _t3),
   "dynamic_slice": (lambda x: lax.dynamic_slice_in_dim(jnp.ones_like(x) + x, 1, 1, 0), _t3),
   "dynamic_update_slice": (
     lambda x: lax.dynamic_update_slice(jnp.zeros_like(x), C3[None], (jnp.int32(0), 0)),

@@ -179,3 +179,13 @@ def test_host_mode_loop_honours_max_iterations_and_the_bucket_max():
   with pytest.raises(OutOfBucketsError, match=r"n0 = \d+ \(init\[0\]\.shape\[0\]\) is above "
                      r"the largest bucket 8 "):
     dc.while_loop(lambda c: c[1] < 3, _outer_body, init, buckets=dynjax.buckets.pow2(4, 8))
+
+
+def test_a_cond_that_ignores_the_carry():
+  # cond_fun returning a constant: its jaxpr's output is a literal (no equation produced it)
+  grow = lambda x: jnp.concatenate([x, x[:1]])  # noqa: E731
+  out = dynjax.while_loop(lambda x: False, grow, jnp.ones(1))
+  np.testing.assert_array_equal(out, np.ones(1))
+  for cond in (lambda x: True, lambda x: jnp.asarray(True)):
+    with pytest.raises(dynjax.ControlFlowError, match="still true after max_iterations=5"):
+      dynjax.while_loop(cond, grow, jnp.ones(1), max_iterations=5, overflow="grow")
