@@ -150,9 +150,11 @@ def test_hopper_backends_say_why_they_cannot_run_here(backend):
 
 
 def test_auto_takes_mgpu_only_where_its_boundary_tiles_are_few(kernels, monkeypatch):
-  from dynjax.route import _gmm
+  from dynjax.route import _gmm, _hopper
 
   monkeypatch.setattr(_gmm, "_platform", lambda: "gpu")
+  # the rule after the hopper kernel (on an H100 "auto" takes that one first)
+  monkeypatch.setattr(_hopper, "unavailable_reason", lambda dtype: "not this test's kernel")
   # (G - 1) * 128 <= rows / 8: 8 experts from 7,168 rows; 64 experts from 64,512.
   assert _gmm.resolve_backend("auto", jnp.bfloat16, 8192, 8) == "mgpu"
   assert _gmm.resolve_backend("auto", jnp.bfloat16, 4096, 8) == "pallas"
