@@ -59,6 +59,7 @@ class ExecutableStore:
     self.saved = 0
     self.loaded = 0
     self.load_errors = 0
+    self.write_failed = False  # warned once: a read-only or full cache_dir
     self._described = describe
 
   def path(self, bkey: tuple, tier: int) -> str:
@@ -116,7 +117,12 @@ class ExecutableStore:
         fh.write(blob)
       os.replace(tmp, self.path(bkey, tier))
     except OSError as e:
-      logger.warning("dynjax: cannot write %s: %s", self.dir, e)
+      with self._lock:
+        first, self.write_failed = not self.write_failed, True
+      if first:  # one warning a store, not one a bucket
+        warnings.warn(f"dynjax: cannot write the executable store {self.dir} ({e}): these "
+                      "executables compile again in the next process. Make cache_dir "
+                      "writable, or pass another one", stacklevel=2)
       return False
     with self._lock:
       self.saved += 1
@@ -187,7 +193,8 @@ class ExecutableStore:
     with self._lock:
       self.load_errors += 1
     warnings.warn(f"dynjax: stored executable {path} for bucket {tuple(bkey)} is discarded: "
-                  f"{why}; the bucket is compiled again and the file replaced", stacklevel=2)
+                  f"{why}; the bucket is compiled again (and stored again where the store "
+                  "is writable)", stacklevel=2)
     try:
       os.remove(path)
     except OSError:

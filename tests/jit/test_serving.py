@@ -334,6 +334,25 @@ def test_a_broken_stored_executable_is_compiled_again(tmp_path):
   assert next(iter(g._dispatcher.families.values())).store().load_errors == 1
 
 
+def test_a_store_that_cannot_be_written_warns_once_and_serves(tmp_path, monkeypatch):
+  # a read-only or full cache_dir (root ignores chmod, so the write itself fails here)
+  from dynjax.jit import _store
+
+  def refuse(*a, **k):
+    raise PermissionError(13, "Read-only file system")
+
+  monkeypatch.setattr(_store.tempfile, "mkstemp", refuse)
+  p = _params()
+  f = dynjax.jit(_model, dims={"x": "b, t, 4"}, cache_dir=str(tmp_path),
+                 buckets={"b": [2], "t": dynjax.buckets.pow2(4, 64)})
+  with pytest.warns(UserWarning, match=r"cannot write the executable store .*Read-only file "
+                    r"system.*compile again in the next process") as record:
+    for t in (3, 5, 9, 17):  # four buckets, one warning
+      np.testing.assert_allclose(f(p, _x(t)), EXACT(p, _x(t)), rtol=1e-6, atol=1e-6)
+  assert sum("cannot write" in str(w.message) for w in record) == 1
+  assert f.stats()["compiles"] == 4
+
+
 def _store_fn(cache, scale=1.0):
   def model(p, x):
     return _model(p, x) * scale
