@@ -43,6 +43,8 @@ def jit(
     overflow: str = "error",
     static_argnames: str | Sequence[str] = (),
     donate_argnames: str | Sequence[str] = (),
+    static_argnums: int | Sequence[int] = (),
+    donate_argnums: int | Sequence[int] = (),
     return_padded: bool = False,
     constraints: Sequence[str] = (),
     max_executables: int | None = None,
@@ -75,6 +77,8 @@ def jit(
       :class:`dynjax.OutOfBucketsError`), ``"exact"`` (run unpadded), ``"grow"`` (use the
       policy's rule past its max).
     static_argnames, donate_argnames: as in ``jax.jit``.
+    static_argnums, donate_argnums: as in ``jax.jit``: positions of parameters, added to the
+      ``*_argnames`` (dynjax keys everything by name).
     return_padded: return :class:`dynjax.Padded` values (buffer + true shape) instead of
       exact-shape arrays.
     constraints: extra ``jax.export`` constraints (``"t <= 512"``); a policy with a ``max`` adds
@@ -150,6 +154,7 @@ def jit(
   """
   kwargs = dict(dims=dims, buckets=buckets, padding=padding, overflow=overflow,
                 static_argnames=static_argnames, donate_argnames=donate_argnames,
+                static_argnums=static_argnums, donate_argnums=donate_argnums,
                 return_padded=return_padded, constraints=constraints,
                 max_executables=max_executables, cache_dir=cache_dir, check=check,
                 async_compile=async_compile, in_shardings=in_shardings,
@@ -178,8 +183,12 @@ class Wrapped:
     self.__name__ = getattr(fun, "__name__", type(fun).__name__)
     self.__doc__ = getattr(fun, "__doc__", None)
     self.__wrapped__ = fun
-    static = _options.names(options.get("static_argnames", ()), "static_argnames")
     param_names = [p.name for p in parameters(fun)]
+    for kind in ("static", "donate"):  # jax's positions, as names
+      options[f"{kind}_argnames"] = _options.names(options[f"{kind}_argnames"],
+                                                   f"{kind}_argnames") + _options.argnums(
+          options.pop(f"{kind}_argnums"), param_names, f"{kind}_argnums", self.__name__)
+    static = options["static_argnames"]
     dyn_names = tuple(n for n in param_names if n not in static)
     opts = _options.check(self.__name__, param_names, dyn_names, **options)
     if opts.cache_dir:

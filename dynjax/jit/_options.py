@@ -120,6 +120,26 @@ def names(value, what: str) -> tuple[str, ...]:
   return out
 
 
+def argnums(value, param_names: list[str], what: str, name: str) -> tuple[str, ...]:
+  """The parameter names at ``jax.jit``-style positions (an int or ints; negative from the
+  end)."""
+  nums = (value,) if isinstance(value, int) else value
+  try:
+    nums = tuple(nums)
+  except TypeError:
+    raise SpecError(f"{what}: expected a position or a sequence of positions, got "
+                    f"{value!r}") from None
+  out = []
+  for i in nums:
+    if not isinstance(i, int) or isinstance(i, bool):
+      raise SpecError(f"{what}: expected parameter positions (int), got {i!r}")
+    if not -len(param_names) <= i < len(param_names):
+      raise SpecError(f"{what}={value!r}: {name} has {len(param_names)} parameters "
+                      f"{param_names}; position {i} is not one of them")
+    out.append(param_names[i])
+  return tuple(out)
+
+
 def choice(value, legal, what: str) -> str:
   if value not in legal:
     raise SpecError(f"{what}={value!r} is not valid; use one of {', '.join(map(repr, legal))}")

@@ -146,3 +146,19 @@ def test_padded_refuses_a_shape_that_does_not_fit_its_buffer():
 def test_spec_mistakes_are_named_with_their_fix(spec, match):
   with pytest.raises(dynjax.SpecError, match=match):
     dynjax.jit(lambda x: x * 2, dims={"x": spec})(_x())  # (a negative size: at jit() already)
+
+
+def test_static_and_donate_argnums_as_in_jax_jit():
+  def scaled(x, n, rev=False):
+    y = x * n
+    return y[:, ::-1] if rev else y
+
+  f = dynjax.jit(scaled, dims={"x": "b, t"}, static_argnums=(1, -1))
+  want = jax.jit(scaled, static_argnums=(1, 2))
+  for t in (3, 6):
+    _same(f(_x(t=t), 3, True), want(_x(t=t), 3, True))
+  assert f.stats()["fallbacks"] == []
+  with pytest.raises(dynjax.SpecError, match=r"static_argnums=5: scaled has 3 parameters"):
+    dynjax.jit(scaled, static_argnums=5)
+  g = dynjax.jit(lambda x, y: x + y, dims={"x": "t"}, donate_argnums=0)
+  _same(g(np.ones(3, np.float32), np.float32(1)), np.full(3, 2.0, np.float32))
