@@ -77,7 +77,9 @@ class Executor:
     # Leaves to pad: (position in the call's values, true shape, bucket shape, prefix).  With
     # a Padded among them (``all_leaves``) every leaf with dims goes through pad_leaf.
     self.pads = tuple(
-        (p, shapes[li], entry.in_shapes[li], tuple(slice(0, n) for n in shapes[li]))
+        (p, shapes[li], entry.in_shapes[li], tuple(slice(0, n) for n in shapes[li]),
+         math.prod(entry.in_shapes[li]) * fam.avals[li].dtype.itemsize
+         >= _placement.POOL_MIN_BYTES)  # its host buffer is reused (sync calls only)
         for p, li in zip(where, fam.spec_idx, strict=True)
         if all_leaves or shapes[li] != entry.in_shapes[li])
     self.shard = fam.shard
@@ -122,14 +124,19 @@ class Executor:
     """pad -> run -> unpad -> count.  ``vals``: the dynamic arguments (top-level path) or
     the flat leaves."""
     fam = self.fam
+    taken = None
     if self.shard is not None:  # placed with their shardings, straight from the host
       args = self.shard.pad(fam, vals, self.full_shapes, self.in_shapes, fam.mode == "trust")
     elif self.pads:
       args = list(vals)
-      for pos, shape, target, prefix in self.pads:
+      for pos, shape, target, prefix, pooled in self.pads:
         x = vals[pos]
-        if type(x) is np.ndarray:  # fresh zeroed buffer each call: see pad_leaf
-          buf = np.zeros(target, x.dtype)
+        if type(x) is np.ndarray:  # a zero-padded host buffer: see pad_leaf
+          if pooled and self.sync:  # a large one, reused (_placement.HostBuffers)
+            buf = fam.host_buffers.take(target, x.dtype, prefix)
+            taken = (taken or []) + [(target, x.dtype, buf, prefix)]
+          else:
+            buf = np.zeros(target, x.dtype)
           buf[prefix] = x
           args[pos] = buf
         else:
@@ -151,6 +158,9 @@ class Executor:
       else:
         res = [h if sl is None else h[sl] for h, sl in zip(
             to_host(outs, self.numpy_out), self.out_slices, strict=True)]
+      if taken is not None:  # the computation is done: its padded inputs can be reused
+        for item in taken:
+          fam.host_buffers.give(*item)
     elif self.return_padded:
       if self.to_device:
         outs = [_placement.to_device(o) for o in outs]

@@ -150,6 +150,7 @@ class Family:
     self.host_out, self.host_out_reason = _placement.plan(self, None if first_leaves is None else
         _placement.host_request(first_leaves, self.dyn_leaves)) if padded else (False, None)
     self.buckets: dict[tuple, BucketEntry] = {}
+    self.host_buffers = _placement.HostBuffers()  # padded numpy inputs, reused
     self.executors: dict[tuple, Any] = {}  # hot-path key -> dispatch.Executor
     self.tuple_hist: Counter = Counter()  # true size tuples seen (explain, compile values)
     self.per_sizes: dict[tuple, tuple] = {}  # sizes -> (bucket, output shapes, true elems)

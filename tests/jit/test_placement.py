@@ -279,3 +279,50 @@ def test_nnx_state_needs_no_fix_up_when_it_has_no_dims(monkeypatch, dims, fixups
   np.testing.assert_allclose(np.asarray(model.bn.mean[...]), np.asarray(twin.bn.mean[...]),
                              rtol=1e-5, atol=1e-6)
   assert len(calls) == fixups
+
+
+# -- padded host input buffers, reused (_placement.HostBuffers) ------------------------------
+
+
+def _pool_fn(padding):
+  # trust sums the padded axis unmasked: exact only while the padding is zeros
+  return dynjax.jit(lambda x: (x.sum(1), x[:, :, :4] * 2), dims={"x": "b, t, 256"},
+                    buckets={"b": [8], "t": [128]}, padding=padding)
+
+
+@pytest.mark.parametrize("padding", ["auto", "trust"])
+def test_large_padded_inputs_reuse_one_zeroed_buffer(padding):
+  f = _pool_fn(padding)
+  rng = np.random.default_rng(0)
+  seen = set()
+  for t in (100, 90, 120, 100, 7, 128, 60):  # shorter after longer: stale values zeroed
+    x = rng.normal(size=(8, t, 256)).astype(np.float32)
+    s, h = f(x)
+    np.testing.assert_allclose(s, x.sum(1), rtol=1e-5, atol=1e-4)
+    np.testing.assert_array_equal(h, x[:, :, :4] * 2)
+    fam = _family(f)
+    for kept in fam.host_buffers.free.values():
+      seen.update(id(buf) for buf, _ in kept)
+  assert len(seen) == 1  # one buffer for the bucket, calls one after another
+  assert (8, 128, 256) == next(iter(fam.host_buffers.free))[0]
+
+
+def test_reused_buffers_under_threads_and_not_for_calls_that_do_not_wait():
+  import concurrent.futures
+
+  f = _pool_fn("trust")
+  rng = np.random.default_rng(1)
+  xs = [rng.normal(size=(8, int(t), 256)).astype(np.float32) for t in rng.integers(1, 129, 48)]
+  with concurrent.futures.ThreadPoolExecutor(8) as pool:
+    outs = list(pool.map(f, xs))
+  for x, (s, h) in zip(xs, outs, strict=True):
+    np.testing.assert_allclose(s, x.sum(1), rtol=1e-5, atol=1e-4)
+    np.testing.assert_array_equal(h, x[:, :, :4] * 2)
+  kept = _family(f).host_buffers.free[((8, 128, 256), np.dtype(np.float32))]
+  assert 1 <= len(kept) <= _placement.POOL_PER_KEY
+  # a call that returns without waiting for its results (return_padded) takes no buffer
+  g = dynjax.jit(lambda x: x * 2, dims={"x": "b, t, 256"}, buckets={"b": [8], "t": [128]},
+                 return_padded=True)
+  out = g(xs[0])
+  np.testing.assert_array_equal(out.unpad(), xs[0] * 2)
+  assert _family(g).host_buffers.free == {}
