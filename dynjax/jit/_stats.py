@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 from collections import Counter
 
-from dynjax.jit import _casts, _placement
+from dynjax.jit import _args, _casts, _placement
 
 
 class Counters:
@@ -201,7 +201,11 @@ def explain(d) -> str:
   waste = stats_dict(d)["padded_fraction"]
   for fam in d.families.values():
     sig = fam.sig
-    lines.append(f"family {fam.fid}: mode={fam.mode}")
+    static = fam.key[0] if isinstance(fam.key, tuple) and fam.key else ()
+    names = [d.binder.params[i].name for i in d.binder.static_pos]
+    at = ", ".join(f"{n}={v!r}" for n, v in zip(names, static, strict=False)
+                   if v is not _args.OMITTED)
+    lines.append(f"family {fam.fid}: mode={fam.mode}" + (f" (static {at})" if at else ""))
     runner = fam.program
     if runner is not None:
       desc = runner.describe()

@@ -158,6 +158,9 @@ def test_static_and_donate_argnums_as_in_jax_jit():
   for t in (3, 6):
     _same(f(_x(t=t), 3, True), want(_x(t=t), 3, True))
   assert f.stats()["fallbacks"] == []
+  f(_x(), 2)  # rev left out: another family, its static values in explain()
+  heads = [line for line in f.explain().splitlines() if line.startswith("family")]
+  assert heads == ["family 0: mode=auto (static n=3, rev=True)", "family 1: mode=auto (static n=2)"]
   with pytest.raises(dynjax.SpecError, match=r"static_argnums=5: scaled has 3 parameters"):
     dynjax.jit(scaled, static_argnums=5)
   g = dynjax.jit(lambda x, y: x + y, dims={"x": "t"}, donate_argnums=0)
