@@ -61,10 +61,7 @@ class Padded:
 
   @classmethod
   def tree_unflatten(cls, shape, children):
-    obj = object.__new__(cls)
-    obj.buffer = children[0]
-    obj.shape = shape
-    return obj
+    return cls._of(children[0], shape)  # (children may be tracers or placeholders)
 
   def __repr__(self) -> str:
     return (f"Padded(shape={self.shape}, buffer={getattr(self.buffer, 'shape', '?')} "

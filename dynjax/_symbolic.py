@@ -184,15 +184,10 @@ def parse_spec(text: str, path: str, scope) -> tuple:
     raise SpecError(f"dims[{path}]: expected a shape spec string such as \"b, t\", got "
                     f"{type(text).__name__} {text!r}")
   try:
-    dims = tuple(export.symbolic_shape(text, scope=scope))
+    return tuple(export.symbolic_shape(text, scope=scope))
   except Exception as e:  # jax raises ValueError with its own explanation
     raise SpecError(f"dims[{path}]: cannot parse shape spec {text!r}: {e}\n"
                     "Use jax.export.symbolic_shape syntax, e.g. \"b, t, 768\".") from None
-  bad = [str(d) for d in dims if not is_symbolic(d) and int(d) < 0]
-  if bad:
-    raise SpecError(f"dims[{path}]: spec {text!r} has the negative size(s) {bad}; an axis is "
-                    "a name (\"t\"), an expression of names (\"2*t\") or a size >= 0 (\"768\")")
-  return dims
 
 
 def spec_variables(texts: Sequence[str]) -> list[str]:

@@ -201,9 +201,8 @@ def explain(d) -> str:
   waste = stats_dict(d)["padded_fraction"]
   for fam in d.families.values():
     sig = fam.sig
-    static = fam.key[0] if isinstance(fam.key, tuple) and fam.key else ()
     names = [d.binder.params[i].name for i in d.binder.static_pos]
-    at = ", ".join(f"{n}={v!r}" for n, v in zip(names, static, strict=False)
+    at = ", ".join(f"{n}={v!r}" for n, v in zip(names, fam.key[0], strict=True)
                    if v is not _args.OMITTED)
     lines.append(f"family {fam.fid}: mode={fam.mode}" + (f" (static {at})" if at else ""))
     runner = fam.program
