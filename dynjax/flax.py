@@ -39,6 +39,7 @@ import jax
 import numpy as np
 
 from dynjax._errors import SpecError
+from dynjax.jit._args import call_in_order
 
 __all__ = ["jit", "nnx_jit"]
 
@@ -78,15 +79,8 @@ def _call_in_order(fun, params: Sequence[inspect.Parameter], values: Mapping[str
   name; a parameter missing from ``values`` (the caller left it out) is not passed, so ``fun``
   takes its default (a Python value, as under ``jax.jit``: ``train: bool = False`` stays a
   bool), and the positional ones after it go by name."""
-  args, kwargs, by_name = list(prefix), {}, False
-  for p in params:
-    if p.name not in values:
-      by_name = True
-    elif p.kind == _P.KEYWORD_ONLY or by_name:
-      kwargs[p.name] = values[p.name]
-    else:
-      args.append(values[p.name])
-  return fun(*args, **kwargs)
+  args, kwargs = call_in_order(params, values)
+  return fun(*prefix, *args, **kwargs)
 
 
 # -----------------------------------------------------------------------------------------------

@@ -111,17 +111,12 @@ class Binder:
     arguments; a ``/`` parameter has no keyword), up to the first one left out, the rest by
     keyword; the ones left out not at all (the function takes its defaults)."""
     dyn, st = iter(dyn), iter(static)
-    args, kwargs, by_name = [], {}, False
+    values = {}
     for i, p in enumerate(self.params):
       value = next(st) if i in self.static_pos else next(dyn)
-      if value is OMITTED:
-        by_name = True
-      elif p.kind is inspect.Parameter.POSITIONAL_ONLY or (
-          p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD and not by_name):
-        args.append(value)
-      else:
-        kwargs[p.name] = value
-    return args, kwargs
+      if value is not OMITTED:
+        values[p.name] = value
+    return call_in_order(self.params, values)
 
   def flat_fun(self, static, treedef):
     """``fun`` as a function of the flat dynamic leaves, returning a flat list (its output
@@ -176,6 +171,21 @@ class Binder:
   def donate_positions(self, donate: tuple[str, ...]) -> tuple[int, ...]:
     """Positions (among the dynamic arguments) of ``donate_argnames``."""
     return tuple(i for i, n in enumerate(self.dyn_names) if n in donate)
+
+
+def call_in_order(params, values) -> tuple[list, dict]:
+  """``(args, kwargs)`` calling ``params`` with ``values`` (name -> value) as ``jax.jit`` calls
+  a function: positional parameters positionally up to the first one missing from ``values``
+  (the caller left it out: not passed, its default applies), the rest by keyword."""
+  args, kwargs, by_name = [], {}, False
+  for p in params:
+    if p.name not in values:
+      by_name = True
+    elif p.kind is inspect.Parameter.KEYWORD_ONLY or by_name:
+      kwargs[p.name] = values[p.name]
+    else:
+      args.append(values[p.name])
+  return args, kwargs
 
 
 def parameters(fun) -> tuple[inspect.Parameter, ...]:

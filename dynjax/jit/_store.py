@@ -236,7 +236,8 @@ class FirstRun:
         if self.exe is exe:  # not rebuilt by another thread meanwhile
           warnings.warn(f"dynjax: stored executable {self.what} failed its first run "
                         f"({type(e).__name__}: {str(e).strip().splitlines()[0][:200]}); "
-                        "the bucket is compiled again and the file replaced", stacklevel=2)
+                        "the bucket is compiled again (and stored again where the store is "
+                        "writable)", stacklevel=2)
           self.exe = self.rebuild()
       out = self.exe(*args, **kwargs)
     if not self.done:
