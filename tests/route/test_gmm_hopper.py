@@ -166,6 +166,34 @@ def test_call_shapes_below_the_floor_share_one_kernel_pair(monkeypatch):
   assert sorted(k.tn for k in set(keys)) == [64, 128]  # GEMM 2 (N=1024) halves its tiles
 
 
+def test_only_a_bfloat16_fused_activation_runs_approximate_math(monkeypatch):
+  # tanh.approx.f32 is within a quarter of bfloat16's rounding step, not of float16's: the
+  # kernel's approx_math is on for a fused activation of bfloat16 operands only, and the
+  # lowered program carries it (a kernel key of its own).
+  keys = []
+  monkeypatch.setattr(_once, "call", lambda key, fn, *a: keys.append(key[1]) or jnp.zeros(
+      (key[1].m, key[1].n), key[1].dtype))
+  t = route.Tiling(tm=128, tk=64, tn=128, num_stages=4, grid_block_n=8)
+  te = jnp.array([1, 2], jnp.int32)
+  for dtype, act in ((jnp.bfloat16, jax.nn.gelu), (jnp.float16, jax.nn.gelu),
+                     (jnp.bfloat16, None)):
+    _hopper.hopper_gmm(jnp.zeros((256, 128), dtype), jnp.zeros((2, 128, 256), dtype), te, t, act)
+  monkeypatch.setattr(_hopper, "APPROX_BF16", False)
+  _hopper.hopper_gmm(jnp.zeros((256, 128), jnp.bfloat16), jnp.zeros((2, 128, 256), jnp.bfloat16),
+                     te, t, jax.nn.gelu)
+  assert [k.approx for k in keys] == [True, False, False, False]
+  monkeypatch.undo()
+  args = (jax.ShapeDtypeStruct((256, 128), jnp.bfloat16),
+          jax.ShapeDtypeStruct((2, 128, 256), jnp.bfloat16), jax.ShapeDtypeStruct((2,), jnp.int32))
+  texts = []
+  for approx in (False, True):
+    monkeypatch.setattr(_hopper, "APPROX_BF16", approx)
+    _once.clear()
+    fn = jax.jit(lambda a, b, te: _hopper.hopper_gmm(a, b, te, t, jax.nn.gelu))
+    texts.append(fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text())
+  assert [tx.count("approx") for tx in texts] == [0, 1]  # the Mosaic GPU program's tanh
+
+
 @pytest.mark.parametrize("activation,skip,export", [(None, 0, True), (jax.nn.gelu, 384, True),
                                                     (jax.nn.gelu, 384, False)])
 def test_the_kernel_lowers_for_cuda(activation, skip, export, monkeypatch):

@@ -1,0 +1,297 @@
+"""Where the grouped MoE layer's time goes, kernel by kernel (jax.profiler, one executable).
+
+    python benchmarks/probe_moe_profile.py --out DIR                 # H100 sizes
+    python benchmarks/probe_moe_profile.py --small --out /tmp/p      # CPU smoke run
+
+Parts: ``gemms``, the layer's two grouped GEMMs alone per hopper-kernel knob (``--knobs``:
+approximate math in the fused activation on / off, ``_hopper.APPROX_BF16``) beside cuBLAS; ``layers``: for each ``--specs`` entry (``setting:k``, settings as in bench_moe_kernels.py) and each
+variant (the grouped layer at kernel="auto", the capacity-1.25 dropping layer, one dense FFN of
+the same FLOPs), four layers on rotating inputs in one executable are run ``--iters`` times
+under ``jax.profiler.trace``; the device events are summed by kernel name and divided by
+``iters * 4``, so each row is microseconds per layer.  The executables' optimized HLO goes to
+``DIR/hlo_<variant>.txt`` so that a fusion's name can be read back to its ops.
+Writes DIR/probe_moe_profile.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.bench_moe_kernels import REPS, Setting  # noqa: E402
+from dynjax import route  # noqa: E402
+
+
+def trace_events(log_dir: str) -> list[dict]:
+  """The Chrome-format events of the newest trace under ``log_dir``."""
+  files = sorted(glob.glob(os.path.join(log_dir, "**", "*.trace.json.gz"), recursive=True) +
+                 glob.glob(os.path.join(log_dir, "**", "perfetto_trace.json.gz"),
+                           recursive=True), key=os.path.getmtime)
+  if not files:
+    raise RuntimeError(f"no trace file under {log_dir}: "
+                       f"{glob.glob(os.path.join(log_dir, '**'), recursive=True)[:20]}")
+  with gzip.open(files[-1], "rt") as fh:
+    data = json.load(fh)
+  return data["traceEvents"] if isinstance(data, dict) else data
+
+
+def device_kernels(events: list[dict]) -> tuple[dict, list[str], dict]:
+  """Sum of durations (us) and count per event name on device processes, and the idle time
+  on a device thread (stream) before each event, summed by the name of the event after it
+  (gaps over 200 us, between iterations, left out)."""
+  names = {}
+  for ev in events:
+    if ev.get("ph") == "M" and ev.get("name") == "process_name":
+      names[ev.get("pid")] = str(ev.get("args", {}).get("name", ""))
+  dev = {pid for pid, nm in names.items() if "GPU" in nm or "TPU" in nm or "/device:" in nm}
+  if not dev:  # CPU: XLA's ops on the host threads
+    dev = {pid for pid, nm in names.items() if "CPU" in nm or "host" in nm.lower()}
+  agg: dict[str, list] = collections.defaultdict(lambda: [0.0, 0])
+  streams = collections.defaultdict(list)
+  for ev in events:
+    if ev.get("ph") == "X" and ev.get("pid") in dev:
+      a = agg[str(ev.get("name"))]
+      a[0] += float(ev.get("dur", 0.0))
+      a[1] += 1
+      streams[(ev.get("pid"), ev.get("tid"))].append(
+          (float(ev.get("ts", 0.0)), float(ev.get("dur", 0.0)), str(ev.get("name"))))
+  gaps: dict[str, float] = collections.defaultdict(float)
+  for evs in streams.values():
+    evs.sort()
+    for (t0, d0, _), (t1, _, nm) in zip(evs, evs[1:], strict=False):
+      if 0 < t1 - (t0 + d0) < 200:
+        gaps[nm] += t1 - (t0 + d0)
+  return dict(agg), sorted(set(names.values())), dict(gaps)
+
+
+def call_timeline(events: list[dict]) -> dict:
+  """Per annotated call (median over calls): its span, the time from its start to the first
+  device event and from the last device event to its end, and the host events (by name,
+  summed, median call) that run before its first device event."""
+  names = {ev.get("pid"): str(ev.get("args", {}).get("name", "")) for ev in events
+           if ev.get("ph") == "M" and ev.get("name") == "process_name"}
+  dev = {pid for pid, nm in names.items() if "GPU" in nm or "/device:" in nm}
+  xs = [ev for ev in events if ev.get("ph") == "X"]
+  marks = [ev for ev in xs if str(ev.get("name", "")).startswith("probe_call_")]
+  devs = sorted((float(ev["ts"]), float(ev["ts"]) + float(ev.get("dur", 0))) for ev in xs
+                if ev.get("pid") in dev)
+  rows = []
+  for m in marks:
+    t0, t1 = float(m["ts"]), float(m["ts"]) + float(m.get("dur", 0))
+    inside = [(a, b) for a, b in devs if t0 <= a <= t1]
+    if not inside:
+      continue
+    first, last = inside[0][0], max(b for _, b in inside)
+    host = collections.defaultdict(float)
+    for ev in xs:
+      if ev.get("pid") not in dev and ev is not m and t0 <= float(ev["ts"]) < first:
+        host[str(ev.get("name"))] += float(ev.get("dur", 0))
+    rows.append((t1 - t0, first - t0, t1 - last, host))
+  if not rows:
+    return {}
+  rows.sort(key=lambda r: r[0])
+  span, to_first, after, host = rows[len(rows) // 2]
+  return {"call_us": span, "to_first_kernel_us": to_first, "after_last_kernel_us": after,
+          "host_before_first_kernel": sorted(host.items(), key=lambda r: -r[1])[:12]}
+
+
+def profile(label: str, fn, args_list, iters: int, out_dir: str | None, top: int = 25) -> dict:
+  jf = jax.jit(fn)
+  jax.block_until_ready(jf(*args_list))  # compile + warm
+  if out_dir:
+    with open(os.path.join(out_dir, f"hlo_{label.split()[0]}.txt"), "w") as fh:
+      fh.write(jf.lower(*args_list).compile().as_text())
+  walls = []
+  for _ in range(max(30, iters)):
+    t0 = time.perf_counter()
+    jax.block_until_ready(jf(*args_list))
+    walls.append(time.perf_counter() - t0)
+  wall = float(np.median(walls)) / REPS * 1e6
+  log_dir = tempfile.mkdtemp(prefix="moe_prof_")
+  with jax.profiler.trace(log_dir):
+    for i in range(iters):
+      with jax.profiler.TraceAnnotation(f"probe_call_{i}"):
+        jax.block_until_ready(jf(*args_list))
+  events = trace_events(log_dir)
+  agg, procs, gaps = device_kernels(events)
+  calls = call_timeline(events)
+  per = iters * REPS
+  rows = sorted(((nm, dur / per, cnt / per) for nm, (dur, cnt) in agg.items()),
+                key=lambda r: -r[1])
+  total = sum(r[1] for r in rows)
+  gap_rows = sorted(((nm, g / per) for nm, g in gaps.items()), key=lambda r: -r[1])
+  print(f"\n  {label}: wall {wall:.1f} us a layer, device events {total:.1f} us, idle "
+        f"between them {sum(g for _, g in gap_rows):.1f} us", flush=True)
+  for nm, us, cnt in rows[:top]:
+    print(f"    {us:8.2f} us  x{cnt:4.2f}  {nm[:110]}", flush=True)
+  for nm, us in gap_rows[:6]:
+    print(f"    idle {us:8.2f} us before {nm[:100]}", flush=True)
+  print(f"    a call (median): {calls.get('call_us', 0):.1f} us; first kernel after "
+        f"{calls.get('to_first_kernel_us', 0):.1f} us, host returns "
+        f"{calls.get('after_last_kernel_us', 0):.1f} us after the last", flush=True)
+  for nm, us in calls.get("host_before_first_kernel", [])[:5]:
+    print(f"      host {us:8.2f} us  {nm[:100]}", flush=True)
+  return {"wall_us": wall, "device_us": total, "idle_us": sum(g for _, g in gap_rows),
+          "call": calls,
+          "processes": procs, "idle_before": dict(gap_rows[:20]),
+          "kernels": [{"name": nm, "us": us, "count": cnt} for nm, us, cnt in rows]}
+
+
+def set_knob(knob: str) -> str:
+  """``knob`` "0"/"1": the hopper kernel's fused bfloat16 activation with exact or approximate
+  transcendentals (``_hopper.APPROX_BF16``)."""
+  from dynjax.route import _hopper  # noqa: PLC0415
+
+  _hopper.APPROX_BF16 = bool(int(knob))
+  return f"approx{int(knob)}"
+
+
+def run_gemms(args) -> dict:
+  """The layer's two grouped GEMMs alone (uniform 8 experts, k=1, the layer's buffer and
+  bounds) per knob, beside cuBLAS on the dense shapes of the same FLOPs; errors vs float32."""
+  from dynjax.route import _gmm  # noqa: PLC0415
+
+  s = Setting("uniform8", 1, args)
+  n, e = args.tokens, s.e
+  t = route.Tiling.auto(n, e, "hopper")
+  rows = _gmm.buffer_rows(n, e, t, "hopper")
+  fill = _gmm.num_tiles(n, e, t.tm) * t.tm
+  waves = max(fill, _gmm.hopper_floor_rows(e, t.tm))
+  lays = [route.grouped_layout(s.router(s.logits(x, b)), e, t.tm, rows) for x, b in s.inputs]
+  xs = [jnp.take(x, lay.table, axis=0, mode="fill", fill_value=0)
+        for (x, _), lay in zip(s.inputs, lays, strict=True)]
+  key = jax.random.PRNGKey(7)
+  hs = [jax.random.normal(jax.random.fold_in(key, i), (rows, args.ffn)).astype(jnp.bfloat16)
+        for i in range(REPS)]
+  sizes = [lay.group_sizes for lay in lays]
+  w1, w2 = s.params["w1"], s.params["w2"]
+  out: dict = {"rows": rows, "tiling": str(t)}
+
+  def ref(a, w, sz, act):  # float32 ragged dot on the tile-aligned sizes
+    tiles = ((sz + t.tm - 1) // t.tm) * t.tm
+    y = jax.lax.ragged_dot(a.astype(jnp.float32), w.astype(jnp.float32),
+                           tiles.at[-1].add(a.shape[0] - tiles.sum()))
+    return act(y) if act else y
+
+  cases = [("gemm1+gelu", xs, w1, jax.nn.gelu), ("gemm1", xs, w1, None), ("gemm2", hs, w2, None)]
+  for knob in args.knobs.split(","):
+    tag = set_knob(knob)
+    for label, lhs, w, act in cases:
+      if label != "gemm1+gelu" and knob == "1":
+        continue  # approx math changes only the activation
+
+      def f(w, *a, w_=w, act=act):
+        return [_gmm.hopper_grouped(x, w_, sz, t, act, skip_unused=fill, wave_rows=waves)
+                for x, sz in a]
+
+      try:
+        r = profile(f"{label} {tag}", f, [w] + list(zip(lhs, sizes, strict=True)),
+                    args.iters, None, top=3)
+        y = jax.jit(lambda x, sz, w=w, act=act: _gmm.hopper_grouped(
+            x, w, sz, t, act, skip_unused=fill, wave_rows=waves))(lhs[0], sizes[0])
+        want = ref(lhs[0], w, sizes[0], act)
+        used = jnp.sum(((sizes[0] + t.tm - 1) // t.tm) * t.tm)  # rows past are unwritten
+        live = jnp.arange(rows)[:, None] < used
+        y32 = jnp.where(live, y.astype(jnp.float32), 0)
+        r["rel_err"] = float(jnp.linalg.norm(y32 - jnp.where(live, want, 0)) /
+                             jnp.linalg.norm(jnp.where(live, want, 0)))
+        print(f"    rel err vs f32 {r['rel_err']:.2e}", flush=True)
+      except Exception as ex:
+        r = {"error": f"{type(ex).__name__}: {str(ex)[:800]}"}
+        print(f"  {label} {tag} FAILED {r['error'][:400]}", flush=True)
+      out[f"{label} {tag}"] = r
+  set_knob("1")
+  wd1, wd2 = w1[0], w2[0]
+  out["cublas gemm1 [N,d]x[d,f] (+ XLA gelu)"] = profile(
+      "cublas gemm1+gelu", lambda w, *a: [jax.nn.gelu(jnp.dot(x[:n], w)) for x in a],
+      [wd1] + xs, args.iters, None, top=4)
+  out["cublas gemm2 [N,f]x[f,d]"] = profile(
+      "cublas gemm2", lambda w, *a: [jnp.dot(h[:n], w) for h in a], [wd2] + hs, args.iters,
+      None, top=3)
+  return out
+
+
+def run_layers(args) -> dict:
+  out = {}
+  for spec in args.specs.split(","):
+    setting, _, k = spec.partition(":")
+    s = Setting(setting, int(k or 1), args)
+    n, e, k = args.tokens, s.e, s.k
+    cap = math.ceil(1.25 * n * k / e)
+    plan = route.make_plan((cap,) * e)
+    fns = {
+        "capacity": lambda p, x, b, s=s, plan=plan: route.apply(
+            s.experts, p, x, s.router(s.logits(x, b)), plan),
+        "ffn": lambda p, x, b, k=k: jnp.dot(jax.nn.gelu(jnp.dot(
+            jnp.concatenate([x] * k) if k > 1 else x, p["w1"][0]).astype(x.dtype)),
+            p["w2"][0]).astype(x.dtype)}
+    res = {"auto_kernel": s.routed("auto").grouped_kernel(s.params, jnp.bfloat16, n * k)}
+    print(f"\n== {spec} (auto kernel {res['auto_kernel']})", flush=True)
+    variants = [v for v in args.variants.split(",") if v != "grouped"]
+    if "grouped" in args.variants.split(","):
+      variants = [f"grouped {kn}" for kn in args.knobs.split(",")] + variants
+    for v in variants:
+      if v.startswith("grouped"):
+        tag = set_knob(v.split()[1])
+        moe = s.routed("auto")
+        f = lambda p, x, b, moe=moe, s=s: moe(p, x, s.logits(x, b))  # noqa: E731
+        v = f"grouped {tag}"
+      else:
+        f = fns[v]
+      try:
+        res[v] = profile(f"{v} {spec}", lambda p, *a, f=f: [f(p, x, b) for x, b in a],
+                         [s.params] + list(s.inputs[:REPS]), args.iters,
+                         args.out if spec == args.specs.split(",")[0] else None,
+                         top=args.top)
+      except Exception as ex:  # one failing variant must not lose the others
+        res[v] = {"error": f"{type(ex).__name__}: {str(ex)[:800]}"}
+        print(f"  {v} FAILED {res[v]['error'][:400]}", flush=True)
+    set_knob("1")
+    out[spec] = res
+  return out
+
+
+def main(argv=None) -> dict:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap.add_argument("--out", default=None)
+  ap.add_argument("--small", action="store_true")
+  ap.add_argument("--parts", default="gemms,layers")
+  ap.add_argument("--specs", default="uniform8:1,zipf8:1,uniform64:1,uniform8:2")
+  ap.add_argument("--variants", default="grouped,capacity,ffn")
+  ap.add_argument("--knobs", default="1", help="hopper kernel: 1/0 approximate math on or off")
+  ap.add_argument("--iters", type=int, default=10)
+  ap.add_argument("--top", type=int, default=12)
+  ap.add_argument("--zipf", type=float, default=1.2)
+  ap.add_argument("--seed", type=int, default=0)
+  args = ap.parse_args(argv)
+  args.d, args.ffn, args.tokens = (128, 256, 512) if args.small else (1024, 4096, 8192)
+  args.rotate = REPS
+  if args.out:
+    os.makedirs(args.out, exist_ok=True)
+  report = {"jax": jax.__version__, "device": jax.devices()[0].device_kind,
+            "argv": sys.argv[1:] if argv is None else argv}
+  print(f"device {report['device']}, jax {report['jax']}", flush=True)
+  for part in args.parts.split(","):
+    report[part] = {"gemms": run_gemms, "layers": run_layers}[part](args)
+    if args.out:
+      with open(os.path.join(args.out, "probe_moe_profile.json"), "w") as fh:
+        json.dump(report, fh, indent=1, default=str)
+  return report
+
+
+if __name__ == "__main__":
+  main()
