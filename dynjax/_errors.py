@@ -28,7 +28,8 @@ class ShapeMismatchError(DynjaxError, ValueError):
 
 
 class DtypeMismatchError(DynjaxError, TypeError):
-  """A call argument changed dtype from the one the function was traced with."""
+  """No longer raised: an argument of another dtype is traced again, as ``jax.jit`` does (a
+  family of its own).  Kept so that ``except dynjax.DtypeMismatchError`` still works."""
 
 
 class OutOfBucketsError(DynjaxError, ValueError):

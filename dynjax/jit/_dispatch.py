@@ -27,10 +27,8 @@ import numpy as np
 from dynjax import _symbolic
 from dynjax._config import config
 from dynjax._errors import (
-  DtypeMismatchError,
   PaddingMismatchError,
   PaddingUnsupportedError,
-  format_list,
 )
 from dynjax._padded import Padded
 from dynjax.jit import _args, _casts, _forward, _placement, _serving
@@ -218,7 +216,6 @@ class Dispatcher:
     self.family_lock = threading.Lock()
     self._fids = itertools.count()
     self._auto_state: dict = {}
-    self._first_dtypes: dict = {}
     self._sizes_on_device: dict = {}
     # Executors are kept only where no call decides anything: an LRU bound may evict.
     self.keep_executors = opts.max_executables is None
@@ -419,10 +416,8 @@ class Dispatcher:
         state = self._auto_state[key] = _args.auto_promote(state, shapes)
         specs = _args.auto_specs(state)
       paths = self.binder.leaf_paths(dyn)
-      if not auto:
-        if fam is not None:
-          return fam
-        self._check_new_dtype(static, treedef, avals, specs, paths)
+      if not auto and fam is not None:
+        return fam
       fam = Family(self, self.binder.flat_fun(static, treedef), paths, specs, avals, treedef,
                    key, next(self._fids), first_leaves=leaves)
       for i, (x, a) in enumerate(zip(leaves, avals, strict=True)):
@@ -431,17 +426,6 @@ class Dispatcher:
       self.families[key] = fam
       self.all_families[fam.fid] = fam
       return fam
-
-  def _check_new_dtype(self, static, treedef, avals, specs, paths):
-    first = self._first_dtypes.setdefault((static, treedef), tuple(a.dtype for a in avals))
-    bad = [f"{path}: traced as {d0}, got {a.dtype}"
-           for path, text, a, d0 in zip(paths, specs, avals, first, strict=True)
-           if text is not None and a.dtype != d0]
-    if bad:
-      raise DtypeMismatchError(
-          f"{self.name}: argument dtypes changed since the first call:\n" + format_list(bad)
-          + "\nCast the arguments to the traced dtypes (e.g. x.astype(np.float32)), or wrap "
-          "a separate dynjax.jit for the other dtype.")
 
   def clear(self) -> None:
     with self.family_lock:

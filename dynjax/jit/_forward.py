@@ -1,5 +1,8 @@
 """Outputs that are inputs: returned as the caller's own object, never computed or copied.
 
+(A forwarded numpy array or Python scalar comes back as a device array, as ``jax.jit`` returns
+it: the caller's own mutable buffer never doubles as a result.)
+
 A function that returns one of its arguments unchanged (``return y, params``; every Flax NNX
 step, whose updated state holds every parameter it did not touch) gets, under ``jax.jit``,
 the very array it passed in (pjit forwards it: no copy, no transfer).  dynjax's executables
@@ -25,6 +28,7 @@ from __future__ import annotations
 import bisect
 
 import jax
+import jax.numpy as jnp
 from jax.extend import core as jex_core
 
 from dynjax._errors import PaddingUnsupportedError
@@ -86,11 +90,24 @@ class Inserter:
     res = list(res)
     if not self.top:
       for o, li in self.items:
-        res.insert(o, vals[li])
+        res.insert(o, _as_array(vals[li]))
       return res
     flat: dict[int, list] = {}
     for o, pos, j in self.items:
       if pos not in flat:
         flat[pos] = jax.tree_util.tree_leaves(vals[pos])
-      res.insert(o, flat[pos][j])
+      res.insert(o, _as_array(flat[pos][j]))
     return res
+
+
+_ARRAY_TYPE: list = []  # the concrete type of a jax.Array (one isinstance check less a leaf)
+
+
+def _as_array(x):
+  """A forwarded input as ``jax.jit`` returns it: a ``jax.Array`` stays the caller's object; a
+  numpy array or Python scalar becomes a device copy (never the caller's mutable buffer)."""
+  if not _ARRAY_TYPE:
+    _ARRAY_TYPE.append(type(jnp.zeros(())))
+  if type(x) is _ARRAY_TYPE[0] or isinstance(x, jax.Array):
+    return x
+  return jnp.asarray(x)

@@ -165,3 +165,25 @@ def test_static_and_donate_argnums_as_in_jax_jit():
     dynjax.jit(scaled, static_argnums=5)
   g = dynjax.jit(lambda x, y: x + y, dims={"x": "t"}, donate_argnums=0)
   _same(g(np.ones(3, np.float32), np.float32(1)), np.full(3, 2.0, np.float32))
+
+
+def test_a_forwarded_numpy_input_comes_back_as_a_device_array():
+  # jax.jit returns a device copy of an argument it returns unchanged; the caller's numpy
+  # buffer must not double as the result (a later in-place write would change it).
+  def step(x, params):
+    return x * 2.0, params
+
+  f = dynjax.jit(step, dims={"x": "b, t"})
+  params = np.arange(4, dtype=np.float32)
+  for x in (np.ones((2, 3), np.float32), np.ones((2, 5), np.float32)):
+    y, p = f(x, params)
+    want = jax.jit(step)(x, params)[1]
+    assert isinstance(p, jax.Array) and p is not params
+    np.testing.assert_array_equal(p, want)
+    params[0] = 99.0  # the caller reuses its buffer
+    assert float(p[0]) == float(want[0])
+    params[0] = 0.0
+  dev = jnp.arange(4, dtype=jnp.float32)
+  assert f(np.ones((2, 3), np.float32), dev)[1] is dev  # a jax.Array: the caller's own object
+  s = f(np.ones((2, 3), np.float32), 3.0)[1]  # a Python scalar, as jax.jit returns it
+  assert isinstance(s, jax.Array) and s.dtype == jnp.float32 and float(s) == 3.0

@@ -65,13 +65,22 @@ def test_float64_and_int64_run_as_jax_jit_runs_them_with_x64_off(compiles):
   assert "i int64 -> int32" in g.explain()
 
 
-def test_device_input_after_numpy_still_checked():
+def test_another_dtype_is_traced_again_as_under_jax_jit():
+  # jax.jit retraces for an argument of another dtype; so does dynjax (a family of its own,
+  # warm path included), where it used to raise DtypeMismatchError.
   f = _fn()
   f(np.ones((2, 3), np.float32))
   out = f(jnp.ones((2, 3), jnp.float32))
   assert isinstance(out, jax.Array)
-  with pytest.raises(dynjax.DtypeMismatchError, match="traced as float32, got int32"):
-    f(jnp.ones((2, 3), jnp.int32))
+  for x in (jnp.arange(6, dtype=jnp.int32).reshape(2, 3), np.full((2, 5), 3, np.int32),
+            jnp.ones((1, 7), jnp.bfloat16)):
+    want = jax.jit(_double)(x)
+    got = f(x)
+    assert got.dtype == want.dtype, (got.dtype, want.dtype)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+  text = f.explain()
+  assert text.count("family ") == 3
+  assert "x: int32[b, t]" in text and "x: bfloat16[b, t]" in text
 
 
 def test_buckets_naming_no_auto_dim_are_refused_at_jit():
