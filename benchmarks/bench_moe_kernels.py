@@ -491,11 +491,7 @@ def main(argv=None) -> dict:
                  else args.rotate)
   if args.fake_mgpu:
     fake_mgpu()
-  if args.out:
-    os.makedirs(args.out, exist_ok=True)
-  report = {"jax": jax.__version__, "device": jax.devices()[0].device_kind,
-            "argv": sys.argv[1:] if argv is None else argv}
-  print(f"device {report['device']}, jax {report['jax']}", flush=True)
+  report = open_report(args, argv)
   for part in args.parts.split(","):
     if elapsed() > args.budget:
       print(f"skipped {part} (budget)", flush=True)
@@ -510,6 +506,16 @@ def main(argv=None) -> dict:
       report[part] = {"error": f"{type(e).__name__}: {str(e)[:2000]}"}
       print(f"  {part} FAILED {report[part]['error'][:600]}", flush=True)
     save(report, args)
+  return report
+
+
+def open_report(args, argv) -> dict:
+  """The report's head (jax, device, argv), printed; ``args.out`` created."""
+  if args.out:
+    os.makedirs(args.out, exist_ok=True)
+  report = {"jax": jax.__version__, "device": jax.devices()[0].device_kind,
+            "argv": sys.argv[1:] if argv is None else argv}
+  print(f"device {report['device']}, jax {report['jax']}", flush=True)
   return report
 
 

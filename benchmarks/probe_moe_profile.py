@@ -32,7 +32,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.bench_moe_kernels import REPS, Setting  # noqa: E402
+from benchmarks.bench_moe_kernels import REPS, Setting, open_report  # noqa: E402
 from dynjax import route  # noqa: E402
 
 
@@ -283,11 +283,7 @@ def main(argv=None) -> dict:
   args = ap.parse_args(argv)
   args.d, args.ffn, args.tokens = (128, 256, 512) if args.small else (1024, 4096, 8192)
   args.rotate = REPS
-  if args.out:
-    os.makedirs(args.out, exist_ok=True)
-  report = {"jax": jax.__version__, "device": jax.devices()[0].device_kind,
-            "argv": sys.argv[1:] if argv is None else argv}
-  print(f"device {report['device']}, jax {report['jax']}", flush=True)
+  report = open_report(args, argv)
   for part in args.parts.split(","):
     report[part] = {"gemms": run_gemms, "layers": run_layers}[part](args)
     if args.out:

@@ -16,6 +16,7 @@ MODULES = ("tests/bucketing/test_zoo.py",)  # 13 tests, 64 s, and a 9.5 s module
 
 TESTS = {
   "tests/benchmarks/test_bench_moe_kernels.py::test_small_check_and_layer_parts_run_and_report": 14.7,
+  "tests/benchmarks/test_probe_moe_profile.py::test_small_probe_runs_both_parts_and_reports": 22.4,
   "tests/benchmarks/test_cli.py::test_cli_tiny_stream": 8.8,
   "tests/bucketing/test_attention.py::test_encoder_auto_and_trust": 4.8,
   "tests/bucketing/test_flash.py::test_gradient_is_the_models": 2.5,
