@@ -210,6 +210,7 @@ class Family:
     self.guards: tuple[str, ...] = ()
     self._guard_bounds: tuple[tuple[int, int, float], ...] = ()  # (var index, lo, hi)
     self._warned_guards = False
+    self._warned_trust_bucket = False  # _guards.trust_bucket_holds warns once
     self._unequal: tuple = ()  # guards ``lhs != rhs``: (text, fn(sizes) -> lhs - rhs, where)
     for attempt in range(MAX_GUARDS + 1):
       sym = _symbolic.symbolic_avals(self.sig, self.avals)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 import re
 import warnings
 
@@ -137,7 +138,7 @@ def trust_bucket_holds(fam, bkey) -> bool:
   bad = [(text, where) for text, diff, where in fam._unequal if diff(bkey) == 0]
   if not bad:
     return True
-  if not getattr(fam, "_warned_trust_bucket", False):
+  if not fam._warned_trust_bucket:
     fam._warned_trust_bucket = True
     at = ", ".join(f"{v} = {n}" for v, n in zip(fam.sig.var_order, bkey, strict=True))
     warnings.warn(
@@ -157,14 +158,14 @@ def declared_checks(constraints, sig) -> tuple:
   names only the family's dimension variables.  The padded executables were traced under them
   (jax decides comparisons with them), so they are guards too: sizes outside them run exact
   (``Family.guard_ok``), as jax.export would refuse them."""
+  from jax import export  # noqa: PLC0415
+
   out = []
   for text in constraints:
     m = _RELATION.match(text)
     if m is None:
       continue
     try:
-      from jax import export  # noqa: PLC0415
-
       lhs, rhs = (export.symbolic_shape(side.strip(), scope=sig.scope)[0]
                   for side in (m.group(1), m.group(3)))
       out.append((text, _symbolic.compile_dim(lhs, sig.var_order), m.group(2),
@@ -174,7 +175,7 @@ def declared_checks(constraints, sig) -> tuple:
   return tuple(out)
 
 
-_HOLDS = {">=": lambda a, b: a >= b, "<=": lambda a, b: a <= b, "==": lambda a, b: a == b}
+_HOLDS = {">=": operator.ge, "<=": operator.le, "==": operator.eq}
 
 
 def broken_declared(fam, sizes) -> list[str]:
