@@ -151,79 +151,120 @@ def profile(label: str, fn, args_list, iters: int, out_dir: str | None, top: int
           "kernels": [{"name": nm, "us": us, "count": cnt} for nm, us, cnt in rows]}
 
 
-def set_knob(knob: str) -> str:
-  """``knob`` "0"/"1": the hopper kernel's fused bfloat16 activation with exact or approximate
-  transcendentals (``_hopper.APPROX_BF16``).  (Session 12 also tried, through knobs removed
-  since: 2-CTA clusters multicasting the token tile, and one wgmma group left in flight across
-  k-steps; neither was faster: README, "Routed layers".)"""
+def _defaults() -> tuple:
   from dynjax.route import _hopper  # noqa: PLC0415
 
-  _hopper.APPROX_BF16 = bool(int(knob))
-  return f"approx{int(knob)}"
+  return _hopper.APPROX_BF16, _hopper.WG_SPLIT, _hopper.WGMMA_IN_FLIGHT
+
+
+_DEFAULTS = _defaults()  # the kernel's knobs as shipped: set_knob starts from them
+
+
+def set_knob(knob: str) -> tuple[str, route.Tiling | None]:
+  """Sets the hopper kernel's module knobs from ``knob``, ``+``-joined tokens: ``0``/``1``
+  the fused bfloat16 activation with exact or approximate transcendentals
+  (``_hopper.APPROX_BF16``), ``n``/``m`` the compute warpgroups splitting a tile's columns or
+  rows (``_hopper.WG_SPLIT``), ``w0``/``w1`` wgmma groups left in flight across k-steps
+  (``_hopper.WGMMA_IN_FLIGHT``), ``tTMxTKxTNxWxS`` a tiling instead of ``Tiling.auto``.
+  Returns the knob's tag and tiling.  (Session 12 also tried 2-CTA clusters multicasting the
+  token tile: not faster, README "Routed layers".)"""
+  from benchmarks.bench_moe_gmm import parse_tiling  # noqa: PLC0415
+  from dynjax.route import _hopper  # noqa: PLC0415
+
+  _hopper.APPROX_BF16, _hopper.WG_SPLIT, _hopper.WGMMA_IN_FLIGHT = _DEFAULTS
+  tiling = None
+  for tok in knob.split("+"):
+    if tok in ("0", "1"):
+      _hopper.APPROX_BF16 = bool(int(tok))
+    elif tok in ("n", "m"):
+      _hopper.WG_SPLIT = tok
+    elif tok in ("w0", "w1"):
+      _hopper.WGMMA_IN_FLIGHT = int(tok[1])
+    elif tok.startswith("t"):
+      tiling = parse_tiling(tok[1:])
+    else:
+      raise SystemExit(f"--knobs: unknown token {tok!r} in {knob!r} (0/1, n/m, w0/w1, "
+                       "tTMxTKxTNxWxS)")
+  return f"approx{int(_hopper.APPROX_BF16)}" if knob in ("0", "1") else knob, tiling
 
 
 def run_gemms(args) -> dict:
-  """The layer's two grouped GEMMs alone (uniform 8 experts, k=1, the layer's buffer and
-  bounds) per knob, beside cuBLAS on the dense shapes of the same FLOPs; errors vs float32."""
-  from dynjax.route import _gmm  # noqa: PLC0415
+  """The layer's two grouped GEMMs alone (each of ``--gemm-settings``, k=1, the layer's buffer
+  and bounds) per knob, beside cuBLAS on the dense shapes of the same FLOPs; errors vs float32."""
+  from dynjax.route import _gmm, _hopper  # noqa: PLC0415
 
-  s = Setting("uniform8", 1, args)
-  n, e = args.tokens, s.e
-  t = route.Tiling.auto(n, e, "hopper")
-  rows = _gmm.buffer_rows(n, e, t, "hopper")
-  fill = _gmm.num_tiles(n, e, t.tm) * t.tm
-  waves = max(fill, _gmm.hopper_floor_rows(e, t.tm))
-  lays = [route.grouped_layout(s.router(s.logits(x, b)), e, t.tm, rows) for x, b in s.inputs]
-  xs = [jnp.take(x, lay.table, axis=0, mode="fill", fill_value=0)
-        for (x, _), lay in zip(s.inputs, lays, strict=True)]
-  key = jax.random.PRNGKey(7)
-  hs = [jax.random.normal(jax.random.fold_in(key, i), (rows, args.ffn)).astype(jnp.bfloat16)
-        for i in range(REPS)]
-  sizes = [lay.group_sizes for lay in lays]
-  w1, w2 = s.params["w1"], s.params["w2"]
-  out: dict = {"rows": rows, "tiling": str(t)}
+  out: dict = {}
+  for setting in args.gemm_settings.split(","):
+    s = Setting(setting, 1, args)
+    n, e = args.tokens, s.e
+    w1, w2 = s.params["w1"], s.params["w2"]
+    res: dict = {}
+    out[setting] = res
+    print(f"\n== gemms {setting}", flush=True)
+    timed = set()  # (tiling, split, wait) whose GEMMs without activation were timed
+    for knob in args.knobs.split(","):
+      tag, t = set_knob(knob)
+      t = t or route.Tiling.auto(n, e, "hopper")
+      rows = _gmm.buffer_rows(n, e, t, "hopper")
+      fill = _gmm.num_tiles(n, e, t.tm) * t.tm
+      waves = max(fill, _gmm.hopper_floor_rows(e, t.tm))
+      lays = [route.grouped_layout(s.router(s.logits(x, b)), e, t.tm, rows)
+              for x, b in s.inputs]
+      xs = [jnp.take(x, lay.table, axis=0, mode="fill", fill_value=0)
+            for (x, _), lay in zip(s.inputs, lays, strict=True)]
+      key = jax.random.PRNGKey(7)
+      hs = [jax.random.normal(jax.random.fold_in(key, j), (rows, args.ffn)).astype(jnp.bfloat16)
+            for j in range(REPS)]
+      sizes = [lay.group_sizes for lay in lays]
+      res.setdefault("rows", {})[tag] = rows
+      res.setdefault("tiling", {})[tag] = str(t)
 
-  def ref(a, w, sz, act):  # float32 ragged dot on the tile-aligned sizes
-    tiles = ((sz + t.tm - 1) // t.tm) * t.tm
-    y = jax.lax.ragged_dot(a.astype(jnp.float32), w.astype(jnp.float32),
-                           tiles.at[-1].add(a.shape[0] - tiles.sum()))
-    return act(y) if act else y
+      def ref(a, w, sz, act, t=t):  # float32 ragged dot on the tile-aligned sizes
+        tiles = ((sz + t.tm - 1) // t.tm) * t.tm
+        y = jax.lax.ragged_dot(a.astype(jnp.float32), w.astype(jnp.float32),
+                               tiles.at[-1].add(a.shape[0] - tiles.sum()))
+        return act(y) if act else y
 
-  cases = [("gemm1+gelu", xs, w1, jax.nn.gelu), ("gemm1", xs, w1, None), ("gemm2", hs, w2, None)]
-  for i, knob in enumerate(args.knobs.split(",")):
-    tag = set_knob(knob)
-    for label, lhs, w, act in cases:
-      if act is None and i:
-        continue  # approximate math changes only the activation
+      cases = [("gemm1+gelu", xs, w1, jax.nn.gelu), ("gemm1", xs, w1, None),
+               ("gemm2", hs, w2, None)]
+      plain = (str(t), _hopper.WG_SPLIT, _hopper.WGMMA_IN_FLIGHT)
+      for label, lhs, w, act in cases:
+        if act is None and plain in timed:
+          continue  # approximate math changes only the activation: timed at another knob
 
-      def f(w, *a, w_=w, act=act):
-        return [_gmm.hopper_grouped(x, w_, sz, t, act, skip_unused=fill, wave_rows=waves)
-                for x, sz in a]
+        def f(w, *a, w_=w, act=act, t=t, fill=fill, waves=waves):
+          return [_gmm.hopper_grouped(x, w_, sz, t, act, skip_unused=fill, wave_rows=waves)
+                  for x, sz in a]
 
-      try:
-        r = profile(f"{label} {tag}", f, [w] + list(zip(lhs, sizes, strict=True)),
-                    args.iters, None, top=3)
-        y = jax.jit(lambda x, sz, w=w, act=act: _gmm.hopper_grouped(
-            x, w, sz, t, act, skip_unused=fill, wave_rows=waves))(lhs[0], sizes[0])
-        want = ref(lhs[0], w, sizes[0], act)
-        used = jnp.sum(((sizes[0] + t.tm - 1) // t.tm) * t.tm)  # rows past are unwritten
-        live = jnp.arange(rows)[:, None] < used
-        y32 = jnp.where(live, y.astype(jnp.float32), 0)
-        r["rel_err"] = float(jnp.linalg.norm(y32 - jnp.where(live, want, 0)) /
-                             jnp.linalg.norm(jnp.where(live, want, 0)))
-        print(f"    rel err vs f32 {r['rel_err']:.2e}", flush=True)
-      except Exception as ex:
-        r = {"error": f"{type(ex).__name__}: {str(ex)[:800]}"}
-        print(f"  {label} {tag} FAILED {r['error'][:400]}", flush=True)
-      out[f"{label} {tag}"] = r
-  set_knob("1")
-  wd1, wd2 = w1[0], w2[0]
-  out["cublas gemm1 [N,d]x[d,f] (+ XLA gelu)"] = profile(
-      "cublas gemm1+gelu", lambda w, *a: [jax.nn.gelu(jnp.dot(x[:n], w)) for x in a],
-      [wd1] + xs, args.iters, None, top=4)
-  out["cublas gemm2 [N,f]x[f,d]"] = profile(
-      "cublas gemm2", lambda w, *a: [jnp.dot(h[:n], w) for h in a], [wd2] + hs, args.iters,
-      None, top=3)
+        try:
+          r = profile(f"{label} {tag}", f, [w] + list(zip(lhs, sizes, strict=True)),
+                      args.iters, None, top=3)
+          y = jax.jit(lambda x, sz, w=w, act=act, t=t, fill=fill, waves=waves:
+                      _gmm.hopper_grouped(x, w, sz, t, act, skip_unused=fill,
+                                          wave_rows=waves))(lhs[0], sizes[0])
+          want = ref(lhs[0], w, sizes[0], act)
+          used = jnp.sum(((sizes[0] + t.tm - 1) // t.tm) * t.tm)  # rows past are unwritten
+          live = jnp.arange(rows)[:, None] < used
+          y32 = jnp.where(live, y.astype(jnp.float32), 0)
+          r["rel_err"] = float(jnp.linalg.norm(y32 - jnp.where(live, want, 0)) /
+                               jnp.linalg.norm(jnp.where(live, want, 0)))
+          print(f"    rel err vs f32 {r['rel_err']:.2e}", flush=True)
+        except Exception as ex:
+          r = {"error": f"{type(ex).__name__}: {str(ex)[:800]}"}
+          print(f"  {label} {tag} FAILED {r['error'][:400]}", flush=True)
+        res[f"{label} {tag}"] = r
+      timed.add(plain)
+    set_knob("1")
+    if args.cublas:
+      xs = [x for x, _ in s.inputs]
+      hs = [jax.random.normal(jax.random.fold_in(jax.random.PRNGKey(7), j),
+                              (n, args.ffn)).astype(jnp.bfloat16) for j in range(REPS)]
+      res["cublas gemm1 [N,d]x[d,f] (+ XLA gelu)"] = profile(
+          "cublas gemm1+gelu", lambda w, *a: [jax.nn.gelu(jnp.dot(x, w)) for x in a],
+          [w1[0]] + xs, args.iters, None, top=4)
+      res["cublas gemm2 [N,f]x[f,d]"] = profile(
+          "cublas gemm2", lambda w, *a: [jnp.dot(h, w) for h in a], [w2[0]] + hs, args.iters,
+          None, top=3)
   return out
 
 
@@ -248,8 +289,8 @@ def run_layers(args) -> dict:
       variants = [f"grouped {kn}" for kn in args.knobs.split(",")] + variants
     for v in variants:
       if v.startswith("grouped"):
-        tag = set_knob(v.split()[1])
-        moe = s.routed("auto")
+        tag, tiling = set_knob(v.split()[1])
+        moe = s.routed("auto", tiling)
         f = lambda p, x, b, moe=moe, s=s: moe(p, x, s.logits(x, b))  # noqa: E731
         v = f"grouped {tag}"
       else:
@@ -274,8 +315,12 @@ def main(argv=None) -> dict:
   ap.add_argument("--parts", default="gemms,layers")
   ap.add_argument("--specs", default="uniform8:1,zipf8:1,uniform64:1,uniform8:2")
   ap.add_argument("--variants", default="grouped,capacity,ffn")
-  ap.add_argument("--knobs", default="1", help="hopper kernel: 1/0 approximate math on or off "
-                  "(comma-separated: each timed)")
+  ap.add_argument("--knobs", default="1", help="hopper kernel knobs, comma-separated (each "
+                  "timed): '+'-joined tokens 1/0 (approximate math on/off), n/m (warpgroups "
+                  "split columns/rows), w0/w1 (wgmma in flight), tTMxTKxTNxWxS (tiling)")
+  ap.add_argument("--gemm-settings", default="uniform8", help="the gemms part's routings")
+  ap.add_argument("--no-cublas", dest="cublas", action="store_false",
+                  help="gemms: skip cuBLAS on the dense shapes")
   ap.add_argument("--iters", type=int, default=10)
   ap.add_argument("--top", type=int, default=12)
   ap.add_argument("--zipf", type=float, default=1.2)

@@ -6,9 +6,11 @@ the start of the next is computed once per group.  This kernel is JAX's warp-spe
 matmul (``jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu``: a memory warpgroup streams the
 operands through the tensor memory accelerator, two compute warpgroups each own half of a
 ``tm x 2*tn`` output tile and run wgmma, a persistent grid of one program per SM walks the tiles
-in a snake order) on the *tile-aligned* layout of the ``"pallas"`` backend: every ``tm``-row
-tile belongs to one group, so a tile reads its group's weights ``rhs[g]`` and stores whole tiles
-(no ragged store ladder, no tile computed twice).  The group of a tile comes from the tile ends
+in a snake order; here the halves are the tile's rows where ``tm`` is 128, and one wgmma group
+stays in flight across k-steps: ``WG_SPLIT``, ``WGMMA_IN_FLIGHT``) on the *tile-aligned* layout
+of the ``"pallas"`` backend: every ``tm``-row tile belongs to one group, so a tile reads its
+group's weights ``rhs[g]`` and stores whole tiles (no ragged store ladder, no tile computed
+twice).  The group of a tile comes from the tile ends
 of the groups (``G`` scalar reads per tile).  Tiles past the last group are computed with the
 last group's weights, or (``skip_unused``, the grouped layer) not at all: the loop then runs
 over the groups' row tiles only, a bound read from device memory at run time, so a buffer
@@ -47,6 +49,17 @@ TEST_KERNEL = False
 # 125 us (the same GEMM without the activation: 120 us), the layer 323 -> 307 us of device time;
 # its error against a float32 reference unchanged (1.66e-3, bfloat16's rounding).
 APPROX_BF16 = True
+# How the two compute warpgroups share a tile: "n" its columns (tm x tn each), "m" its rows
+# (tm/2 x 2 tn each: one m64n256 wgmma a k-step; only where tm/2 is a multiple of 64).
+# WGMMA_IN_FLIGHT: wgmma groups left in flight across k-steps (1: a k-step's stage is released
+# one step later, and the tensor cores are not left idle while a k-step waits for its own).
+# H100, jax 0.11.2 (benchmarks/gpu_run_moe_knobs.sh, session 13), device us, n+0 -> m / w1 /
+# m+w1: 8 experts GEMM 1 121.1 -> 119.6 / 116.9 / 115.7, GEMM 2 128.7 -> 127.2 / 134.5 / 128.3.
+# The layer, n+0 -> m+w1 (another call): 8 experts k=1 306.0 -> 301.6 (Zipf 303.4 -> 299.3),
+# k=2 468.1 -> 464.9; 64 experts (64-row tiles: w1 alone) 577.1 -> 556.7.  A few percent; the
+# rest of the gap to cuBLAS is not these (64 x 256 warpgroup tiles at 64 experts: 333 vs 247).
+WG_SPLIT = "m"
+WGMMA_IN_FLIGHT = 1
 
 
 def reference(lhs, rhs, tile_end, tiling, activation=None):
@@ -90,9 +103,12 @@ def _num_sms() -> int:
 
 
 def _body(tile_end_gmem, a_gmem, b_gmem, out_gmem, *, tm, tn, tk, stages, num_groups,
-          activation, m_iters, n_iters, epi, snake, skip_unused):
+          activation, m_iters, n_iters, epi, snake, skip_unused, wg_m=False, wait=0):
   """One program per SM; the loop over output tiles ``(m_idx, n_idx)`` of ``tm x 2 tn``
-  (``skip_unused``: only the row tiles of the groups, a loop bound read at run time)."""
+  (``skip_unused``: only the row tiles of the groups, a loop bound read at run time).  The two
+  compute warpgroups split a tile's columns (``tm x tn`` each), or with ``wg_m`` its rows
+  (``tm/2 x 2 tn`` each: one ``m64n256`` wgmma a k-step where ``tm`` is 128); ``wait``: wgmma
+  groups left in flight across k-steps (their stages released that much later)."""
   from jax.experimental import pallas as pl  # noqa: PLC0415
 
   plgpu = _plgpu()
@@ -102,20 +118,21 @@ def _body(tile_end_gmem, a_gmem, b_gmem, out_gmem, *, tm, tn, tk, stages, num_gr
   swizzle = plgpu.find_swizzle(tk * itemsize * 8)
   transforms = (plgpu.TilingTransform((8, swizzle // itemsize)),
                 plgpu.SwizzleTransform(swizzle))
-  epi_m, epi_n = min(epi, tm), min(epi, tn)
+  wm, wn = (tm // 2, 2 * tn) if wg_m else (tm, tn)  # a compute warpgroup's share of a tile
+  epi_m, epi_n = min(epi, wm), min(epi, wn)
   out_swizzle = plgpu.find_swizzle(epi_n * itemsize * 8)
   out_transforms = (plgpu.TilingTransform((8, out_swizzle // itemsize)),
                     plgpu.SwizzleTransform(out_swizzle))
-  slots = min(2, (tm * tn) // (epi_m * epi_n))
+  slots = min(2, (wm * wn) // (epi_m * epi_n))
 
   def pipeline(body, context):
     return plgpu.emit_pipeline_warp_specialized(
         body, grid=(k_iters,), memory_registers=40,
         in_specs=[
             plgpu.BlockSpec((tm, tk), lambda k: (0, k), transforms=transforms,
-                            memory_space=plgpu.SMEM),
+                            memory_space=plgpu.SMEM, delay_release=wait),
             plgpu.BlockSpec((tk, 2 * tn), lambda k: (k, 0), transforms=transforms,
-                            memory_space=plgpu.SMEM),
+                            memory_space=plgpu.SMEM, delay_release=wait),
         ],
         wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=stages, compute_context=context)
 
@@ -140,10 +157,11 @@ def _body(tile_end_gmem, a_gmem, b_gmem, out_gmem, *, tm, tn, tk, stages, num_gr
         g = g + (tile_end_gmem[i] <= m_idx).astype(jnp.int32)
       m_slice = pl.ds(m_idx * tm, tm)
       n_slice = pl.ds(n_idx * 2 * tn, 2 * tn)
-      wg_n = pl.ds(wg * tn, tn)
+      wg_rows = pl.ds(wg * wm, wm) if wg_m else slice(None)
+      wg_cols = slice(None) if wg_m else pl.ds(wg * tn, tn)
 
       def context(run):
-        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tm, tn), jnp.float32))
+        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((wm, wn), jnp.float32))
         def _acc(acc_ref):
           run(acc_ref)
           acc = acc_ref[...]
@@ -151,20 +169,20 @@ def _body(tile_end_gmem, a_gmem, b_gmem, out_gmem, *, tm, tn, tk, stages, num_gr
             acc = activation(acc)
           acc = acc.astype(dtype)
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-          for mi in range(tm // epi_m):
-            for ni in range(tn // epi_n):
+          for mi in range(wm // epi_m):
+            for ni in range(wn // epi_n):
               rs = slice(mi * epi_m, (mi + 1) * epi_m)
               cs = slice(ni * epi_n, (ni + 1) * epi_n)
-              slot = (mi * (tn // epi_n) + ni) % 2
+              slot = (mi * (wn // epi_n) + ni) % 2
               plgpu.wait_smem_to_gmem(1, wait_read_only=True)
               out_smem[wg, slot] = acc[rs, cs]
               plgpu.commit_smem()
               plgpu.copy_smem_to_gmem(out_smem.at[wg, slot],
-                                      out_gmem.at[m_slice, n_slice].at[:, wg_n].at[rs, cs])
+                                      out_gmem.at[m_slice, n_slice].at[wg_rows, wg_cols].at[rs, cs])
 
       def mma(_, a_smem, b_smem, acc_ref):
-        plgpu.wgmma(acc_ref, a_smem, b_smem.at[:, wg_n])
-        plgpu.wgmma_wait(0)
+        plgpu.wgmma(acc_ref, a_smem.at[wg_rows], b_smem.at[:, wg_cols])
+        plgpu.wgmma_wait(wait)
         return acc_ref
 
       pipeline(mma, context)(a_gmem.at[m_slice, :], b_gmem.at[g, :, n_slice],
@@ -225,7 +243,8 @@ def hopper_gmm(lhs, rhs, tile_end, tiling, activation=None, skip_unused: int = 0
                   tn=column_tile(waves // tm, n, tn, sms), tk=tk, stages=tiling.num_stages,
                   snake=max(1, tiling.grid_block_n), activation=activation,
                   skip_unused=bool(skip_unused), sms=sms,
-                  approx=APPROX_BF16 and activation is not None and lhs.dtype == jnp.bfloat16)
+                  approx=APPROX_BF16 and activation is not None and lhs.dtype == jnp.bfloat16,
+                  wg_m=WG_SPLIT == "m" and tm % 128 == 0, wait=WGMMA_IN_FLIGHT)
   return _once.call(("hopper_gmm", key), _kernel(key), tile_end.astype(jnp.int32), lhs, rhs)
 
 
@@ -246,6 +265,8 @@ class KernelKey(NamedTuple):
   skip_unused: bool
   sms: int
   approx: bool = False
+  wg_m: bool = False
+  wait: int = 0
 
 
 def _kernel(key: KernelKey):
@@ -254,7 +275,7 @@ def _kernel(key: KernelKey):
   body = functools.partial(
       _body, tm=key.tm, tn=key.tn, tk=key.tk, stages=key.stages, num_groups=key.groups,
       activation=key.activation, m_iters=key.m // key.tm, n_iters=key.n // (2 * key.tn),
-      epi=64, snake=key.snake, skip_unused=key.skip_unused)
+      epi=64, snake=key.snake, skip_unused=key.skip_unused, wg_m=key.wg_m, wait=key.wait)
   out = jax.ShapeDtypeStruct((key.m, key.n), key.dtype)
   # jax 0.10 renamed out_shape to out_type (the old name warns, and may go).
   named = {"out_type" if "out_type" in inspect.signature(plgpu.kernel).parameters

@@ -194,6 +194,31 @@ def test_only_a_bfloat16_fused_activation_runs_approximate_math(monkeypatch):
   assert [tx.count("approx") for tx in texts] == [0, 1]  # the Mosaic GPU program's tanh
 
 
+@pytest.mark.parametrize("split,wait", [("n", 0), ("m", 1)])
+def test_the_warpgroup_split_and_wgmma_depth_are_kernel_keys_that_lower(split, wait,
+                                                                        monkeypatch):
+  # The two compute warpgroups split a tile's columns ("n") or rows ("m": 64 rows each, so only
+  # for 128-row tiles), with 0 or 1 wgmma groups in flight across k-steps; each is a kernel of
+  # its own (its key), and each lowers for CUDA (the program differs: the rows a warpgroup
+  # multiplies, the stages released a step later).
+  monkeypatch.setattr(_hopper, "WG_SPLIT", split)
+  monkeypatch.setattr(_hopper, "WGMMA_IN_FLIGHT", wait)
+  keys = []
+  real_call = _once.call
+  monkeypatch.setattr(_once, "call", lambda key, fn, *a: keys.append(key[1]) or real_call(
+      key, fn, *a))
+  _once.clear()
+  args = (jax.ShapeDtypeStruct((512, 256), jnp.bfloat16),
+          jax.ShapeDtypeStruct((4, 256, 512), jnp.bfloat16), jax.ShapeDtypeStruct((4,), jnp.int32))
+  texts = []
+  for tm in (128, 64):
+    t = route.Tiling(tm=tm, tk=64, tn=128, num_stages=4, grid_block_n=8)
+    fn = jax.jit(lambda a, b, te, t=t: _hopper.hopper_gmm(a, b, te, t, jax.nn.gelu, 384))
+    texts.append(fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text())
+  assert [(k.tm, k.wg_m, k.wait) for k in keys] == [(128, split == "m", wait), (64, False, wait)]
+  assert all(tx.count("mosaic_gpu_v2") == 1 for tx in texts)
+
+
 @pytest.mark.parametrize("activation,skip,export", [(None, 0, True), (jax.nn.gelu, 384, True),
                                                     (jax.nn.gelu, 384, False)])
 def test_the_kernel_lowers_for_cuda(activation, skip, export, monkeypatch):
