@@ -6,7 +6,8 @@ does), for the grouped layer (dynjax.route, hopper kernel) and for ``lax.ragged_
 
 Each variant in a fresh process (no shared jax caches), buckets t = 64, 128, 256, 512 (batch 8)
 in that order: seconds of trace, lower (StableHLO, the GPU kernels' export included) and XLA
-compile, and the first run.  Writes DIR/probe_moe_build.json.
+compile, and the first run.  ``grouped-noahead``: the grouped layer without its kernels compiled
+ahead on a background thread (``route._once.PRECOMPILE_ON``).  Writes DIR/probe_moe_build.json.
 """
 
 from __future__ import annotations
@@ -28,7 +29,11 @@ def child(variants: str, small: bool) -> list:
 
 
 def _build(variant: str, small: bool) -> dict:
+  """``variant``: ``grouped`` or ``ragged_dot``; ``grouped-noahead``: the grouped layer without
+  its kernels compiled ahead on a background thread (``route._once.PRECOMPILE_ON = ()``)."""
   t00 = time.perf_counter()
+  label = variant
+  variant, _, opt = variant.partition("-")
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -37,6 +42,12 @@ def _build(variant: str, small: bool) -> dict:
   import bench_moe_gmm as bm
 
   from dynjax import route
+  from dynjax.route import _once
+
+  if opt == "noahead":
+    _once.PRECOMPILE_ON = ()
+  elif opt:
+    raise SystemExit(f"--variants: unknown option {opt!r} in {label!r} (noahead)")
 
   cfg = dict(vocab=30522, d=1024, heads=16, ffn=4096, experts=8, k=2, max_len=512, batch=8)
   ts = (64, 128, 256, 512)
@@ -53,7 +64,7 @@ def _build(variant: str, small: bool) -> dict:
   variables = jax.jit(bm.build_flax_model(cfg, "dense", None).init)(
       jax.random.PRNGKey(0), jnp.asarray(tok), jnp.asarray(lens))
   v16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16) if x.ndim >= 2 else x, variables)
-  out = {"variant": variant, "imports_s": time.perf_counter() - t00, "buckets": {},
+  out = {"variant": label, "imports_s": time.perf_counter() - t00, "buckets": {},
          "xla_flags": os.environ.get("XLA_FLAGS", "")}
   for t in ts:
     tok = np.ones((cfg["batch"], t), np.int32)
@@ -70,7 +81,7 @@ def _build(variant: str, small: bool) -> dict:
     t4 = time.perf_counter()
     out["buckets"][t] = {"trace_s": t1 - t0, "lower_s": t2 - t1, "compile_s": t3 - t2,
                          "first_run_s": t4 - t3}
-    print(f"  {variant:10s} t={t:4d} trace {t1 - t0:6.2f} s  lower {t2 - t1:6.2f}  compile "
+    print(f"  {label:16s} t={t:4d} trace {t1 - t0:6.2f} s  lower {t2 - t1:6.2f}  compile "
           f"{t3 - t2:6.2f}  first run {t4 - t3:6.3f}", flush=True)
   return out
 
@@ -88,7 +99,7 @@ def main(argv=None) -> dict:
   if args.child:
     _isolated.emit(child(args.child, args.small))
     return {}
-  known = {"none", "grouped", "ragged_dot", "dense"}
+  known = {"none", "grouped", "grouped-noahead", "ragged_dot", "dense"}
   bad = {x for v in args.variants.split(",") for x in v.split("+")} - known
   if bad:
     raise SystemExit(f"--variants: unknown {sorted(bad)}; known: {sorted(known)}")
@@ -103,7 +114,7 @@ def main(argv=None) -> dict:
   for r in report["runs"]:
     if "buckets" in r:
       b = r["buckets"].values()
-      print(f"[{r['process']}] {r['variant']:10s} imports {r['imports_s']:.1f} s  trace {sum(x['trace_s'] for x in b):.2f}"
+      print(f"[{r['process']}] {r['variant']:16s} imports {r['imports_s']:.1f} s  trace {sum(x['trace_s'] for x in b):.2f}"
             f"  lower {sum(x['lower_s'] for x in b):.2f}  compile "
             f"{sum(x['compile_s'] for x in b):.2f}  first runs "
             f"{sum(x['first_run_s'] for x in b):.2f}", flush=True)

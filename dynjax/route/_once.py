@@ -27,12 +27,19 @@ import jax
 
 # Off: every executable lowers its kernels itself (bench_moe_gmm.py --no-kernel-export).
 EXPORT = True
+# Where the default backend is one of these, a kernel's first export also starts its compile
+# alone on a background thread (an executable holding only the kernel): Mosaic GPU compiles a
+# kernel at the XLA compile of the first executable that holds it and caches it by the
+# module's hash, so the model's own compile then finds it while the model is still being
+# traced, lowered and compiled (XLA releases the GIL while it compiles).  () turns it off.
+PRECOMPILE_ON = ("gpu",)
 _CUSTOM_CALLS = ("mosaic_gpu_v2",)
 _MAX = 128  # kernels remembered (an export and its builder each)
 # key -> the function that builds the kernel (the first given), most recently used last.
 _BUILDERS: collections.OrderedDict = collections.OrderedDict()
 _LOCK = threading.Lock()
 _FAILED: set = set()  # keys whose export raised: lowered per executable (warned once)
+_STARTED: dict = {}  # key -> the thread compiling its kernel alone (PRECOMPILE_ON)
 logger = logging.getLogger("dynjax")
 
 
@@ -57,8 +64,37 @@ def call(key: Hashable, fn: Callable, *args):
                      "in every executable instead (slower to compile, same values)",
                      key[0] if isinstance(key, tuple) else key, type(e).__name__, e)
     else:
+      _precompile(full)
       return _call(*args, key=full)
   return _direct(*args, key=full)
+
+
+def _precompile(key) -> None:
+  """Compiles the exported kernel of ``key`` alone on a daemon thread, once a process."""
+  if jax.default_backend() not in PRECOMPILE_ON:
+    return
+  with _LOCK:
+    if key in _STARTED:
+      return
+    t = _STARTED[key] = threading.Thread(target=_compile_alone, args=(key,), daemon=True,
+                                         name="dynjax-kernel-precompile")
+  t.start()
+
+
+def _compile_alone(key) -> None:
+  try:
+    structs = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in key[1]]
+    jax.jit(_exported(key).call).lower(*structs).compile()
+  except Exception as e:  # noqa: BLE001 - the model's own compile then builds the kernel
+    name = key[0][0] if isinstance(key[0], tuple) else key[0]
+    logger.info("dynjax.route: compiling the GPU kernel %s ahead failed (%s: %s); the "
+                "executable that holds it compiles it", name, type(e).__name__, e)
+
+
+def precompiles() -> dict:
+  """``{kernel key: finished?}`` of the kernels compiled ahead in this process (tests)."""
+  with _LOCK:
+    return {k: not t.is_alive() for k, t in _STARTED.items()}
 
 
 @functools.partial(jax.jit, static_argnames=("key",))
@@ -89,3 +125,4 @@ def clear() -> None:
   _direct.clear_cache()
   _BUILDERS.clear()
   _FAILED.clear()
+  _STARTED.clear()

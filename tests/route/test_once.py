@@ -70,3 +70,26 @@ def test_builders_are_bounded(monkeypatch):
   for n in (1, 2, 3, 4):
     jax.jit(lambda a, b, n=n: _once.call(("k", n), _kernel, a, b)).trace(*_structs())
   assert [k[0][1] for k in _once._BUILDERS] == [3, 4]
+
+
+def test_a_kernel_is_compiled_ahead_once_where_its_backend_is_listed(monkeypatch, caplog):
+  # On a GPU the first export of a kernel starts its compile alone on a daemon thread (Mosaic
+  # GPU caches the compiled kernel by the module's hash, so the model's own compile finds it).
+  # Here the backend is the CPU: not listed by default, so nothing starts.
+  fn = jax.jit(lambda a, b: _once.call("k", _kernel, a, b))
+  fn.trace(*_structs()).lower(lowering_platforms=("cuda",))
+  assert _once.precompiles() == {}
+  # Listed: one thread a kernel, however many executables call it.  The module is exported
+  # for CUDA, so its compile on the CPU fails: said at INFO, and the caller is not affected.
+  monkeypatch.setattr(_once, "PRECOMPILE_ON", (jax.default_backend(),))
+  _once.clear()
+  with caplog.at_level(logging.INFO, logger="dynjax"):
+    for scale in (1.0, 2.0):
+      jax.jit(lambda a, b, s=scale: _once.call("k", _kernel, a * s, b)).trace(
+          *_structs()).lower(lowering_platforms=("cuda",))
+    (key,) = _once.precompiles()
+    _once._STARTED[key].join(60)
+  assert _once.precompiles() == {key: True} and key[0] == "k"
+  failed = [r.getMessage() for r in caplog.records if "compiling the GPU kernel k ahead" in
+            r.getMessage()]
+  assert len(failed) == 1 and "the executable that holds it compiles it" in failed[0]
