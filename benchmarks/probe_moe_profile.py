@@ -154,8 +154,7 @@ def profile(label: str, fn, args_list, iters: int, out_dir: str | None, top: int
 def _defaults() -> tuple:
   from dynjax.route import _hopper  # noqa: PLC0415
 
-  return (_hopper.APPROX_BF16, _hopper.WG_SPLIT, _hopper.WGMMA_IN_FLIGHT, _hopper.EPILOGUE_TILE,
-          _hopper.HALVE_COLUMNS)
+  return _hopper.APPROX_BF16, _hopper.WG_SPLIT, _hopper.WGMMA_IN_FLIGHT
 
 
 _DEFAULTS = _defaults()  # the kernel's knobs as shipped: set_knob starts from them
@@ -166,16 +165,13 @@ def set_knob(knob: str) -> tuple[str, route.Tiling | None]:
   the fused bfloat16 activation with exact or approximate transcendentals
   (``_hopper.APPROX_BF16``), ``n``/``m`` the compute warpgroups splitting a tile's columns or
   rows (``_hopper.WG_SPLIT``), ``w0``/``w1`` wgmma groups left in flight across k-steps
-  (``_hopper.WGMMA_IN_FLIGHT``), ``e64``/``e128`` the epilogue's store tile
-  (``_hopper.EPILOGUE_TILE``), ``h0``/``h1`` whether wide-N waves may halve the column tile
-  (``_hopper.HALVE_COLUMNS``), ``tTMxTKxTNxWxS`` a tiling instead of ``Tiling.auto``.
+  (``_hopper.WGMMA_IN_FLIGHT``), ``tTMxTKxTNxWxS`` a tiling instead of ``Tiling.auto``.
   Returns the knob's tag and tiling.  (Session 12 also tried 2-CTA clusters multicasting the
   token tile: not faster, README "Routed layers".)"""
   from benchmarks.bench_moe_gmm import parse_tiling  # noqa: PLC0415
   from dynjax.route import _hopper  # noqa: PLC0415
 
-  (_hopper.APPROX_BF16, _hopper.WG_SPLIT, _hopper.WGMMA_IN_FLIGHT, _hopper.EPILOGUE_TILE,
-   _hopper.HALVE_COLUMNS) = _DEFAULTS
+  _hopper.APPROX_BF16, _hopper.WG_SPLIT, _hopper.WGMMA_IN_FLIGHT = _DEFAULTS
   tiling = None
   for tok in knob.split("+"):
     if tok in ("0", "1"):
@@ -184,15 +180,11 @@ def set_knob(knob: str) -> tuple[str, route.Tiling | None]:
       _hopper.WG_SPLIT = tok
     elif tok in ("w0", "w1"):
       _hopper.WGMMA_IN_FLIGHT = int(tok[1])
-    elif tok in ("e64", "e128"):
-      _hopper.EPILOGUE_TILE = int(tok[1:])
-    elif tok in ("h0", "h1"):
-      _hopper.HALVE_COLUMNS = tok == "h1"
     elif tok.startswith("t"):
       tiling = parse_tiling(tok[1:])
     else:
       raise SystemExit(f"--knobs: unknown token {tok!r} in {knob!r} (0/1, n/m, w0/w1, "
-                       "e64/e128, h0/h1, tTMxTKxTNxWxS)")
+                       "tTMxTKxTNxWxS)")
   return f"approx{int(_hopper.APPROX_BF16)}" if knob in ("0", "1") else knob, tiling
 
 
@@ -235,8 +227,7 @@ def run_gemms(args) -> dict:
 
       cases = [("gemm1+gelu", xs, w1, jax.nn.gelu), ("gemm1", xs, w1, None),
                ("gemm2", hs, w2, None)]
-      plain = (str(t), _hopper.WG_SPLIT, _hopper.WGMMA_IN_FLIGHT, _hopper.EPILOGUE_TILE,
-               _hopper.HALVE_COLUMNS)
+      plain = (str(t), _hopper.WG_SPLIT, _hopper.WGMMA_IN_FLIGHT)
       for label, lhs, w, act in cases:
         if act is None and plain in timed:
           continue  # approximate math changes only the activation: timed at another knob

@@ -60,10 +60,6 @@ APPROX_BF16 = True
 # rest of the gap to cuBLAS is not these (64 x 256 warpgroup tiles at 64 experts: 333 vs 247).
 WG_SPLIT = "m"
 WGMMA_IN_FLIGHT = 1
-# The epilogue's store tile (rows and columns, at most a warpgroup's share; shared memory holds
-# two a warpgroup), and whether column_tile may halve tn for the waves.
-EPILOGUE_TILE = 64
-HALVE_COLUMNS = True
 
 
 def reference(lhs, rhs, tile_end, tiling, activation=None):
@@ -244,13 +240,11 @@ def hopper_gmm(lhs, rhs, tile_end, tiling, activation=None, skip_unused: int = 0
   sms = _num_sms()
   waves = min(m, wave_rows or skip_unused or m)
   key = KernelKey(m=m, k=k, n=n, groups=g, dtype=jnp.dtype(lhs.dtype).name, tm=tm,
-                  tn=column_tile(waves // tm, n, tn, sms) if HALVE_COLUMNS else tn, tk=tk,
-                  stages=tiling.num_stages,
+                  tn=column_tile(waves // tm, n, tn, sms), tk=tk, stages=tiling.num_stages,
                   snake=max(1, tiling.grid_block_n), activation=activation,
                   skip_unused=bool(skip_unused), sms=sms,
                   approx=APPROX_BF16 and activation is not None and lhs.dtype == jnp.bfloat16,
-                  wg_m=WG_SPLIT == "m" and tm % 128 == 0, wait=WGMMA_IN_FLIGHT,
-                  epi=EPILOGUE_TILE)
+                  wg_m=WG_SPLIT == "m" and tm % 128 == 0, wait=WGMMA_IN_FLIGHT)
   return _once.call(("hopper_gmm", key), _kernel(key), tile_end.astype(jnp.int32), lhs, rhs)
 
 
@@ -273,7 +267,6 @@ class KernelKey(NamedTuple):
   approx: bool = False
   wg_m: bool = False
   wait: int = 0
-  epi: int = 64
 
 
 def _kernel(key: KernelKey):
@@ -282,7 +275,7 @@ def _kernel(key: KernelKey):
   body = functools.partial(
       _body, tm=key.tm, tn=key.tn, tk=key.tk, stages=key.stages, num_groups=key.groups,
       activation=key.activation, m_iters=key.m // key.tm, n_iters=key.n // (2 * key.tn),
-      epi=key.epi, snake=key.snake, skip_unused=key.skip_unused, wg_m=key.wg_m, wait=key.wait)
+      epi=64, snake=key.snake, skip_unused=key.skip_unused, wg_m=key.wg_m, wait=key.wait)
   out = jax.ShapeDtypeStruct((key.m, key.n), key.dtype)
   # jax 0.10 renamed out_shape to out_type (the old name warns, and may go).
   named = {"out_type" if "out_type" in inspect.signature(plgpu.kernel).parameters
