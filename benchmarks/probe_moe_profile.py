@@ -167,7 +167,8 @@ def set_knob(knob: str) -> tuple[str, route.Tiling | None]:
   rows (``_hopper.WG_SPLIT``), ``w0``/``w1`` wgmma groups left in flight across k-steps
   (``_hopper.WGMMA_IN_FLIGHT``), ``tTMxTKxTNxWxS`` a tiling instead of ``Tiling.auto``.
   Returns the knob's tag and tiling.  (Session 12 also tried 2-CTA clusters multicasting the
-  token tile: not faster, README "Routed layers".)"""
+  token tile, session 13 a 64 x 128 epilogue tile and GEMM 2 without its halved column tile
+  (commit e2ba4ff): none faster, README "Routed layers"; those knobs are gone.)"""
   from benchmarks.bench_moe_gmm import parse_tiling  # noqa: PLC0415
   from dynjax.route import _hopper  # noqa: PLC0415
 

@@ -10,9 +10,9 @@ in a snake order; here the halves are the tile's rows where ``tm`` is 128, and o
 stays in flight across k-steps: ``WG_SPLIT``, ``WGMMA_IN_FLIGHT``) on the *tile-aligned* layout
 of the ``"pallas"`` backend: every ``tm``-row tile belongs to one group, so a tile reads its
 group's weights ``rhs[g]`` and stores whole tiles (no ragged store ladder, no tile computed
-twice).  The group of a tile comes from the tile ends
-of the groups (``G`` scalar reads per tile).  Tiles past the last group are computed with the
-last group's weights, or (``skip_unused``, the grouped layer) not at all: the loop then runs
+twice).  The group of a tile comes from the tile ends of the groups (``G`` scalar reads per
+tile).  Tiles past the last group are computed with the last group's weights, or
+(``skip_unused``, the grouped layer) not at all: the loop then runs
 over the groups' row tiles only, a bound read from device memory at run time, so a buffer
 sized for any routing costs no compute beyond the routing it holds.
 
