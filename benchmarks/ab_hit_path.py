@@ -21,6 +21,10 @@ import tempfile
 
 import numpy as np
 
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
+
+from benchmarks._report import write_json  # noqa: E402
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
@@ -64,10 +68,7 @@ def main(argv=None) -> dict:
                    "new_runs": [r[case]["overhead_us"] for r in runs["new"]]}
     print(f"{case:<34} {aot:9.1f} {base:+9.1f} {new:+9.1f} {new - base:+9.1f}")
   res = {"versions": runs["new"][0].get("versions"), "reps": args.reps, "cases": table}
-  if args.out:
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "ab_hit_path.json"), "w") as fh:
-      json.dump(res, fh, indent=1)
+  write_json(args.out, "ab_hit_path.json", res)
   return res
 
 

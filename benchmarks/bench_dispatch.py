@@ -11,7 +11,6 @@ dynjax in "trust" and "auto" modes at the bucket shape and padded (13 -> 16).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -23,6 +22,7 @@ import numpy as np
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 
 import dynjax  # noqa: E402
+from benchmarks._report import write_json  # noqa: E402
 from benchmarks._suite import time_calls  # noqa: E402
 
 
@@ -90,10 +90,7 @@ def main(argv=None) -> None:
         f"jax {v['jax']}, {v['device']}")
   for k, us in res["us_per_call"].items():
     print(f"  {k:<52} {us:9.1f} us")
-  if args.out:
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "dispatch.json"), "w") as f:
-      json.dump(res, f, indent=1)
+  write_json(args.out, "dispatch.json", res)
 
 
 if __name__ == "__main__":

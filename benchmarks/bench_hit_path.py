@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import json
 import os
 import platform
 import pstats
@@ -33,6 +32,7 @@ import numpy as np
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 
 import dynjax  # noqa: E402
+from benchmarks._report import write_json  # noqa: E402
 from dynjax import flax as dynjax_flax  # noqa: E402
 from examples import models  # noqa: E402
 
@@ -169,10 +169,7 @@ def main(argv=None) -> None:
   res.update(tiny_cases(args.iters))
   res.update(bert_cases(args.size, args.iters))
   print(res["profile"])
-  if args.out:
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "hit_path.json"), "w") as fh:
-      json.dump(res, fh, indent=1)
+  write_json(args.out, "hit_path.json", res)
 
 
 if __name__ == "__main__":

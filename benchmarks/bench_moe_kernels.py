@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import math
 import os
 import shutil
@@ -45,6 +44,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks._report import write_json  # noqa: E402
 from benchmarks.bench_moe_gmm import (  # noqa: E402
   dense_ffn,
   grad_rel_errs,
@@ -521,9 +521,7 @@ def open_report(args, argv) -> dict:
 
 def save(report: dict, args) -> None:
   report["elapsed_s"] = elapsed()
-  if args.out:
-    with open(os.path.join(args.out, "bench_moe_kernels.json"), "w") as fh:
-      json.dump(report, fh, indent=1, default=str)
+  write_json(args.out, "bench_moe_kernels.json", report, default=str)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,8 @@ import time
 
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # after PYTHONPATH
 
+from benchmarks._report import write_json  # noqa: E402
+
 
 def main(argv=None) -> dict:
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -68,10 +70,7 @@ def main(argv=None) -> dict:
          "params_after": type(kernel).__name__, "cast_once": st.get("cast_once"),
          "dynjax": os.path.dirname(dynjax.__file__)}
   print(json.dumps(rec), flush=True)
-  if args.out:
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "bench_nnx_state.json"), "w") as fh:
-      json.dump(rec, fh, indent=1)
+  write_json(args.out, "bench_nnx_state.json", rec)
   return rec
 
 

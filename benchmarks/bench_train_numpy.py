@@ -15,7 +15,6 @@ loop that logs its loss pays).  Also: whether the returned parameters are device
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -27,6 +26,7 @@ import numpy as np
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import dynjax  # noqa: E402
+from benchmarks._report import write_json  # noqa: E402
 from examples import models  # noqa: E402
 
 
@@ -87,10 +87,7 @@ def main(argv=None) -> dict:
                          "params_returned_as": type(leaf).__name__}
     print(f"  {name:16s} mean {np.mean(ts) * 1e3:8.2f} ms/step  median "
           f"{np.median(ts) * 1e3:8.2f}  params come back as {type(leaf).__name__}", flush=True)
-  if args.out:
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"bench_train_numpy{args.tag}.json"), "w") as fh:
-      json.dump(res, fh, indent=1)
+  write_json(args.out, f"bench_train_numpy{args.tag}.json", res)
   return res
 
 

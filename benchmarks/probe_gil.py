@@ -16,7 +16,6 @@ while it warms up (issue 18, goal 3).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -24,6 +23,8 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks._report import write_json  # noqa: E402
 
 
 def spin_share(step, base_rate: float):
@@ -104,10 +105,7 @@ def main(argv=None) -> dict:
   _, dt, sh = spin_share(lambda: lo2.compile(compiler_options=opts) if opts else lo2.compile(),
                          base)
   note("compile (JAX cache on, write)", dt, sh)
-  if args.out:
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "probe_gil.json"), "w") as fh:
-      json.dump(rec, fh, indent=1)
+  write_json(args.out, "probe_gil.json", rec)
   return rec
 
 

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import io
 import json
 import os
 import pstats
+import sys
 import time
 
 import jax
@@ -26,6 +26,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import dynjax
+
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
+
+from benchmarks._report import write_json  # noqa: E402
 
 
 def block(w, x, lens):
@@ -94,15 +98,10 @@ def main(argv=None) -> dict:
   rows.sort(reverse=True)
   res["profile_top"] = [{"own_us": round(a, 2), "cum_us": round(b, 2), "calls": round(c, 2),
                          "where": d} for a, b, c, d in rows[:30]]
-  buf = io.StringIO()
-  pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(25)
   print(json.dumps({k: v for k, v in res.items() if k != "profile_top"}, indent=1))
   for r in res["profile_top"]:
     print(f"  {r['own_us']:8.2f} own {r['cum_us']:8.2f} cum  x{r['calls']:.1f}  {r['where']}")
-  if args.out:
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "probe_hit_profile.json"), "w") as fh:
-      json.dump(res, fh, indent=1)
+  write_json(args.out, "probe_hit_profile.json", res)
   return res
 
 

@@ -13,7 +13,6 @@ ahead on a background thread (``route._once.PRECOMPILE_ON``).  Writes DIR/probe_
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -21,6 +20,7 @@ import time
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import _isolated  # noqa: E402
+from benchmarks._report import write_json  # noqa: E402
 
 
 def child(variants: str, small: bool) -> list:
@@ -118,10 +118,7 @@ def main(argv=None) -> dict:
             f"  lower {sum(x['lower_s'] for x in b):.2f}  compile "
             f"{sum(x['compile_s'] for x in b):.2f}  first runs "
             f"{sum(x['first_run_s'] for x in b):.2f}", flush=True)
-  if args.out:
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "probe_moe_build.json"), "w") as fh:
-      json.dump(report, fh, indent=1)
+  write_json(args.out, "probe_moe_build.json", report)
   return report
 
 

@@ -32,6 +32,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks._report import write_json  # noqa: E402
 from benchmarks.bench_moe_kernels import REPS, Setting, open_report  # noqa: E402
 from dynjax import route  # noqa: E402
 
@@ -332,9 +333,7 @@ def main(argv=None) -> dict:
   report = open_report(args, argv)
   for part in args.parts.split(","):
     report[part] = {"gemms": run_gemms, "layers": run_layers}[part](args)
-    if args.out:
-      with open(os.path.join(args.out, "probe_moe_profile.json"), "w") as fh:
-        json.dump(report, fh, indent=1, default=str)
+    write_json(args.out, "probe_moe_profile.json", report, default=str)
   return report
 
 

@@ -24,7 +24,6 @@ buffers for every op type XLA can put in one, from 1 op up.  Writes DIR/probe_re
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import re
@@ -34,6 +33,7 @@ import time
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import _isolated  # noqa: E402
+from benchmarks._report import write_json  # noqa: E402
 
 FLAGS = {
     "default": "",
@@ -194,10 +194,7 @@ def main(argv=None) -> dict:
     print(f"== flags {name}: {FLAGS[name] or '(none)'}", flush=True)
     report["runs"][name] = _isolated.run(cmd, _isolated.env_with_xla_flags(FLAGS[name]),
                                          args.timeout)
-    if args.out:
-      os.makedirs(args.out, exist_ok=True)
-      with open(os.path.join(args.out, "probe_request_cost.json"), "w") as fh:
-        json.dump(report, fh, indent=1)
+    write_json(args.out, "probe_request_cost.json", report)
   return report
 
 

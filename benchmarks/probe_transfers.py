@@ -15,13 +15,17 @@ or one packed numpy buffer it slices itself, each with ``np.asarray`` of the res
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
+
+from benchmarks._report import write_json  # noqa: E402
 
 
 def med(fn, n=300) -> float:
@@ -140,10 +144,7 @@ def main(argv=None) -> dict:
   res["tiny_numpy"] = med(lambda: np.asarray(tiny(np.zeros(8, np.float32))))
   for k, v in res.items():
     print(f"  {k:14s} {v:10.1f}" if isinstance(v, float) else f"  {k:14s} {v}", flush=True)
-  if args.out:
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"probe_transfers_t{t}.json"), "w") as fh:
-      json.dump(res, fh, indent=1)
+  write_json(args.out, f"probe_transfers_t{t}.json", res)
   return res
 
 

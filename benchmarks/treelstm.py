@@ -28,7 +28,6 @@ module is the runner (timing, compile counts, table, JSON).
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections import defaultdict
 from collections.abc import Sequence
@@ -36,6 +35,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
+from benchmarks._report import write_json
 from examples.treelstm_model import (
   FORM_NOTES,
   FORMS,
@@ -326,10 +326,7 @@ def run(flags: dict | None = None, out_dir: str | None = None) -> dict:
     res.update(_run_childsum(flags))
   if "arity" in models:
     res["arity"] = run_arity(flags)
-  if out_dir:
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "treelstm.json"), "w") as f:
-      json.dump(res, f, indent=1)
+  write_json(out_dir, "treelstm.json", res)
   return res
 
 
