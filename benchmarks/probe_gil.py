@@ -5,11 +5,16 @@
 A spinner thread counts loop iterations (pure Python, as a server's own start-up code or its
 request handling); each step of one bucket's build runs on the main thread, and the record is
 the step's wall seconds and the spinner's speed meanwhile, as a fraction of its speed while
-the main thread sleeps (1.0: the step leaves the GIL to others; ~0: it holds it).  Steps:
+the main thread sleeps (1.0: the step leaves the GIL to others; ~0: it holds it); a spinner
+*process* beside it measures what the step takes from other cores instead (XLA's compile
+threads).  Steps:
 ``lower`` (dynjax's per-bucket trace + padding pass + StableHLO), ``compile`` (XLA, serving's
 quick tier on GPU) with JAX's persistent compilation cache off and on (the cache key
 serializes the module), ``serialize`` (the executable store's write), ``deserialize`` (a
-restart's load) and the first two runs.  Where a cold server's start-up Python slows down
+restart's load), the first two runs, and compiles of other buckets with one XLA compile
+thread (``xla_gpu_force_compilation_parallelism=1``), again as they are, and from a thread at
+nice 10 (the threads XLA starts inherit it).  ``--attention pallas``: with the Pallas flash
+attention.  Where a cold server's start-up Python slows down
 while it warms up (issue 18, goal 3).
 """
 
@@ -17,6 +22,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -26,9 +33,22 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._report import write_json  # noqa: E402
 
+_PROC_SPIN = """
+import signal, sys, time
+stop = []
+signal.signal(signal.SIGTERM, lambda *a: stop.append(1))
+print("go", flush=True)
+n, t = 0, time.perf_counter()
+while not stop:
+  n += 1
+print(n / (time.perf_counter() - t), flush=True)
+"""
 
-def spin_share(step, base_rate: float):
-  """(step's result, wall seconds, spinner's rate meanwhile / base_rate)."""
+
+def spin_share(step, base_rate: float, proc_base: float | None = None):
+  """(step's result, wall seconds, thread spinner's rate meanwhile / base_rate, and with
+  ``proc_base`` a spinner *process*'s rate / proc_base: what the step takes from other cores
+  rather than from the GIL)."""
   stop, out = [False], []
 
   def spin():
@@ -37,15 +57,29 @@ def spin_share(step, base_rate: float):
       n += 1
     out.append(n)
 
+  proc = None
+  if proc_base is not None:
+    proc = subprocess.Popen([sys.executable, "-c", _PROC_SPIN], stdout=subprocess.PIPE,
+                            text=True)
+    proc.stdout.readline()
   t = threading.Thread(target=spin)
   t.start()
   time.sleep(0.05)  # the spinner's lead-in, counted in its time below
   t0 = time.perf_counter()
-  res = step()
-  dt = time.perf_counter() - t0
-  stop[0] = True
-  t.join()
-  return res, dt, out[0] / (base_rate * (dt + 0.05))
+  try:
+    res = step()
+  finally:  # a step that raises must not leave the spinners running
+    dt = time.perf_counter() - t0
+    stop[0] = True
+    t.join()
+    if proc is not None:
+      proc.send_signal(signal.SIGTERM)
+  share = out[0] / (base_rate * (dt + 0.05))
+  if proc is None:
+    return res, dt, share
+  rate = float(proc.stdout.readline())
+  proc.wait()
+  return res, dt, share, rate / proc_base
 
 
 def main(argv=None) -> dict:
@@ -53,6 +87,7 @@ def main(argv=None) -> dict:
   ap.add_argument("--size", default="base")
   ap.add_argument("--t", type=int, default=128)
   ap.add_argument("--out", default=None)
+  ap.add_argument("--attention", default=None, help='dynjax.jit(attention=...): "pallas"')
   args = ap.parse_args(argv)
   import jax
   import jax.numpy as jnp
@@ -60,51 +95,72 @@ def main(argv=None) -> dict:
   from jax.experimental import serialize_executable
 
   import dynjax
-  from dynjax.jit import _serving
+  from dynjax.jit import _args, _serving  # rngs: left out (the flax wrapper's last argument)
   from examples.models import ENCODER_SIZES, BertEncoder, init_encoder_params, to_device
 
   cfg = ENCODER_SIZES[args.size]
   params = {"params": to_device(init_encoder_params(cfg))}
   f = dynjax.flax.jit(BertEncoder(cfg), dims={"tokens": "b, t", "lengths": "b"},
-                      buckets={"t": dynjax.buckets.pow2(16, 512)})
+                      buckets={"t": dynjax.buckets.pow2(16, 512)},
+                      attention=args.attention)
   tok = np.random.RandomState(0).randint(1, 1000, (8, args.t - 3)).astype(np.int32)
   lens = np.full((8,), args.t - 3, np.int32)
   fam = f.trace(params, tok, lens).family
   bkey = (8, args.t)
   on_gpu = jax.default_backend() == "gpu"
   opts = _serving.QUICK_GPU_OPTIONS if on_gpu else {}
-  # The spinner's speed (iterations a second) with the main thread asleep.
+  # The spinners' speeds (iterations a second) with the main thread asleep.
   _, _, base = spin_share(lambda: time.sleep(1.0), 1.0)
+  _, _, _, pbase = spin_share(lambda: time.sleep(1.0), 1.0, 1.0)
   rec: dict = {"jax": jax.__version__, "backend": jax.default_backend(),
-               "device": str(jax.devices()[0].device_kind), "bucket": list(bkey), "steps": {}}
+               "device": str(jax.devices()[0].device_kind), "bucket": list(bkey),
+               "cpus": os.cpu_count(), "steps": {}}
 
-  def note(name, dt, share, **kw):
-    rec["steps"][name] = {"seconds": round(dt, 4), "gil_left": round(share, 3), **kw}
-    print(f"  {name:28s} {dt:7.3f} s   others get {share:5.2f} of their speed {kw or ''}",
-          flush=True)
+  def measure(name, step, **kw):
+    res, dt, sh, psh = spin_share(step, base, pbase)
+    rec["steps"][name] = {"seconds": round(dt, 4), "gil_left": round(sh, 3),
+                          "cores_left": round(psh, 3), **kw}
+    print(f"  {name:34s} {dt:7.3f} s   a thread gets {sh:5.2f}, a process {psh:5.2f} of its "
+          f"speed {kw or ''}", flush=True)
+    return res
 
-  (lo, _), dt, sh = spin_share(lambda: fam.lower_bucket(bkey), base)
-  note("lower", dt, sh)
-  (lo2, _) = fam.lower_bucket(bkey)
-  exe, dt, sh = spin_share(lambda: lo.compile(compiler_options=opts) if opts else lo.compile(),
-                           base)
-  note("compile (no JAX cache)", dt, sh)
-  blob, dt, sh = spin_share(lambda: serialize_executable.serialize(exe), base)
-  note("serialize (store write)", dt, sh, bytes=len(blob[0]))
-  _, dt, sh = spin_share(lambda: serialize_executable.deserialize_and_load(*blob), base)
-  note("deserialize (store load)", dt, sh)
+  def compile_with(lo, extra=None, nice=False):
+    o = {**opts, **(extra or {})}
+
+    def run():
+      if nice:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+      box.append(lo.compile(compiler_options=o) if o else lo.compile())
+
+    box: list = []
+    t = threading.Thread(target=run)  # XLA's threads started by this one inherit its nice
+    t.start()
+    t.join()
+    return box[0]
+
+  lo, _ = measure("lower", lambda: fam.lower_bucket(bkey))
+  exe = measure("compile (no JAX cache)", lambda: compile_with(lo))
+  blob = measure("serialize (store write)", lambda: serialize_executable.serialize(exe))
+  rec["steps"]["serialize (store write)"]["bytes"] = len(blob[0])
+  measure("deserialize (store load)", lambda: serialize_executable.deserialize_and_load(*blob))
   sizes = jnp.asarray(bkey, jnp.int32)
-  x = (jnp.asarray(np.zeros(bkey, np.int32)), jnp.asarray(np.full((8,), 4, np.int32)))  # rngs=None last
+  x = (jnp.asarray(np.zeros(bkey, np.int32)), jnp.asarray(np.full((8,), 4, np.int32)))
   for i in (1, 2):
-    _, dt, sh = spin_share(lambda: jax.block_until_ready(exe(sizes, params, *x, None)), base)
-    note(f"run {i}", dt, sh)
+    measure(f"run {i}", lambda: jax.block_until_ready(exe(sizes, params, *x, _args.OMITTED)))
+  # Other buckets (XLA's autotuning results are cached in-process by shape): compile threads.
+  for dt_, name, extra, nice in (
+      (16, "compile, compilation_parallelism=1", {"xla_gpu_force_compilation_parallelism": 1},
+       False),
+      (32, "compile again (another bucket)", None, False),
+      (48, "compile on a thread at nice 10", None, True)):
+    lo_x, _ = fam.lower_bucket((8, args.t + dt_))
+    measure(name, lambda lo_x=lo_x, extra=extra, nice=nice: compile_with(lo_x, extra, nice))
   # Last: JAX's persistent cache stays on for the process once a compile used it.
+  (lo2, _) = fam.lower_bucket(bkey)
   jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="probe_gil_"))
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-  _, dt, sh = spin_share(lambda: lo2.compile(compiler_options=opts) if opts else lo2.compile(),
-                         base)
-  note("compile (JAX cache on, write)", dt, sh)
+  measure("compile (JAX cache on, write)", lambda: compile_with(lo2))
   write_json(args.out, "probe_gil.json", rec)
   return rec
 

@@ -53,7 +53,10 @@ Modes (``--modes``, in order; a ``*_restart`` mode reuses the cache of the mode 
   on zeros before they serve).  ``*t0tune*`` (an experiment, not an option): tier 0 autotunes its cuBLAS gemms (triton gemms
   stay off) instead of taking cuBLAS's heuristic choice; ``*t0lvl1*`` the same at autotune level 1
   (no buffer initialisation or correctness checks; the default since session 10);
-  ``*t0lvl0*`` without autotuning (the default before).
+  ``*t0lvl0*`` without autotuning (the default before).  ``*sw5*`` (an experiment): background
+  lowering keeps the interpreter's 5 ms GIL switch interval instead of dropping it to 0.5 ms.
+  ``*parN*``: XLA's ``xla_gpu_force_compilation_parallelism=N`` for every compile; ``*nice*``:
+  the compile workers (and the threads they start) run at nice 10.
 
 Per mode: start -> 1,000th answer (s), the stream (first request to last answer, s), the mean
 latency over the second half of the requests per length bin (the request's padded length:
@@ -75,6 +78,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 BINS = ((1, 64), (65, 128), (129, 256), (257, 512))
@@ -389,6 +393,22 @@ def _child_dynjax(args, clock, mode):
     _serving.TIER_UP_IDLE_S = _serving.TIER_UP_AFTER = 1e12
   if "nokeep" in mode:  # experiment: a tier-up lowers its bucket again (before session 8)
     _serving.KEEP_LOWERED = 0
+  if "sw5" in mode:  # experiment: lowering keeps the interpreter's 5 ms GIL switch interval
+    _serving._QUICK_SWITCH_S = 5e-3
+  par = re.search(r"par(\d+)", mode)  # experiment: XLA's compile threads per compile
+  if par:
+    for opts in (_serving.QUICK_GPU_OPTIONS, _serving.FULL_GPU_OPTIONS):
+      opts["xla_gpu_force_compilation_parallelism"] = int(par.group(1))
+  if "nice" in mode:  # experiment: compile workers (and the threads they start) at nice 10
+    from dynjax.jit import _scheduler
+
+    work = _scheduler.CompileScheduler._work
+
+    def niced(self):
+      os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+      return work(self)
+
+    _scheduler.CompileScheduler._work = niced
   workers = re.search(r"cw(\d+)", mode)  # experiment: compile_workers=N
 
   def build(module):
@@ -656,8 +676,9 @@ def main(argv=None) -> dict:
         continue
       if restart:
         cache = caches[base]
-      else:  # a cold mode always starts on a fresh cache; later restarts take the latest
-        cache = caches[base] = os.path.join(tmp, mode)
+      else:  # a cold mode always starts on a fresh cache (a repeated mode too: the same
+        # directory made its second run a restart); later restarts take the latest
+        cache = caches[base] = os.path.join(tmp, f"{mode}-{len(results)}")
     rec = _spawn(args, mode, cache)
     results.append(rec)
     print(_line(rec), flush=True)

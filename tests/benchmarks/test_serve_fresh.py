@@ -71,3 +71,20 @@ def test_warm_and_prof_tags_share_the_cache_of_the_mode_they_restart():
   assert sf.cache_key("hand_warm_restart_again") == (True, "hand")
   assert sf.cache_key("dynjax_pallas_auto16_warm_wait_restart_again_noprerun") == (
       True, "dynjax_pallas_auto16_wait")
+
+
+def test_a_repeated_cold_mode_starts_on_a_fresh_cache_and_restarts_take_the_latest(
+    monkeypatch, tmp_path):
+  seen = []
+
+  def spawn(args, mode, cache):
+    seen.append((mode, cache))
+    return {"mode": mode, "error": "not run"}
+
+  monkeypatch.setattr(sf, "_spawn", spawn)
+  modes = "torch_eager,dynjax_auto16_warm,dynjax_auto16_warm,dynjax_auto16_warm_restart"
+  sf.main(["--modes", modes, "--out", str(tmp_path)])
+  (_, none), (_, first), (_, second), (_, restart) = seen
+  assert none is None
+  assert first != second  # the second cold run must not find the first one's executables
+  assert restart == second
