@@ -6,15 +6,7 @@
 # 0.5 ms GIL switch interval), the hand-written warmup; MODES overrides the list.  First
 # (PROBE= skips it) benchmarks/probe_gil.py: each step of one bucket's build beside a spinning
 # thread and a spinning process (the GIL or the cores).
-set -u
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-  python3 -c "import sys, jax, torch, flax; print('python', sys.version.split()[0], 'jax', jax.__version__, 'torch', torch.__version__, 'flax', flax.__version__)"
-  lscpu | grep -E "^(CPU\(s\)|Thread|Core|Socket|Model name)"
-} > "$OUT/versions.txt" 2>&1
-cat "$OUT/versions.txt"
+source "$(dirname "$0")/_gpu_head.sh"
 if [ -n "${PROBE-1}" ]; then  # what one bucket's build takes from a thread and from a process
   timeout 200 python3 benchmarks/probe_gil.py --size base --t 128 --attention pallas \
     --out "$OUT/gil" 2>&1 | grep -E "^  |Error"

@@ -3,14 +3,7 @@
 # H100: its tests on the real kernel, the attention block alone per T and block size against
 # XLA, cuDNN and PyTorch SDPA (probe_attention.py), and BERT-base per exact length with and
 # without the rewrite (serve_fresh.py's `lengths` mode, fp32 then bf16).  JSON + logs in $OUT.
-set -u
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-  python3 -c "import sys, jax, torch, flax; print('python', sys.version.split()[0], 'jax', jax.__version__, 'torch', torch.__version__, 'flax', flax.__version__)"
-} > "$OUT/versions.txt" 2>&1
-cat "$OUT/versions.txt"
+source "$(dirname "$0")/_gpu_head.sh"
 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/bucketing/test_flash.py \
   tests/bucketing/test_attention.py > "$OUT/flash_tests.log" 2>&1
 echo "tests rc=$?"; tail -5 "$OUT/flash_tests.log"
