@@ -128,14 +128,19 @@ def main(argv=None) -> dict:
     o = {**opts, **(extra or {})}
 
     def run():
-      if nice:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-      box.append(lo.compile(compiler_options=o) if o else lo.compile())
+      try:
+        if nice:
+          os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+        box.append(lo.compile(compiler_options=o) if o else lo.compile())
+      except BaseException as e:  # noqa: BLE001 - raised again on the measuring thread
+        box.append(e)
 
     box: list = []
     t = threading.Thread(target=run)  # XLA's threads started by this one inherit its nice
     t.start()
     t.join()
+    if isinstance(box[0], BaseException):
+      raise box[0]
     return box[0]
 
   lo, _ = measure("lower", lambda: fam.lower_bucket(bkey))
