@@ -329,6 +329,21 @@ CASES = [
     BT,
     {},
   ),
+  (  # a compound dim (2*t) whose true size the pass first needs in a loop body's trace, then
+     # after the loop: a value cached in the inner trace must not reach the outer jaxpr
+    "loop_then_outer_dim",
+    lambda x: (lax.fori_loop(0, 2, lambda i, c: c + jnp.concatenate([x, x], 1).sum(1),
+                             jnp.zeros(x.shape[0])) + jnp.concatenate([x, -x], 1).max(1)),
+    BT,
+    {},
+  ),
+  (
+    "cond_then_outer_dim",
+    lambda x: (lax.cond(x.sum() > 0, lambda y: jnp.concatenate([y, y], 1).sum(1),
+                        lambda y: y.min(1), x) + jnp.concatenate([x, -x], 1).max(1)),
+    BT,
+    {},
+  ),
   (
     "while_reduction",
     lambda x: lax.while_loop(
