@@ -3,9 +3,13 @@
 # (issue 18 goal 3).  Fresh processes (benchmarks/serve_fresh.py, fp32, BERT-base, 1,000
 # requests), each warming up from shapes while it builds its request list: torch eager,
 # dynjax with and without its parts (Pallas attention, padding pass, store and preruns, the
-# 0.5 ms GIL switch interval), the hand-written warmup; MODES overrides the list.  First
+# 0.5 ms GIL switch interval), the hand-written warmup; MODES overrides the list, ROUNDS
+# repeats it (default 1), and OLD=dir (a directory holding another tree's dynjax/) runs
+# OLD_MODES (default: the Pallas auto(16) warm-up) on that tree after each round.  First
 # (PROBE= skips it) benchmarks/probe_gil.py: each step of one bucket's build beside a spinning
-# thread and a spinning process (the GIL or the cores).
+# thread and a spinning process (the GIL or the cores).  The summary gives each mode's request
+# list phase: wall, main-thread CPU, the garbage collector's seconds and full collections, and
+# the tracked objects when it began (serve_fresh's ``work`` record).
 source "$(dirname "$0")/_gpu_head.sh"
 if [ -n "${PROBE-1}" ]; then  # what one bucket's build takes from a thread and from a process
   timeout 200 python3 benchmarks/probe_gil.py --size base --t 128 --attention pallas \
@@ -13,18 +17,35 @@ if [ -n "${PROBE-1}" ]; then  # what one bucket's build takes from a thread and 
 fi
 W=dynjax_pallas_auto16_warm
 MODES=${MODES-torch_eager,$W,hand_warm,dynjax_auto16_warm,dynjax_trust_pallas_auto16_warm,${W}_nostore_noprerun,${W}_sw5,torch_eager,$W,hand_warm}
-timeout "${T:-540}" python3 -m benchmarks.serve_fresh --out "$OUT" --modes "$MODES" \
-  --timeout "${TO:-90}" > "$OUT/cold.log" 2>&1
-echo "rc=$?"
-grep -A40 "^| mode" "$OUT/cold.log"; grep "ERROR" "$OUT/cold.log" | cut -c1-400
+OLD_MODES=${OLD_MODES-$W}
+for i in $(seq 1 "${ROUNDS:-1}"); do
+  timeout "${T:-540}" python3 -m benchmarks.serve_fresh --out "$OUT/r$i" --modes "$MODES" \
+    --timeout "${TO:-90}" > "$OUT/cold_r$i.log" 2>&1
+  echo "round $i rc=$?"
+  if [ -n "${OLD:-}" ]; then
+    PYTHONPATH=$PWD/$OLD:$PWD timeout "${T:-540}" python3 -m benchmarks.serve_fresh \
+      --out "$OUT/r${i}_old" --modes "$OLD_MODES" --timeout "${TO:-90}" \
+      > "$OUT/cold_r${i}_old.log" 2>&1
+    echo "round $i (old tree) rc=$?"
+  fi
+done
+grep -h "ERROR" "$OUT"/cold_r*.log | cut -c1-400
 python3 - "$OUT" <<'PY'
 import json, sys, glob
-for f in glob.glob(sys.argv[1] + "/serve_fresh_*.json"):
+for f in sorted(glob.glob(sys.argv[1] + "/r*/serve_fresh_*.json")):
+  tree = "old" if "_old" in f else "new"
   for r in json.load(open(f))["results"]:
-    m = r.get("marks", {})
-    ph = {k: round(m[k] - m[p], 2) for p, k in (("backend", "requests"), ("requests", "weights"))
-          if k in m and p in m}
+    m, w = r.get("marks", {}), r.get("work", {})
     st = r.get("stats") or {}
-    print(r["mode"], "start->last", r.get("start_to_last_s"), "stream", round(r.get("stream_s", 0), 2),
-          ph, "lower_s", st.get("lowering_seconds"), "timeline", r.get("timeline", [])[:5])
+    lst = {}
+    if "backend" in w and "requests" in w:
+      a, b = w["backend"], w["requests"]
+      lst = {"wall": round(m["requests"] - m["backend"], 2),
+             "main_cpu": round(b["main_cpu_s"] - a["main_cpu_s"], 2),
+             "gc_s": round(b["gc_s"] - a["gc_s"], 2), "gc_full": b["gc_full"] - a["gc_full"],
+             "objects_at_start": a["tracked_objects"]}
+    print(f.split("/")[-2], tree, r["mode"], "start->last", r.get("start_to_last_s"),
+          "stream", round(r.get("stream_s", 0), 2), "list", lst, "weights",
+          round(m.get("weights", 0) - m.get("requests", 0), 2), "lower_s",
+          st.get("lowering_seconds"))
 PY

@@ -107,17 +107,46 @@ def _parse(argv=None):
 
 # -- the child: one mode in a fresh process ----------------------------------------------------
 class _Clock:
-  """Seconds since the parent spawned this process (``SERVE_FRESH_T0``)."""
+  """Seconds since the parent spawned this process (``SERVE_FRESH_T0``).  Beside each mark,
+  ``work`` keeps the main thread's CPU seconds and the cyclic garbage collector's seconds
+  and full (generation 2) collections so far, on any thread: a phase's wall time less its
+  main-thread CPU is time the main thread waited (the GIL, the cores); its collections walk
+  every tracked object of the process, the warm-up's included."""
 
   def __init__(self):
     self.t0 = float(os.environ.get("SERVE_FRESH_T0", time.time()))
     self.marks: dict[str, float] = {"interpreter": self.now()}
+    self.work: dict[str, dict] = {}
+    self._gc = {"seconds": 0.0, "full": 0, "main_seconds": 0.0}
+    self._gc_start: dict[int, float] = {}
+    self._main = threading.get_ident()
+    import gc
+
+    gc.callbacks.append(self._on_gc)
+
+  def _on_gc(self, phase, info) -> None:
+    ident = threading.get_ident()
+    if phase == "start":
+      self._gc_start[ident] = time.perf_counter()
+      return
+    dt = time.perf_counter() - self._gc_start.pop(ident, time.perf_counter())
+    self._gc["seconds"] += dt
+    if ident == self._main:
+      self._gc["main_seconds"] += dt
+    if info.get("generation") == 2:
+      self._gc["full"] += 1
 
   def now(self) -> float:
     return time.time() - self.t0
 
   def mark(self, name: str) -> None:
+    import gc
+
     self.marks[name] = round(self.now(), 4)
+    self.work[name] = {"main_cpu_s": round(time.thread_time(), 4),
+                       "gc_s": round(self._gc["seconds"], 4),
+                       "gc_main_s": round(self._gc["main_seconds"], 4),
+                       "gc_full": self._gc["full"], "tracked_objects": len(gc.get_objects())}
 
 
 def _requests(args):
@@ -195,6 +224,7 @@ def _record(mode, reqs, lat, stream, clock, **extra) -> dict:
     hist[r.tokens.shape[1]] = hist.get(r.tokens.shape[1], 0) + 1
   return {"mode": mode, "start_to_last_s": clock.marks[f"answer_{len(reqs)}"],
           "stream_s": stream, "bins_ms": _bins(reqs, lat), "marks": clock.marks,
+          "work": clock.work,
           "first_ms": 1e3 * lat[0], "requests": len(reqs), "lengths_second_half": hist,
           **extra}
 
