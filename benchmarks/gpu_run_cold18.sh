@@ -31,10 +31,12 @@ for i in $(seq 1 "${ROUNDS:-1}"); do
 done
 grep -h "ERROR" "$OUT"/cold_r*.log | cut -c1-400
 python3 - "$OUT" <<'PY'
-import json, sys, glob
+import json, sys, glob, os, shutil
+merged = {}
 for f in sorted(glob.glob(sys.argv[1] + "/r*/serve_fresh_*.json")):
   tree = "old" if "_old" in f else "new"
-  for r in json.load(open(f))["results"]:
+  merged[f.split("/")[-2]] = json.load(open(f))
+  for r in merged[f.split("/")[-2]]["results"]:
     m, w = r.get("marks", {}), r.get("work", {})
     st = r.get("stats") or {}
     lst = {}
@@ -47,5 +49,17 @@ for f in sorted(glob.glob(sys.argv[1] + "/r*/serve_fresh_*.json")):
     print(f.split("/")[-2], tree, r["mode"], "start->last", r.get("start_to_last_s"),
           "stream", round(r.get("stream_s", 0), 2), "list", lst, "weights",
           round(m.get("weights", 0) - m.get("requests", 0), 2), "lower_s",
-          st.get("lowering_seconds"))
+          st.get("lowering_seconds"), "compiles", st.get("compiles"), "lowerings",
+          st.get("lowerings"), "waited", st.get("waited_for_compile"))
+    for t, msg in r.get("timeline", []):
+      if "failed" in msg:
+        print("   ", t, msg[:300], "...", msg[-700:])
+# at most 8 files come back from a device call: one JSON and one log for all rounds
+json.dump(merged, open(os.path.join(sys.argv[1], "cold_rounds.json"), "w"), indent=1)
+with open(os.path.join(sys.argv[1], "cold_rounds.log"), "w") as out:
+  for f in sorted(glob.glob(sys.argv[1] + "/cold_r*.log")):
+    out.write(f"== {os.path.basename(f)}\n" + open(f).read())
+    os.remove(f)
+for d in glob.glob(sys.argv[1] + "/r*/"):
+  shutil.rmtree(d)
 PY

@@ -456,7 +456,14 @@ def _child_dynjax(args, clock, mode):
 
   class _Timeline(logging.Handler):
     def emit(self, record):
-      timeline.append((round(clock.now(), 2), record.getMessage()[:160]))
+      msg = record.getMessage()[:160]
+      if record.levelno >= logging.WARNING:  # a failure: its message and traceback's end
+        msg = record.getMessage()[:400]
+        if record.exc_info:
+          import traceback
+
+          msg += " | " + "".join(traceback.format_exception(*record.exc_info))[-1500:]
+      timeline.append((round(clock.now(), 2), msg))
 
   logging.getLogger("dynjax").addHandler(_Timeline(logging.INFO))
   logging.getLogger("dynjax").setLevel(logging.INFO)

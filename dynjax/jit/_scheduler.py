@@ -241,7 +241,13 @@ class CompileScheduler:
         with self._cv:
           self._running.pop(job.key, None)
           self.failed += 1
+          waited = job.urgent or job.waited_for
           self._cv.notify_all()
+        if not waited:  # nobody may ever read the future: say it (the bucket builds again
+          # when a call needs it, and that call raises what it raises)
+          logger.warning("dynjax: the background build of %s failed (%s: %s); a call that "
+                         "needs it builds it again", job.key, type(e).__name__, e,
+                         exc_info=e)
         job.future.set_exception(e)
         continue
       dt = time.perf_counter() - job.started

@@ -3,6 +3,7 @@ store behind ``cache_dir``, and the top-level-argument hot path."""
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -795,6 +796,31 @@ def test_scheduler_runs_warm_jobs_in_order_a_few_at_a_time_and_a_caller_promotes
   assert bg.result(5) == "bg" and started[-1][0] == "bg"
   assert all(f.result(5) for f in futs.values())
   sched.close()
+
+
+def test_a_background_build_that_fails_says_so_and_a_waited_one_leaves_it_to_its_caller(
+    caplog):
+  # Nobody reads a warm-up job's future: its failure is logged (with the exception), not
+  # dropped; an urgent job's caller gets the exception itself (no second report).
+  sched = CompileScheduler(1, lambda job: 1.0)
+
+  def boom(msg):
+    def build():
+      raise RuntimeError(msg)
+    return build
+
+  with caplog.at_level(logging.WARNING, logger="dynjax"):
+    warm = sched.submit(("fam", (8, 512), 0), boom("warm failed"), warm=True)
+    with pytest.raises(RuntimeError, match="warm failed"):
+      warm.result(5)
+    urgent = sched.submit(("fam", (8, 64), 0), boom("urgent failed"), urgent=True)
+    with pytest.raises(RuntimeError, match="urgent failed"):
+      urgent.result(5)
+  sched.close()
+  msgs = [r.getMessage() for r in caplog.records if r.name == "dynjax"]
+  assert msgs == ["dynjax: the background build of ('fam', (8, 512), 0) failed (RuntimeError: "
+                  "warm failed); a call that needs it builds it again"], msgs
+  assert sched.failed == 2
 
 
 def test_background_warmup_builds_largest_first_one_at_a_time_and_serves(compiles):
