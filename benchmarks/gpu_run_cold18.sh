@@ -9,7 +9,7 @@
 # (PROBE= skips it) benchmarks/probe_gil.py: each step of one bucket's build beside a spinning
 # thread and a spinning process (the GIL or the cores).  The summary gives each mode's request
 # list phase: wall, main-thread CPU, the garbage collector's seconds and full collections, and
-# the tracked objects when it began (serve_fresh's ``work`` record).
+# the heap's allocated blocks when it began (serve_fresh's ``work`` record).
 source "$(dirname "$0")/_gpu_head.sh"
 if [ -n "${PROBE-1}" ]; then  # what one bucket's build takes from a thread and from a process
   timeout 200 python3 benchmarks/probe_gil.py --size base --t 128 --attention pallas \
@@ -45,7 +45,7 @@ for f in sorted(glob.glob(sys.argv[1] + "/r*/serve_fresh_*.json")):
       lst = {"wall": round(m["requests"] - m["backend"], 2),
              "main_cpu": round(b["main_cpu_s"] - a["main_cpu_s"], 2),
              "gc_s": round(b["gc_s"] - a["gc_s"], 2), "gc_full": b["gc_full"] - a["gc_full"],
-             "objects_at_start": a["tracked_objects"]}
+             "blocks_at_start": a.get("allocated_blocks", a.get("tracked_objects"))}
     print(f.split("/")[-2], tree, r["mode"], "start->last", r.get("start_to_last_s"),
           "stream", round(r.get("stream_s", 0), 2), "list", lst, "weights",
           round(m.get("weights", 0) - m.get("requests", 0), 2), "lower_s",

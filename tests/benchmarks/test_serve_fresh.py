@@ -88,3 +88,35 @@ def test_a_repeated_cold_mode_starts_on_a_fresh_cache_and_restarts_take_the_late
   assert none is None
   assert first != second  # the second cold run must not find the first one's executables
   assert restart == second
+
+
+def test_clock_marks_record_main_thread_cpu_and_collector_time():
+  import gc
+  import threading
+
+  clock = sf._Clock()
+  try:
+    clock.mark("a")
+
+    # Work on another thread (cyclic garbage, collected there) and on this one.
+    def churn():
+      for _ in range(3):
+        junk = [[] for _ in range(2000)]
+        for x in junk:
+          x.append(x)
+        del junk
+        gc.collect()
+
+    t = threading.Thread(target=churn)
+    t.start()
+    t.join()
+    sum(i * i for i in range(200_000))
+    clock.mark("b")
+  finally:
+    gc.callbacks.remove(clock._on_gc)
+  a, b = clock.work["a"], clock.work["b"]
+  assert b["main_cpu_s"] > a["main_cpu_s"]
+  assert b["gc_full"] - a["gc_full"] >= 3  # the other thread's collections count
+  # the other thread's collections count in gc_s, not in gc_main_s
+  assert b["gc_s"] - b["gc_main_s"] > a["gc_s"] - a["gc_main_s"]
+  assert b["allocated_blocks"] > 0 and set(clock.marks) >= {"a", "b"}
