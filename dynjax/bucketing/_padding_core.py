@@ -140,11 +140,11 @@ def sub_jaxprs(params) -> list:
 
 class JaxprInfo:
   """What the interpreter needs of a jaxpr whatever the bucket, found once a jaxpr: which
-  equations touch a dynamic axis, which are live, how often each variable is read, and
-  the equations' source lines.  Every bucket of a family re-interprets the same jaxpr
-  (BERT-base, CPU box: these took ~15 ms of a bucket's ~125 ms padding pass)."""
+  equations touch a dynamic axis, which are live, and how often each variable is read.
+  Every bucket of a family re-interprets the same jaxpr (BERT-base, CPU box: these took
+  ~15 ms of a bucket's ~125 ms padding pass)."""
 
-  __slots__ = ("touches", "live", "any_touch", "_uses", "_sources", "__weakref__")
+  __slots__ = ("touches", "live", "any_touch", "_uses")
 
   def __init__(self, jaxpr):
     self.touches = [eqn_touches_dynamic(e) for e in jaxpr.eqns]
@@ -152,7 +152,6 @@ class JaxprInfo:
     self.any_touch = any(self.touches) or any(
         dynamic_axes(v.aval) for v in (*jaxpr.invars, *jaxpr.constvars))
     self._uses = None
-    self._sources: dict[int, str] = {}  # id(eqn) -> source line; the jaxpr keeps eqns alive
 
   def uses(self, jaxpr) -> dict:
     if self._uses is None:

@@ -745,3 +745,37 @@ def test_non_monotone_output_dims_with_monotone_false():
   assert plan.out_shapes == [(7,)]  # n - min(n, t) is largest at n = 8, t = 1
   (out,) = jax.jit(plan.fun)((jnp.int32(6), jnp.int32(2)), jnp.arange(8.0), jnp.zeros(4))
   np.testing.assert_array_equal(np.asarray(out)[:4], [2.0, 3.0, 4.0, 5.0])
+
+
+def test_per_jaxpr_analysis_is_found_once_and_goes_with_its_jaxpr(monkeypatch):
+  # Every bucket re-interprets the family's jaxpr: which equations touch a dynamic axis and
+  # which are live is found once a jaxpr (sub-jaxprs each once), and held weakly.
+  import gc
+  import weakref
+
+  from dynjax.bucketing import _padding_core as pc
+
+  made = []
+  real = pc.JaxprInfo.__init__
+
+  def counting(self, jaxpr):
+    made.append(jaxpr)
+    real(self, jaxpr)
+
+  monkeypatch.setattr(pc.JaxprInfo, "__init__", counting)
+  (t,) = export.symbolic_shape("t")
+  closed = jax.make_jaxpr(
+      lambda x: lax.fori_loop(0, 2, lambda i, c: c + jnp.sin(x).sum(), 0.0) + x.max())(
+      jax.ShapeDtypeStruct((t,), jnp.float32))
+  for n in (4, 8, 16):
+    plan = pad_jaxpr(closed, ("t",), {"t": n})
+    x = jnp.concatenate([jnp.arange(3.0), jnp.full((n - 3,), jnp.nan)])
+    got = float(jax.jit(plan.fun)((jnp.int32(3),), x)[0])
+    want = 2 * float(jnp.sin(jnp.arange(3.0)).sum()) + 2.0
+    assert abs(got - want) < 1e-5, (n, got, want)
+  assert len(made) == len({id(j) for j in made}) >= 2  # the top jaxpr and the loop body
+  ref = weakref.ref(closed.jaxpr)
+  made.clear()
+  del closed, plan
+  gc.collect()
+  assert ref() is None  # the analysis cache did not keep the jaxpr alive
