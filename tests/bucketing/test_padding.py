@@ -337,6 +337,24 @@ CASES = [
     BT,
     {},
   ),
+  (  # the same in a cond inside a scan over t, in jax.checkpoint and in vmap inside a loop
+    "cond_in_scan_then_outer_dim",
+    lambda x: lax.scan(lambda c, xt: (lax.cond(xt.sum() > 0,
+                                               lambda: c + jnp.concatenate([x, -x], 1).sum(1),
+                                               lambda: c - x.max(1)), None),
+                       jnp.zeros(x.shape[0]), x.T)[0] + jnp.concatenate([x, -x], 1).max(1),
+    BT,
+    {},
+  ),
+  (
+    "checkpoint_vmap_in_loop_then_outer_dim",
+    lambda x: lax.fori_loop(
+      0, 2, lambda i, c: c + jax.checkpoint(lambda y: jnp.concatenate([y, y], 1).sum(1))(x)
+      + jax.vmap(lambda r: jnp.concatenate([r, r]).max())(x), jnp.zeros(x.shape[0]))
+    + jnp.concatenate([x, x], 1).min(1) + jax.vmap(lambda r: jnp.concatenate([r, r]).sum())(x),
+    BT,
+    {},
+  ),
   (
     "cond_then_outer_dim",
     lambda x: (lax.cond(x.sum() > 0, lambda y: jnp.concatenate([y, y], 1).sum(1),
