@@ -157,20 +157,19 @@ def shaped_array(shape, dtype):
   return core.ShapedArray(tuple(shape), jax.numpy.dtype(dtype))
 
 
-def _dim_expr_type() -> type:
-  from jax._src.export import shape_poly
-
-  return shape_poly._DimExpr
-
-
-_DIM_EXPR = _dim_expr_type()
+_DIM_EXPR: list = []  # jax's symbolic dimension class, bound at the first use
 
 
 def is_dim_expr(obj) -> bool:
   """Whether ``obj`` is a symbolic dimension expression (any other object: False)."""
   # The padding pass asks ~11,000 times a BERT-base bucket: the class is bound once (an
-  # import statement here cost ~1 us a call, ~10 ms a bucket on the CPU box).
-  return isinstance(obj, _DIM_EXPR)
+  # import statement here cost ~1 us a call, ~10 ms a bucket on the CPU box); at the first
+  # use, not at import, so that a JAX that moved it breaks the pass, not ``import dynjax``.
+  if not _DIM_EXPR:
+    from jax._src.export import shape_poly
+
+    _DIM_EXPR.append(shape_poly._DimExpr)
+  return isinstance(obj, _DIM_EXPR[0])
 
 
 def dim_interval(expr, box: dict) -> tuple[int, int]:
