@@ -18,6 +18,7 @@ TESTS = {
   "tests/benchmarks/test_bench_moe_kernels.py::test_small_check_and_layer_parts_run_and_report": 14.7,
   "tests/benchmarks/test_probe_moe_profile.py::test_small_probe_runs_both_parts_and_reports": 22.4,
   "tests/benchmarks/test_cli.py::test_cli_tiny_stream": 8.8,
+  "tests/benchmarks/test_probe_list_cpu.py::test_a_child_records_the_lists_wall_cpu_wait_and_collector_time": 1.7,
   "tests/benchmarks/test_probe_lowering.py::test_probe_lowering_times_buckets_beside_the_floor_and_profiles_one": 5.1,
   "tests/bucketing/test_attention.py::test_encoder_auto_and_trust": 4.8,
   "tests/bucketing/test_flash.py::test_gradient_is_the_models": 2.5,
