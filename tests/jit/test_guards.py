@@ -305,3 +305,31 @@ def test_declared_constraints_are_guards_sizes_outside_run_exact():
   strict = dynjax.jit(head4, dims={"x": "b, t"}, constraints=["t <= 4"], on_fallback="error")
   with pytest.raises(dynjax.PaddingFallbackError, match=r"t <= 4 \(constraints=\)"):
     strict(_x(5))
+
+
+def test_a_generated_eq_called_inside_jax_adds_no_guard_and_from_user_code_it_does():
+  # A dataclass's __eq__ is compiled from "<string>": a jax/flax cache keyed by such objects
+  # compares dims when two keys' hashes collide (string hashing varies per process: one run of
+  # the zoo's BiLSTM got a spurious ``b != 3`` guard).  The frame that called it decides.
+  import dataclasses
+  import os
+
+  from jax import export
+
+  from dynjax import _jax_private
+
+  @dataclasses.dataclass
+  class Key:
+    shape: tuple
+
+  inside = {}
+  exec(compile("def lookup(a, b):\n  return a == b\n",
+               os.path.join(os.path.dirname(jax.__file__), "_probe_cache.py"), "exec"), inside)
+  (b,) = export.symbolic_shape("b")
+  with _jax_private.undecided_equalities() as record:
+    assert inside["lookup"](Key((b, 4)), Key((3, 4))) is False  # jax's own cache: no guard
+  assert record == []
+  with _jax_private.undecided_equalities() as record:
+    assert (Key((b, 4)) == Key((3, 4))) is False  # the user's comparison: a guard, here
+  assert [(str(lhs), str(rhs), where.rsplit(":", 1)[0]) for lhs, rhs, where in record] == [
+      ("b", "3", __file__)]
