@@ -22,6 +22,7 @@ while its own code still runs) come before background jobs, in submission order,
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable, Hashable
@@ -47,6 +48,12 @@ BACKGROUND_AT_ONCE = 1
 # took 9.8 s beside dynjax's four concurrent warmup compiles, 5.8 s beside a hand-written
 # warmup thread compiling one bucket at a time, and 7.3 s in PyTorch's process.
 WARM_AT_ONCE = 1
+
+
+def _shutting_down(e: BaseException) -> bool:
+  """Whether ``e`` only says the interpreter is exiting (a thread pool refusing new work)."""
+  return sys.is_finalizing() or (isinstance(e, RuntimeError)
+                                 and "interpreter shutdown" in str(e))
 
 
 class Job:
@@ -243,8 +250,9 @@ class CompileScheduler:
           self.failed += 1
           waited = job.urgent or job.waited_for
           self._cv.notify_all()
-        if not waited:  # nobody may ever read the future: say it (the bucket builds again
-          # when a call needs it, and that call raises what it raises)
+        if not waited and not _shutting_down(e):  # nobody may ever read the future: say
+          # it (the bucket builds again when a call needs it, and that call raises what it
+          # raises); a job cut short by the interpreter's exit is not news
           logger.warning("dynjax: the background build of %s failed (%s: %s); a call that "
                          "needs it builds it again", job.key, type(e).__name__, e,
                          exc_info=e)

@@ -816,11 +816,16 @@ def test_a_background_build_that_fails_says_so_and_a_waited_one_leaves_it_to_its
     urgent = sched.submit(("fam", (8, 64), 0), boom("urgent failed"), urgent=True)
     with pytest.raises(RuntimeError, match="urgent failed"):
       urgent.result(5)
+    # A thread pool refusing work at the interpreter's exit is not a failure to report.
+    late = sched.submit(("fam", (8, 128), 0),
+                        boom("cannot schedule new futures after interpreter shutdown"))
+    with pytest.raises(RuntimeError, match="interpreter shutdown"):
+      late.result(5)
   sched.close()
   msgs = [r.getMessage() for r in caplog.records if r.name == "dynjax"]
   assert msgs == ["dynjax: the background build of ('fam', (8, 512), 0) failed (RuntimeError: "
                   "warm failed); a call that needs it builds it again"], msgs
-  assert sched.failed == 2
+  assert sched.failed == 3
 
 
 def test_background_warmup_builds_largest_first_one_at_a_time_and_serves(compiles):
