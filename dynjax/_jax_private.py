@@ -299,9 +299,10 @@ def _wrap_dim_equality() -> bool:
         return answer
       frame = sys._getframe(1)
       # Past shape_poly's own frames and generated equality methods (a dataclass's ``__eq__``
-      # is compiled from "<string>"): a cache in jax or flax keyed by such objects compares
-      # dims when two keys' hashes collide, which string hashing makes vary per process (a
-      # spurious ``b != 3`` guard in one run of the zoo's BiLSTM); who called it decides.
+      # is compiled from "<string>"): a cache keyed by such objects compares dims when two
+      # keys' hashes collide, which varies per process (string hashing, keys hashed by id).
+      # Seen: jax's ``batching._batch_jaxpr2`` cache comparing ``AxisData`` sizes ``b == 1``,
+      # a spurious guard on the zoo's BiLSTM in one run of the slow tier.  Who called decides.
       while frame is not None and (frame.f_code.co_filename == own_file or (
           frame.f_code.co_filename.startswith("<")
           and frame.f_code.co_name in ("__eq__", "__ne__"))):
