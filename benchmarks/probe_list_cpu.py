@@ -77,31 +77,24 @@ def _setup(mode: str, size: str) -> dict:
 
 
 def child(mode: str, size: str) -> dict:
-  import gc
-
-  gc_s = [0.0]
-  start: list = []
-
-  def on_gc(phase, _info):
-    if phase == "start":
-      start.append(time.perf_counter())
-    elif start:
-      gc_s[0] += time.perf_counter() - start.pop()
+  from benchmarks.serve_fresh import _Clock  # the same CPU and collector accounting
 
   t0 = time.perf_counter()
   info = _setup(mode, size)
   setup_s = time.perf_counter() - t0
   from examples import data
 
-  gc.callbacks.append(on_gc)
-  w0, c0 = time.perf_counter(), time.thread_time()
+  clock = _Clock()
+  clock.mark("list_start")
   data.request_stream(1000, batch=8, max_len=512, seed=0, vocab=30522)
-  wall, cpu = time.perf_counter() - w0, time.thread_time() - c0
-  gc.callbacks.remove(on_gc)
+  clock.mark("list_end")
   info.pop("_keep", None)
+  a, b = clock.work["list_start"], clock.work["list_end"]
+  wall = clock.marks["list_end"] - clock.marks["list_start"]
+  cpu = b["main_cpu_s"] - a["main_cpu_s"]
   return {"mode": mode, "setup_s": round(setup_s, 3), "list_wall_s": round(wall, 3),
           "list_main_cpu_s": round(cpu, 3), "list_wait_s": round(wall - cpu, 3),
-          "list_gc_s": round(gc_s[0], 3), **info}
+          "list_gc_s": round(b["gc_s"] - a["gc_s"], 3), **info}
 
 
 def main(argv=None) -> dict:
