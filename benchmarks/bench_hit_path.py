@@ -98,11 +98,15 @@ def bert_cases(size: str, iters: int) -> dict:
         # true sizes: separates dynjax's per-call cost from the pass's extra device work.
         # f.lower(...).compile() is the bucket's stage object; its ``entry.exe`` is the XLA
         # executable itself (dynjax has no public "run on padded inputs" call yet).
+        # Its arguments are the call's bound parameters, an omitted one as dynjax's own
+        # placeholder (``_args.OMITTED``: BertEncoder's ``mask``).
+        from dynjax.jit._args import OMITTED  # noqa: PLC0415
+
         exe = f.lower(variables, tok, lens).compile().entry.exe
         sizes = jax.device_put(np.asarray((8, t), np.int32))
 
         def run_own(exe=exe, sizes=sizes, padded=padded, lens=lens):
-          return np.asarray(exe(sizes, variables, padded, lens, None))
+          return np.asarray(exe(sizes, variables, padded, lens, OMITTED))
 
         fns.append(run_own)
       times = _blocks(fns, iters)

@@ -15,6 +15,7 @@ when a run measures it at 1.5 s or more (seconds beside each id: that run, for r
 MODULES = ("tests/bucketing/test_zoo.py",)  # 13 tests, 64 s, and a 9.5 s module fixture
 
 TESTS = {
+  "tests/benchmarks/test_bench_hit_path.py::test_bert_cases_time_dynjax_beside_aot_and_the_padding_pass_own_executable": 24.5,
   "tests/benchmarks/test_bench_moe_kernels.py::test_small_check_and_layer_parts_run_and_report": 14.7,
   "tests/benchmarks/test_probe_moe_profile.py::test_small_probe_runs_both_parts_and_reports": 22.4,
   "tests/benchmarks/test_cli.py::test_cli_tiny_stream": 8.8,
