@@ -40,6 +40,9 @@ def _xla_flags() -> str:
 
 
 os.environ.setdefault("XLA_FLAGS", _xla_flags())
+# No route kernel kept on disk across test processes (a test that patches a kernel's code
+# without changing its key would otherwise load another run's kernel); test_once turns it on.
+os.environ["DYNJAX_KERNEL_CACHE"] = "0"
 # The stdlib corpus (examples/data.py) parsed once for the whole run, not once per worker and
 # per benchmark child process (~10 s each on 2 cores).
 os.environ.setdefault(

@@ -246,7 +246,8 @@ def hopper_gmm(lhs, rhs, tile_end, tiling, activation=None, skip_unused: int = 0
                   skip_unused=bool(skip_unused), sms=sms,
                   approx=APPROX_BF16 and activation is not None and lhs.dtype == jnp.bfloat16,
                   wg_m=WG_SPLIT == "m" and tm % 128 == 0, wait=WGMMA_IN_FLIGHT)
-  return _once.call(("hopper_gmm", key), _kernel(key), tile_end.astype(jnp.int32), lhs, rhs)
+  return _once.call(("hopper_gmm", key), _kernel(key), tile_end.astype(jnp.int32), lhs, rhs,
+                    keep=True)
 
 
 class KernelKey(NamedTuple):

@@ -108,7 +108,7 @@ def _kernel_call(name: str, lhs, rhs, sizes, **kw):
   if TEST_KERNELS is not None:
     return fn(lhs, rhs, group_sizes=sizes, **kw)
   return _once.call((name, tuple(sorted(kw.items()))),
-                    lambda a, b, s: fn(a, b, group_sizes=s, **kw), lhs, rhs, sizes)
+                    lambda a, b, s: fn(a, b, group_sizes=s, **kw), lhs, rhs, sizes, keep=True)
 
 
 def _ragged(lhs, rhs, sizes, tiling, transpose_rhs: bool):

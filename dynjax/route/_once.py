@@ -13,15 +13,27 @@ the MoE encoder with the ``"hopper"`` kernel, session 8): 16.8 s lowered per exe
 10.5 s exported once (``lax.ragged_dot``'s 10.9 s): more than the lowering (0.58 -> 0.085 s a
 bucket for cuda on the 2-core box), so the kernels' compiles were not shared between
 executables before either (cause not isolated).
+
+The export itself is Mosaic GPU's lowering in Python, ~0.6-0.8 s a kernel on the 2-core box
+and most of what a grouped layer's first trace costs beyond ``lax.ragged_dot``'s: each export
+is also kept on disk (``kernel_cache_dir``: ``DYNJAX_KERNEL_CACHE``, by default
+``~/.cache/dynjax/kernels`` as Triton keeps its kernels), so a later process loads it
+(``jax.export.deserialize``) instead.  A file is keyed by the kernel's key and argument
+shapes, the versions of jax, jaxlib and dynjax, and the source of ``dynjax/route``; a key
+holding a function outside jax and dynjax (a user's activation: its body is not in the key) is
+not kept.  An unreadable file is exported again and replaced.
 """
 
 from __future__ import annotations
 
 import collections
 import functools
+import hashlib
 import logging
+import os
 import threading
 from collections.abc import Callable, Hashable
+from pathlib import Path
 
 import jax
 
@@ -34,27 +46,33 @@ EXPORT = True
 # traced, lowered and compiled (XLA releases the GIL while it compiles).  () turns it off.
 PRECOMPILE_ON = ("gpu",)
 _CUSTOM_CALLS = ("mosaic_gpu_v2",)
+_PLATFORMS = ("cuda",)  # what the kernels are exported for (tests: cpu, to run a loaded one)
 _MAX = 128  # kernels remembered (an export and its builder each)
 # key -> the function that builds the kernel (the first given), most recently used last.
 _BUILDERS: collections.OrderedDict = collections.OrderedDict()
 _LOCK = threading.Lock()
 _FAILED: set = set()  # keys whose export raised: lowered per executable (warned once)
 _STARTED: dict = {}  # key -> the thread compiling its kernel alone (PRECOMPILE_ON)
+_KEEP: set = set()  # keys whose export is kept on disk (call(keep=True))
 logger = logging.getLogger("dynjax")
 
 
-def call(key: Hashable, fn: Callable, *args):
+def call(key: Hashable, fn: Callable, *args, keep: bool = False):
   """``fn(*args)``, lowered for CUDA once a process per ``key`` and argument shapes.
 
   ``fn`` must be a pure function of ``key`` and the arguments' shapes and dtypes (its first
   use per key is the one exported).  Traceable; one jit around the call, so an executable
   calling the same kernel from several layers holds it once (also where it is not exported).
+  ``keep``: the export is also kept on disk for later processes (:func:`kernel_cache_dir`);
+  only for builders whose code is jax's or ``dynjax/route``'s (both in the file's key).
   """
   full = (key, tuple((tuple(a.shape), jax.numpy.dtype(a.dtype).name) for a in args))
   with _LOCK:
     _BUILDERS[full] = _BUILDERS.pop(full, fn)  # most recent last
     while len(_BUILDERS) > _MAX:
       _BUILDERS.popitem(last=False)
+    if keep:
+      _KEEP.add(full)
   if EXPORT and full not in _FAILED:
     try:
       _exported(full)  # built here (cached), so that a failure can fall back
@@ -111,11 +129,98 @@ def _direct(*args, key):
 def _exported(key):
   from jax import export  # noqa: PLC0415
 
+  path = _disk_path(key)
+  if path is not None and path.exists():
+    try:  # ~1 ms (2-core box) against the export's 0.6-0.8 s
+      return export.deserialize(bytearray(path.read_bytes()))
+    except Exception as e:  # noqa: BLE001 - a damaged or foreign file: export it again
+      logger.warning("dynjax.route: the stored GPU kernel %s could not be read (%s: %s); "
+                     "exporting it again", path, type(e).__name__, e)
   _, avals = key
   structs = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in avals]
   checks = [export.DisabledSafetyCheck.custom_call(c) for c in _CUSTOM_CALLS]
-  return export.export(jax.jit(_BUILDERS[key]), platforms=("cuda",),
-                       disabled_checks=checks)(*structs)
+  exp = export.export(jax.jit(_BUILDERS[key]), platforms=_PLATFORMS,
+                      disabled_checks=checks)(*structs)
+  if path is not None:
+    _keep(path, exp)
+  return exp
+
+
+def kernel_cache_dir() -> Path | None:
+  """Where exported kernels are kept across processes: ``DYNJAX_KERNEL_CACHE`` (``0``,
+  ``off`` or ``false``: nowhere), else ``$XDG_CACHE_HOME/dynjax/kernels`` (``~/.cache``)."""
+  raw = os.environ.get("DYNJAX_KERNEL_CACHE")
+  if raw is not None and raw.strip().lower() in ("0", "off", "false", "no", ""):
+    return None
+  if raw:
+    return Path(raw).expanduser()
+  base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+  return Path(base) / "dynjax" / "kernels"
+
+
+def _disk_path(key) -> Path | None:
+  root = kernel_cache_dir() if key in _KEEP else None
+  ident = _stable(key)
+  if root is None or ident is None:
+    return None
+  digest = hashlib.sha256(repr((ident, _PLATFORMS, _versions())).encode()).hexdigest()[:40]
+  return root / f"{digest}.jaxexport"
+
+
+@functools.cache
+def _versions() -> tuple:
+  import jaxlib  # noqa: PLC0415
+
+  import dynjax  # noqa: PLC0415
+
+  route = Path(__file__).parent
+  source = hashlib.sha256()
+  for f in sorted(route.glob("*.py")):
+    source.update(f.name.encode() + f.read_bytes())
+  return (jax.__version__, jaxlib.__version__, dynjax.__version__, source.hexdigest())
+
+
+_STABLE_MODULES = ("jax.", "jaxlib.", "dynjax.")
+
+
+def _stable(obj):
+  """A repr-able value of ``obj`` that is the same in every process, or None (not kept)."""
+  if obj is None or isinstance(obj, (bool, int, float, str, bytes)):
+    return obj
+  if isinstance(obj, (tuple, list)):
+    items = tuple(_stable(v) for v in obj)
+    if any(i is None and v is not None for i, v in zip(items, obj, strict=True)):
+      return None
+    return (type(obj).__qualname__, items) if hasattr(obj, "_fields") else items
+  if isinstance(obj, functools.partial):
+    inner = _stable((obj.func, obj.args, tuple(sorted(obj.keywords.items()))))
+    return None if inner is None else ("partial", inner)
+  if callable(obj):
+    module, name = getattr(obj, "__module__", "") or "", getattr(obj, "__qualname__", "")
+    if module.startswith(_STABLE_MODULES) and name and "<" not in name:
+      return f"{module}.{name}"
+    return None
+  try:
+    return jax.numpy.dtype(obj).name
+  except TypeError:
+    return None
+
+
+def _keep(path: Path, exp) -> None:
+  """Writes ``exp`` to ``path``; where that fails, the process goes on without it."""
+  try:
+    data = exp.serialize()  # jax's serialization needs the flatbuffers package
+  except Exception as e:  # noqa: BLE001 - only later processes' export time is at stake
+    logger.info("dynjax.route: the GPU kernel cannot be kept on disk (%s: %s)",
+                type(e).__name__, e)
+    return
+  try:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)  # atomic: a reader sees the old file or the whole new one
+  except OSError as e:
+    logger.info("dynjax.route: could not keep the GPU kernel in %s (%s)", path.parent, e)
 
 
 def clear() -> None:
@@ -126,3 +231,4 @@ def clear() -> None:
   _BUILDERS.clear()
   _FAILED.clear()
   _STARTED.clear()
+  _KEEP.clear()

@@ -152,7 +152,7 @@ def test_call_shapes_below_the_floor_share_one_kernel_pair(monkeypatch):
   assert {_gmm.buffer_rows(r, 8, tiling, "hopper") for r in (256, 2048, 8192)} == {9088}
   assert _gmm.buffer_rows(8400, 8, tiling, "hopper") > 9088
   keys = []
-  monkeypatch.setattr(_once, "call", lambda key, fn, *a: keys.append(key[1]) or jnp.zeros(
+  monkeypatch.setattr(_once, "call", lambda key, fn, *a, **kw: keys.append(key[1]) or jnp.zeros(
       (key[1].m, key[1].n), key[1].dtype))
   monkeypatch.setattr(_hopper, "unavailable_reason", lambda dtype: None)
   moe = route.Routed(route.Experts(route.ffn()), route.Router(8, k=2), mode="grouped",
@@ -171,7 +171,7 @@ def test_only_a_bfloat16_fused_activation_runs_approximate_math(monkeypatch):
   # kernel's approx_math is on for a fused activation of bfloat16 operands only, and the
   # lowered program carries it (a kernel key of its own).
   keys = []
-  monkeypatch.setattr(_once, "call", lambda key, fn, *a: keys.append(key[1]) or jnp.zeros(
+  monkeypatch.setattr(_once, "call", lambda key, fn, *a, **kw: keys.append(key[1]) or jnp.zeros(
       (key[1].m, key[1].n), key[1].dtype))
   t = route.Tiling(tm=128, tk=64, tn=128, num_stages=4, grid_block_n=8)
   te = jnp.array([1, 2], jnp.int32)
@@ -205,8 +205,8 @@ def test_the_warpgroup_split_and_wgmma_depth_are_kernel_keys_that_lower(split, w
   monkeypatch.setattr(_hopper, "WGMMA_IN_FLIGHT", wait)
   keys = []
   real_call = _once.call
-  monkeypatch.setattr(_once, "call", lambda key, fn, *a: keys.append(key[1]) or real_call(
-      key, fn, *a))
+  monkeypatch.setattr(_once, "call", lambda key, fn, *a, **kw: keys.append(key[1]) or real_call(
+      key, fn, *a, **kw))
   _once.clear()
   args = (jax.ShapeDtypeStruct((512, 256), jnp.bfloat16),
           jax.ShapeDtypeStruct((4, 256, 512), jnp.bfloat16), jax.ShapeDtypeStruct((4,), jnp.int32))

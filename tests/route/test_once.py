@@ -97,3 +97,109 @@ def test_a_kernel_is_compiled_ahead_once_where_its_backend_is_listed(monkeypatch
     assert failed == []
   else:
     assert len(failed) == 1 and "the executable that holds it compiles it" in failed[0]
+
+
+# -- kept on disk across processes (keep=True) ----------------------------------------------
+
+def _lower(a_rows=8, scale=1.0, keep=True, key="k", fn=jax.nn.sigmoid):
+  f = jax.jit(lambda a: _once.call(key, fn, a * scale, keep=keep))
+  return f.trace(jax.ShapeDtypeStruct((a_rows, 16), jnp.float32)).lower(
+      lowering_platforms=("cuda",)).as_text()
+
+
+def _files(path):
+  return sorted(p.name for p in path.iterdir()) if path.exists() else []
+
+
+def test_a_kept_kernel_is_loaded_by_a_later_process_without_building_it(tmp_path, monkeypatch):
+  monkeypatch.setenv("DYNJAX_KERNEL_CACHE", str(tmp_path / "kc"))
+  first = _lower()
+  (name,) = _files(tmp_path / "kc")
+  assert name.endswith(".jaxexport") and "stablehlo.divide" in first  # sigmoid
+  _once.clear()  # as a new process: nothing in memory
+  # The same key with another builder: the file is loaded, the builder never runs.
+  again = _lower(fn=lambda a: pytest.fail("built again"))
+  assert again == first
+  assert _once._exported.cache_info().misses == 1 and _files(tmp_path / "kc") == [name]
+  # Other shapes: another file.
+  _lower(a_rows=4)
+  assert len(_files(tmp_path / "kc")) == 2
+
+
+def test_the_loaded_kernel_computes_what_the_exported_one_did(tmp_path, monkeypatch):
+  monkeypatch.setenv("DYNJAX_KERNEL_CACHE", str(tmp_path))
+  a = np.random.RandomState(0).randn(8, 16).astype(np.float32)
+  # The kept export runs on CPU too where it is exported for it: the file's round trip is
+  # checked by value here, beside the CUDA text above.
+  monkeypatch.setattr(_once, "_PLATFORMS", ("cpu",))
+  want = jax.jit(lambda a: _once.call("v", jax.nn.sigmoid, a, keep=True))(a)
+  _once.clear()
+  got = jax.jit(lambda a: _once.call("v", jnp.tanh, a, keep=True))(a)  # loaded: not tanh
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(got, jax.nn.sigmoid(a), rtol=1e-6, atol=1e-6)
+
+
+def test_a_damaged_file_is_exported_again_and_replaced(tmp_path, monkeypatch, caplog):
+  monkeypatch.setenv("DYNJAX_KERNEL_CACHE", str(tmp_path))
+  first = _lower()
+  (path,) = tmp_path.iterdir()
+  good = path.read_bytes()
+  path.write_bytes(b"not an export")
+  _once.clear()
+  with caplog.at_level(logging.WARNING, logger="dynjax"):
+    assert _lower() == first
+  assert any("could not be read" in r.getMessage() and "exporting it again" in r.getMessage()
+             for r in caplog.records)
+  assert path.read_bytes() == good
+
+
+@pytest.mark.parametrize("setting", ["0", "off"])
+def test_the_disk_is_not_used_where_turned_off_or_not_asked(tmp_path, monkeypatch, setting):
+  monkeypatch.setenv("DYNJAX_KERNEL_CACHE", setting)
+  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+  assert _once.kernel_cache_dir() is None
+  _lower()
+  assert _files(tmp_path) == []
+  monkeypatch.delenv("DYNJAX_KERNEL_CACHE")
+  assert _once.kernel_cache_dir() == tmp_path / "dynjax" / "kernels"
+  _once.clear()
+  _lower(keep=False)  # not asked
+  _lower(key=("user", _kernel_user), fn=_kernel_user)  # a key holding a user function
+  assert _files(tmp_path) == []
+
+
+def _kernel_user(a):
+  return jnp.tanh(a)
+
+
+def test_only_values_the_same_in_every_process_key_a_file():
+  import functools
+
+  from dynjax.route import _hopper
+
+  gelu = functools.partial(jax.nn.gelu, approximate=False)
+  assert _once._stable(("k", 3, (1, 2), jax.nn.gelu)) == ("k", 3, (1, 2),
+                                                          "jax._src.nn.functions.gelu")
+  assert _once._stable(gelu)[0] == "partial"
+  key = _hopper.KernelKey(m=128, k=64, n=256, groups=2, dtype="bfloat16", tm=128, tn=128,
+                          tk=64, stages=4, snake=8, activation=jax.nn.gelu, skip_unused=True,
+                          sms=132)
+  stable = repr(_once._stable(key))
+  assert "KernelKey" in stable and "gelu" in stable and "0x" not in stable
+  for unstable in (lambda x: x, _kernel_user, object(), ("k", _kernel_user),
+                   key._replace(activation=_kernel_user)):
+    assert _once._stable(unstable) is None
+
+
+def test_a_kernel_that_cannot_be_serialized_is_still_exported(tmp_path, monkeypatch, caplog):
+  # jax's serialization needs the flatbuffers package: without it the process goes on.
+  monkeypatch.setenv("DYNJAX_KERNEL_CACHE", str(tmp_path))
+
+  class Unserializable:
+    def serialize(self):
+      raise ImportError("Please install 'flatbuffers'")
+
+  with caplog.at_level(logging.INFO, logger="dynjax"):
+    _once._keep(tmp_path / "x.jaxexport", Unserializable())
+  assert _files(tmp_path) == []
+  assert any("cannot be kept on disk" in r.getMessage() for r in caplog.records)
