@@ -21,6 +21,7 @@ TESTS = {
   "tests/benchmarks/test_cli.py::test_cli_tiny_stream": 8.8,
   "tests/benchmarks/test_probe_list_cpu.py::test_a_child_records_the_lists_wall_cpu_wait_and_collector_time": 1.7,
   "tests/benchmarks/test_probe_lowering.py::test_probe_lowering_times_buckets_beside_the_floor_and_profiles_one": 5.1,
+  "tests/benchmarks/test_probe_family_export.py::test_the_probe_times_both_lowerings_per_bucket_and_the_outputs_agree": 3.5,
   "tests/bucketing/test_attention.py::test_encoder_auto_and_trust": 4.8,
   "tests/bucketing/test_flash.py::test_gradient_is_the_models": 2.5,
   "tests/bucketing/test_flash.py::test_kernel_matches_the_model_at_the_true_length[37-37]": 2.5,
