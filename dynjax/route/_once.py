@@ -54,6 +54,7 @@ _LOCK = threading.Lock()
 _FAILED: set = set()  # keys whose export raised: lowered per executable (warned once)
 _STARTED: dict = {}  # key -> the thread compiling its kernel alone (PRECOMPILE_ON)
 _KEEP: set = set()  # keys whose export is kept on disk (call(keep=True))
+MAX_KEPT = 256  # kernel files a directory keeps (~50-80 KB each), least recently used dropped
 logger = logging.getLogger("dynjax")
 
 
@@ -132,7 +133,9 @@ def _exported(key):
   path = _disk_path(key)
   if path is not None and path.exists():
     try:  # ~1 ms (2-core box) against the export's 0.6-0.8 s
-      return export.deserialize(bytearray(path.read_bytes()))
+      exp = export.deserialize(bytearray(path.read_bytes()))
+      _touch(path)  # most recently used: pruned last
+      return exp
     except Exception as e:  # noqa: BLE001 - a damaged or foreign file: export it again
       logger.warning("dynjax.route: the stored GPU kernel %s could not be read (%s: %s); "
                      "exporting it again", path, type(e).__name__, e)
@@ -221,6 +224,26 @@ def _keep(path: Path, exp) -> None:
     os.replace(tmp, path)  # atomic: a reader sees the old file or the whole new one
   except OSError as e:
     logger.info("dynjax.route: could not keep the GPU kernel in %s (%s)", path.parent, e)
+    return
+  _prune(path.parent)
+
+
+def _touch(path: Path) -> None:
+  try:
+    os.utime(path)
+  except OSError:
+    pass  # a read-only directory still serves
+
+
+def _prune(root: Path) -> None:
+  """Keeps the ``MAX_KEPT`` most recently used kernels of ``root`` (each jax, dynjax or kernel
+  change leaves new files; the old ones go here, least recently used first)."""
+  try:
+    files = sorted(root.glob("*.jaxexport"), key=lambda f: f.stat().st_mtime)
+    for f in files[:max(0, len(files) - MAX_KEPT)]:
+      f.unlink(missing_ok=True)
+  except OSError:
+    pass  # another process pruning the same files
 
 
 def clear() -> None:

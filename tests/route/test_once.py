@@ -203,3 +203,22 @@ def test_a_kernel_that_cannot_be_serialized_is_still_exported(tmp_path, monkeypa
     _once._keep(tmp_path / "x.jaxexport", Unserializable())
   assert _files(tmp_path) == []
   assert any("cannot be kept on disk" in r.getMessage() for r in caplog.records)
+
+
+def test_the_directory_keeps_the_most_recently_used_kernels(tmp_path, monkeypatch):
+  import os
+  import time
+
+  monkeypatch.setenv("DYNJAX_KERNEL_CACHE", str(tmp_path))
+  monkeypatch.setattr(_once, "MAX_KEPT", 2)
+  _lower(a_rows=1)
+  (first,) = _files(tmp_path)
+  os.utime(tmp_path / first, (time.time() - 100, time.time() - 100))
+  _lower(a_rows=2)
+  second = (set(_files(tmp_path)) - {first}).pop()
+  os.utime(tmp_path / second, (time.time() - 50, time.time() - 50))
+  _once.clear()
+  _lower(a_rows=1)  # loaded: now the most recently used
+  _lower(a_rows=3)  # a third file: the least recently used (the second) goes
+  names = _files(tmp_path)
+  assert len(names) == 2 and first in names and second not in names
