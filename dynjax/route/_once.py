@@ -21,7 +21,8 @@ is also kept on disk (``kernel_cache_dir``: ``DYNJAX_KERNEL_CACHE``, by default
 (``jax.export.deserialize``) instead.  A file is keyed by the kernel's key and argument
 shapes, the versions of jax, jaxlib and dynjax, and the source of ``dynjax/route``; a key
 holding a function outside jax and dynjax (a user's activation: its body is not in the key) is
-not kept.  An unreadable file is exported again and replaced.
+not kept.  An unreadable file is exported again and replaced; a directory keeps the
+``MAX_KEPT`` most recently used files.
 """
 
 from __future__ import annotations
