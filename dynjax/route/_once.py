@@ -33,6 +33,7 @@ import hashlib
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Hashable
 from pathlib import Path
 
@@ -243,6 +244,10 @@ def _prune(root: Path) -> None:
     files = sorted(root.glob("*.jaxexport"), key=lambda f: f.stat().st_mtime)
     for f in files[:max(0, len(files) - MAX_KEPT)]:
       f.unlink(missing_ok=True)
+    stale = time.time() - 3600  # a writer that died before its rename left these
+    for f in root.glob("*.jaxexport.*.tmp"):
+      if f.stat().st_mtime < stale:
+        f.unlink(missing_ok=True)
   except OSError:
     pass  # another process pruning the same files
 

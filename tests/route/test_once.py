@@ -222,3 +222,11 @@ def test_the_directory_keeps_the_most_recently_used_kernels(tmp_path, monkeypatc
   _lower(a_rows=3)  # a third file: the least recently used (the second) goes
   names = _files(tmp_path)
   assert len(names) == 2 and first in names and second not in names
+  # A writer that died between its write and its rename left a temporary file: gone within
+  # the hour's next write, not before.
+  for name, age in (("a.jaxexport.1.2.tmp", 7200), ("b.jaxexport.1.2.tmp", 60)):
+    (tmp_path / name).write_bytes(b"partial")
+    os.utime(tmp_path / name, (time.time() - age, time.time() - age))
+  _lower(a_rows=5)
+  assert "a.jaxexport.1.2.tmp" not in _files(tmp_path)
+  assert "b.jaxexport.1.2.tmp" in _files(tmp_path)
