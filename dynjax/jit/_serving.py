@@ -201,6 +201,7 @@ class Compiler:
     t0 = time.perf_counter()
     exe = self._compile(fam, bkey, tier).exe
     self.cache.counted_compile((fam.fid, bkey), time.perf_counter() - t0)
+    self.counters.rebuilt_stored()
     return exe
 
   def lowered(self, fam: Family, bkey, tier: int = 0):

@@ -34,6 +34,7 @@ class Counters:
     self.lowerings = 0  # buckets lowered (traced, padded, lowered to StableHLO)
     self.lowering_seconds = 0.0
     self.lowerings_reused = 0  # tier-1 recompiles that took their tier-0 build's lowering
+    self.stored_rebuilt = 0  # stored executables that failed their first run, compiled again
     self.live: list = []  # executors whose own counts are not folded yet
 
   # -- writes (each under the lock) ----------------------------------------------------------
@@ -71,6 +72,10 @@ class Counters:
   def reused_lowering(self) -> None:
     with self.lock:
       self.lowerings_reused += 1
+
+  def rebuilt_stored(self) -> None:
+    with self.lock:
+      self.stored_rebuilt += 1
 
   def miss(self) -> None:
     with self.lock:
@@ -151,6 +156,7 @@ def stats_dict(d) -> dict:
       "evictions": cache.evictions,
       "executables": len(cache),
       "loaded_from_store": cache.loads,
+      "stored_rebuilt": counters.stored_rebuilt,  # of the compiles: loaded ones that failed
       "served_on_larger_bucket": c["larger"],
       "preruns": d.compiler.prerunner.describe(),
       "cast_once": {"leaves": sum(len(f.casts) for f in fams.values()),

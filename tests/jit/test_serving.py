@@ -644,7 +644,9 @@ def test_restart_plans_with_its_stored_buckets_and_loads_the_own_one_first(tmp_p
   np.testing.assert_allclose(g(p, _x(5)), EXACT(p, _x(5)), rtol=1e-6, atol=1e-6)
   s = g.stats()
   assert s["per_bucket_calls"] == {f"b=2, t={small}": 1}, s["per_bucket_calls"]
-  assert s["compiles"] == 0 and s["served_on_larger_bucket"] == 0
+  # No compile, but for a stored executable healed after a failed first run (jax 0.11.2 CPU:
+  # "NOT_FOUND: Function ... not found" on a deserialized executable, now and then).
+  assert s["compiles"] == s["stored_rebuilt"] <= 1 and s["served_on_larger_bucket"] == 0
   sched = g._dispatcher.compiler.scheduler
   assert sched.log[0][0][1] == (2, small)  # its own bucket loaded first
   assert sched.wait_idle(10) and g.stats()["loaded_from_store"] == len(stored)
@@ -935,11 +937,12 @@ def test_a_stored_executable_that_fails_its_first_run_is_compiled_again(tmp_path
     np.testing.assert_allclose(g(p, _x(7)), EXACT(p, _x(7)), rtol=1e-6, atol=1e-6)
   assert calls["n"] == 1
   s = g.stats()
-  assert (s["compiles"], s["loaded_from_store"]) == (1, 1)
+  assert (s["compiles"], s["loaded_from_store"], s["stored_rebuilt"]) == (1, 1, 1)
   fam = next(iter(g._dispatcher.families.values()))
   assert not isinstance(fam.buckets[(2, 8)].exe, _store.FirstRun)  # out of the hot path
   np.testing.assert_allclose(g(p, _x(6)), EXACT(p, _x(6)), rtol=1e-6, atol=1e-6)
   monkeypatch.setattr(_store.ExecutableStore, "load", real_load)
   h = dynjax.jit(_model, **kw)  # the replaced file loads and runs
   np.testing.assert_allclose(h(p, _x(7)), EXACT(p, _x(7)), rtol=1e-6, atol=1e-6)
-  assert (h.stats()["compiles"], h.stats()["loaded_from_store"]) == (0, 1)
+  assert (h.stats()["compiles"], h.stats()["loaded_from_store"], h.stats()["stored_rebuilt"]) \
+      == (0, 1, 0)
