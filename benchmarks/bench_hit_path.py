@@ -98,15 +98,15 @@ def bert_cases(size: str, iters: int) -> dict:
         # true sizes: separates dynjax's per-call cost from the pass's extra device work.
         # f.lower(...).compile() is the bucket's stage object; its ``entry.exe`` is the XLA
         # executable itself (dynjax has no public "run on padded inputs" call yet).
-        # Its arguments are the call's bound parameters, an omitted one as dynjax's own
-        # placeholder (``_args.OMITTED``: BertEncoder's ``mask``).
-        from dynjax.jit._args import OMITTED  # noqa: PLC0415
-
+        # Its arguments are the call's bound parameters, an omitted one (BertEncoder's
+        # ``mask``) as a leafless placeholder: built from the executable's own input tree.
         exe = f.lower(variables, tok, lens).compile().entry.exe
         sizes = jax.device_put(np.asarray((8, t), np.int32))
+        own_args, own_kw = jax.tree.unflatten(
+            exe.in_tree, jax.tree.leaves((sizes, variables, padded, lens)))
 
-        def run_own(exe=exe, sizes=sizes, padded=padded, lens=lens):
-          return np.asarray(exe(sizes, variables, padded, lens, OMITTED))
+        def run_own(exe=exe, own_args=own_args, own_kw=own_kw):
+          return np.asarray(exe(*own_args, **own_kw))
 
         fns.append(run_own)
       times = _blocks(fns, iters)
