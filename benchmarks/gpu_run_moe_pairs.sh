@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device call (H100, ~6 min): the hopper kernel's paired 64-row tiles (_hopper.PAIR_TILES) at 64
+# Device call (H100, ~8 min): the hopper kernel's paired 64-row tiles (_hopper.PAIR_TILES) at 64
 # experts, on and off side by side: the two GEMMs alone (device time under jax.profiler, error
 # against float32), the layer's device time (x4 in one executable), then the layer's wall
 # (bench_moe_kernels x4 timing, issue 19's table) with pairs on and off in alternating processes.
@@ -7,7 +7,7 @@ source benchmarks/_gpu_head.sh
 LOG="$OUT/pairs.log"
 mkdir -p "$OUT/g64" "$OUT/layers64"
 timeout "${TG:-230}" python3 benchmarks/probe_moe_profile.py --out "$OUT/g64" --parts gemms \
-  --gemm-settings "${GS:-uniform64}" --no-cublas --knobs "${KN:-1,1+p0}" --iters 10 \
+  --gemm-settings "${GS:-uniform64,zipf64}" --no-cublas --knobs "${KN:-1,1+p0}" --iters 10 \
   > "$LOG" 2>&1
 echo "gemms rc=$?" | tee -a "$LOG"
 timeout "${TL:-150}" python3 benchmarks/probe_moe_profile.py --out "$OUT/layers64" \
@@ -15,7 +15,7 @@ timeout "${TL:-150}" python3 benchmarks/probe_moe_profile.py --out "$OUT/layers6
   --iters 10 --top 6 >> "$LOG" 2>&1
 echo "layers rc=$?" | tee -a "$LOG"
 rm -f "$OUT"/layers64/hlo_*.txt
-for round in $(seq 1 "${ROUNDS:-1}"); do
+for round in 1 2; do
   for pair in 1 0; do
     mkdir -p "$OUT/wall_p${pair}_r${round}"
     timeout "${TW:-100}" python3 -c "

@@ -111,25 +111,33 @@ def _num_sms() -> int:
   return int(getattr(dev, "core_count", 0) or NUM_SMS) if dev.platform == "gpu" else NUM_SMS
 
 
-def pair_slots(num_tiles: int, num_groups: int) -> int:
-  """A bound on the pairs of row tiles of ``num_groups`` groups holding ``num_tiles`` tiles
-  (``sum ceil(t_g / 2) <= (T + G) / 2``)."""
-  return (num_tiles + num_groups) // 2 + 1
+def _pair_ends(tile_end_gmem, num_groups):
+  """Per group ``(tile end, pair end)``: the cumulative row tiles and pairs of row tiles
+  (``ceil(tiles / 2)`` a group), scalars read from ``tile_end`` (static indices)."""
+  prev, pairs, out = jnp.int32(0), jnp.int32(0), []
+  for i in range(num_groups):
+    end = tile_end_gmem[i]
+    pairs = pairs + lax.shift_right_logical(end - prev + 1, jnp.int32(1))
+    out.append((end, pairs))
+    prev = end
+  return out
 
 
-def pair_table(tile_end, num_groups: int, num_tiles: int):
-  """The paired kernel's table, in XLA (a few microseconds): ``[pairs, group of pair p...,
-  2 * first row tile + (next tile is the group's too)...]``, ``pair_slots`` entries each; the
-  kernel reads three scalars a tile instead of walking the groups."""
-  te = tile_end.astype(jnp.int32)
-  start = jnp.concatenate([jnp.zeros((1,), jnp.int32), te[:-1]])
-  pairs = (te - start + 1) // 2
-  pair_end = jnp.cumsum(pairs)
-  p = jnp.arange(pair_slots(num_tiles, num_groups), dtype=jnp.int32)
-  g = jnp.sum(pair_end[None, :-1] <= p[:, None], axis=1).astype(jnp.int32)
-  first = start[g] + 2 * (p - (pair_end - pairs)[g])
-  second = (first + 1 < te[g]).astype(jnp.int32)
-  return jnp.concatenate([pair_end[-1:], g, 2 * first + second])
+def pair_tile(tile_end, num_groups: int, p):
+  """Pair ``p`` of :func:`_pair_ends`: ``(group, its first row tile, whether the next row tile
+  is the group's too)``; scalar arithmetic on ``tile_end`` reads (the kernel; tests run it on
+  arrays)."""
+  g = start = before = jnp.int32(0)
+  for end, pairs in _pair_ends(tile_end, num_groups)[:-1]:
+    past = pairs <= p
+    g = g + past.astype(jnp.int32)
+    start = jnp.where(past, end, start)
+    before = jnp.where(past, pairs, before)
+  last = tile_end[0]
+  for i in range(1, num_groups):
+    last = jnp.where(g == i, tile_end[i], last)
+  first = start + 2 * (p - before)
+  return g, first, first + 1 < last
 
 
 def _body(tile_end_gmem, a_gmem, b_gmem, out_gmem, *, tm, tn, tk, stages, num_groups,
@@ -180,9 +188,8 @@ def _body(tile_end_gmem, a_gmem, b_gmem, out_gmem, *, tm, tn, tk, stages, num_gr
   def _scope(allocs, out_smem):
     wg = lax.axis_index("wg")
 
-    max_pairs = pair_slots(m_iters, num_groups)
-    if pair:  # tile_end_gmem holds pair_table
-      rows_of_tiles = tile_end_gmem[0]
+    if pair:
+      rows_of_tiles = _pair_ends(tile_end_gmem, num_groups)[-1][1]
     else:
       rows_of_tiles = tile_end_gmem[num_groups - 1] if skip_unused else m_iters
 
@@ -192,10 +199,8 @@ def _body(tile_end_gmem, a_gmem, b_gmem, out_gmem, *, tm, tn, tk, stages, num_gr
       m_idx, n_idx = plgpu.planar_snake(lin, (rows_of_tiles, n_iters), 1, snake)
       g = jnp.int32(0)
       if pair:  # m_idx counts pairs
-        g = tile_end_gmem[1 + m_idx]
-        code = tile_end_gmem[1 + max_pairs + m_idx]
-        first = lax.shift_right_logical(code, jnp.int32(1))
-        stores = jnp.logical_or(wg == 0, (code & 1) == 1)
+        g, first, second = pair_tile(tile_end_gmem, num_groups, m_idx)
+        stores = jnp.logical_or(wg == 0, second)
         m_slice = pl.ds(first * tm, rows)
       else:
         for i in range(num_groups - 1):  # the tile's group: how many groups end at or before it
@@ -309,8 +314,8 @@ def hopper_gmm(lhs, rhs, tile_end, tiling, activation=None, skip_unused: int = 0
                   approx=APPROX_BF16 and activation is not None and lhs.dtype == jnp.bfloat16,
                   wg_m=WG_SPLIT == "m" and (tm % 128 == 0 or pair), wait=WGMMA_IN_FLIGHT,
                   pair=pair)
-  table = pair_table(tile_end, g, m // tm) if pair else tile_end.astype(jnp.int32)
-  return _once.call(("hopper_gmm", key), _kernel(key), table, lhs, rhs, keep=True)
+  return _once.call(("hopper_gmm", key), _kernel(key), tile_end.astype(jnp.int32), lhs, rhs,
+                    keep=True)
 
 
 class KernelKey(NamedTuple):
