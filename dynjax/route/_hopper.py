@@ -61,14 +61,6 @@ APPROX_BF16 = True
 # 3 stages with a 64 x 128 epilogue tile: GEMM 2 165 vs 129; GEMM 2 unhalved: 133).
 WG_SPLIT = "m"
 WGMMA_IN_FLIGHT = 1
-# PAIR_TILES: with 64-row tiles (many groups) and ``skip_unused`` (the grouped layer), a program
-# computes two consecutive row tiles *of one group* at once (one per compute warpgroup, 64 x 256
-# each), so each weight tile goes through the tensor memory accelerator once per pair of row
-# tiles instead of once per row tile.  A group with an odd count of row tiles leaves its last
-# pair half used: the second warpgroup multiplies rows that are not its group's (the next
-# group's, or unused rows) and does not store them.  At 64 experts and 8,192 rows a group holds
-# ~2.5 tiles of 64 rows: 64 x 8.4 MB of weights a GEMM streamed ~2.5 times per row tile -> ~1.5.
-PAIR_TILES = True
 
 
 def reference(lhs, rhs, tile_end, tiling, activation=None):
@@ -111,45 +103,13 @@ def _num_sms() -> int:
   return int(getattr(dev, "core_count", 0) or NUM_SMS) if dev.platform == "gpu" else NUM_SMS
 
 
-def _pair_ends(tile_end_gmem, num_groups):
-  """Per group ``(tile end, pair end)``: the cumulative row tiles and pairs of row tiles
-  (``ceil(tiles / 2)`` a group), scalars read from ``tile_end`` (static indices)."""
-  prev, pairs, out = jnp.int32(0), jnp.int32(0), []
-  for i in range(num_groups):
-    end = tile_end_gmem[i]
-    pairs = pairs + lax.shift_right_logical(end - prev + 1, jnp.int32(1))
-    out.append((end, pairs))
-    prev = end
-  return out
-
-
-def pair_tile(tile_end, num_groups: int, p):
-  """Pair ``p`` of :func:`_pair_ends`: ``(group, its first row tile, whether the next row tile
-  is the group's too)``; scalar arithmetic on ``tile_end`` reads (the kernel; tests run it on
-  arrays)."""
-  g = start = before = jnp.int32(0)
-  for end, pairs in _pair_ends(tile_end, num_groups)[:-1]:
-    past = pairs <= p
-    g = g + past.astype(jnp.int32)
-    start = jnp.where(past, end, start)
-    before = jnp.where(past, pairs, before)
-  last = tile_end[0]
-  for i in range(1, num_groups):
-    last = jnp.where(g == i, tile_end[i], last)
-  first = start + 2 * (p - before)
-  return g, first, first + 1 < last
-
-
 def _body(tile_end_gmem, a_gmem, b_gmem, out_gmem, *, tm, tn, tk, stages, num_groups,
-          activation, m_iters, n_iters, epi, snake, skip_unused, wg_m=False, wait=0,
-          pair=False):
+          activation, m_iters, n_iters, epi, snake, skip_unused, wg_m=False, wait=0):
   """One program per SM; the loop over output tiles ``(m_idx, n_idx)`` of ``tm x 2 tn``
   (``skip_unused``: only the row tiles of the groups, a loop bound read at run time).  The two
   compute warpgroups split a tile's columns (``tm x tn`` each), or with ``wg_m`` its rows
   (``tm/2 x 2 tn`` each: one ``m64n256`` wgmma a k-step where ``tm`` is 128); ``wait``: wgmma
-  groups left in flight across k-steps (their stages released that much later).  ``pair``
-  (``PAIR_TILES``; with ``wg_m`` and ``skip_unused``): a program's tile is two ``tm``-row tiles
-  of one group, one a warpgroup; the second is not stored where the group has no such tile."""
+  groups left in flight across k-steps (their stages released that much later)."""
   from jax.experimental import pallas as pl  # noqa: PLC0415
 
   plgpu = _plgpu()
@@ -159,8 +119,7 @@ def _body(tile_end_gmem, a_gmem, b_gmem, out_gmem, *, tm, tn, tk, stages, num_gr
   swizzle = plgpu.find_swizzle(tk * itemsize * 8)
   transforms = (plgpu.TilingTransform((8, swizzle // itemsize)),
                 plgpu.SwizzleTransform(swizzle))
-  rows = 2 * tm if pair else tm  # a program's tile: rows x 2 tn
-  wm, wn = (rows // 2, 2 * tn) if wg_m else (rows, tn)  # a compute warpgroup's share of it
+  wm, wn = (tm // 2, 2 * tn) if wg_m else (tm, tn)  # a compute warpgroup's share of a tile
   epi_m, epi_n = min(epi, wm), min(epi, wn)
   out_swizzle = plgpu.find_swizzle(epi_n * itemsize * 8)
   out_transforms = (plgpu.TilingTransform((8, out_swizzle // itemsize)),
@@ -171,7 +130,7 @@ def _body(tile_end_gmem, a_gmem, b_gmem, out_gmem, *, tm, tn, tk, stages, num_gr
     return plgpu.emit_pipeline_warp_specialized(
         body, grid=(k_iters,), memory_registers=40,
         in_specs=[
-            plgpu.BlockSpec((rows, tk), lambda k: (0, k), transforms=transforms,
+            plgpu.BlockSpec((tm, tk), lambda k: (0, k), transforms=transforms,
                             memory_space=plgpu.SMEM, delay_release=wait),
             plgpu.BlockSpec((tk, 2 * tn), lambda k: (k, 0), transforms=transforms,
                             memory_space=plgpu.SMEM, delay_release=wait),
@@ -188,25 +147,16 @@ def _body(tile_end_gmem, a_gmem, b_gmem, out_gmem, *, tm, tn, tk, stages, num_gr
   def _scope(allocs, out_smem):
     wg = lax.axis_index("wg")
 
-    if pair:
-      rows_of_tiles = _pair_ends(tile_end_gmem, num_groups)[-1][1]
-    else:
-      rows_of_tiles = tile_end_gmem[num_groups - 1] if skip_unused else m_iters
+    rows_of_tiles = tile_end_gmem[num_groups - 1] if skip_unused else m_iters
 
     @plgpu.nd_loop((rows_of_tiles * n_iters,), collective_axes="sm")
     def _tiles(info):
       (lin,) = info.index if hasattr(info, "index") else info
       m_idx, n_idx = plgpu.planar_snake(lin, (rows_of_tiles, n_iters), 1, snake)
       g = jnp.int32(0)
-      if pair:  # m_idx counts pairs
-        g, first, second = pair_tile(tile_end_gmem, num_groups, m_idx)
-        stores = jnp.logical_or(wg == 0, second)
-        m_slice = pl.ds(first * tm, rows)
-      else:
-        for i in range(num_groups - 1):  # the tile's group: how many groups end at or before it
-          g = g + (tile_end_gmem[i] <= m_idx).astype(jnp.int32)
-        stores = None
-        m_slice = pl.ds(m_idx * tm, tm)
+      for i in range(num_groups - 1):  # the tile's group: how many groups end at or before it
+        g = g + (tile_end_gmem[i] <= m_idx).astype(jnp.int32)
+      m_slice = pl.ds(m_idx * tm, tm)
       n_slice = pl.ds(n_idx * 2 * tn, 2 * tn)
       wg_rows = pl.ds(wg * wm, wm) if wg_m else slice(None)
       wg_cols = slice(None) if wg_m else pl.ds(wg * tn, tn)
@@ -220,24 +170,16 @@ def _body(tile_end_gmem, a_gmem, b_gmem, out_gmem, *, tm, tn, tk, stages, num_gr
             acc = activation(acc)
           acc = acc.astype(dtype)
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-          def store():
-            for mi in range(wm // epi_m):
-              for ni in range(wn // epi_n):
-                rs = slice(mi * epi_m, (mi + 1) * epi_m)
-                cs = slice(ni * epi_n, (ni + 1) * epi_n)
-                slot = (mi * (wn // epi_n) + ni) % 2
-                plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                out_smem[wg, slot] = acc[rs, cs]
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(
-                    out_smem.at[wg, slot],
-                    out_gmem.at[m_slice, n_slice].at[wg_rows, wg_cols].at[rs, cs])
-
-          if stores is None:
-            store()
-          else:  # a pair's second row tile past its group's: another group's rows, not stored
-            pl.when(stores)(store)
+          for mi in range(wm // epi_m):
+            for ni in range(wn // epi_n):
+              rs = slice(mi * epi_m, (mi + 1) * epi_m)
+              cs = slice(ni * epi_n, (ni + 1) * epi_n)
+              slot = (mi * (wn // epi_n) + ni) % 2
+              plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+              out_smem[wg, slot] = acc[rs, cs]
+              plgpu.commit_smem()
+              plgpu.copy_smem_to_gmem(out_smem.at[wg, slot],
+                                      out_gmem.at[m_slice, n_slice].at[wg_rows, wg_cols].at[rs, cs])
 
       def mma(_, a_smem, b_smem, acc_ref):
         plgpu.wgmma(acc_ref, a_smem.at[wg_rows], b_smem.at[:, wg_cols])
@@ -248,14 +190,6 @@ def _body(tile_end_gmem, a_gmem, b_gmem, out_gmem, *, tm, tn, tk, stages, num_gr
                              allocations=allocs)
 
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-
-def pairs_tiles(tm: int) -> bool:
-  """Whether a program computes two ``tm``-row tiles of one group (``PAIR_TILES``: 64-row
-  tiles, the warpgroups splitting rows); the grouped layer's buffer then has ``tm`` rows more
-  than its groups can fill (:func:`dynjax.route._gmm.buffer_rows`), which the second tile of
-  the last pair may read."""
-  return PAIR_TILES and WG_SPLIT == "m" and tm == 64
 
 
 def column_tile(m_tiles: int, n: int, tn: int, sms: int = NUM_SMS) -> int:
@@ -306,14 +240,12 @@ def hopper_gmm(lhs, rhs, tile_end, tiling, activation=None, skip_unused: int = 0
     return out
   sms = _num_sms()
   waves = min(m, wave_rows or skip_unused or m)
-  pair = pairs_tiles(tm) and bool(skip_unused) and m >= skip_unused + tm
   key = KernelKey(m=m, k=k, n=n, groups=g, dtype=jnp.dtype(lhs.dtype).name, tm=tm,
-                  tn=column_tile(waves // (2 * tm if pair else tm), n, tn, sms), tk=tk,
-                  stages=tiling.num_stages, snake=max(1, tiling.grid_block_n),
-                  activation=activation, skip_unused=bool(skip_unused), sms=sms,
+                  tn=column_tile(waves // tm, n, tn, sms), tk=tk, stages=tiling.num_stages,
+                  snake=max(1, tiling.grid_block_n), activation=activation,
+                  skip_unused=bool(skip_unused), sms=sms,
                   approx=APPROX_BF16 and activation is not None and lhs.dtype == jnp.bfloat16,
-                  wg_m=WG_SPLIT == "m" and (tm % 128 == 0 or pair), wait=WGMMA_IN_FLIGHT,
-                  pair=pair)
+                  wg_m=WG_SPLIT == "m" and tm % 128 == 0, wait=WGMMA_IN_FLIGHT)
   return _once.call(("hopper_gmm", key), _kernel(key), tile_end.astype(jnp.int32), lhs, rhs,
                     keep=True)
 
@@ -337,7 +269,6 @@ class KernelKey(NamedTuple):
   approx: bool = False
   wg_m: bool = False
   wait: int = 0
-  pair: bool = False
 
 
 def _kernel(key: KernelKey):
@@ -346,8 +277,7 @@ def _kernel(key: KernelKey):
   body = functools.partial(
       _body, tm=key.tm, tn=key.tn, tk=key.tk, stages=key.stages, num_groups=key.groups,
       activation=key.activation, m_iters=key.m // key.tm, n_iters=key.n // (2 * key.tn),
-      epi=64, snake=key.snake, skip_unused=key.skip_unused, wg_m=key.wg_m, wait=key.wait,
-      pair=key.pair)
+      epi=64, snake=key.snake, skip_unused=key.skip_unused, wg_m=key.wg_m, wait=key.wait)
   out = jax.ShapeDtypeStruct((key.m, key.n), key.dtype)
   # jax 0.10 renamed out_shape to out_type (the old name warns, and may go).
   named = {"out_type" if "out_type" in inspect.signature(plgpu.kernel).parameters

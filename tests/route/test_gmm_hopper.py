@@ -17,8 +17,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from dynjax import route
 from dynjax._errors import RoutingError
@@ -217,50 +215,8 @@ def test_the_warpgroup_split_and_wgmma_depth_are_kernel_keys_that_lower(split, w
     t = route.Tiling(tm=tm, tk=64, tn=128, num_stages=4, grid_block_n=8)
     fn = jax.jit(lambda a, b, te, t=t: _hopper.hopper_gmm(a, b, te, t, jax.nn.gelu, 384))
     texts.append(fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text())
-  # 64-row tiles with the rows split are paired (two row tiles of one group a program).
-  assert [(k.tm, k.wg_m, k.wait, k.pair) for k in keys] == [
-      (128, split == "m", wait, False), (64, split == "m", wait, split == "m")]
+  assert [(k.tm, k.wg_m, k.wait) for k in keys] == [(128, split == "m", wait), (64, False, wait)]
   assert all(tx.count("mosaic_gpu_v2") == 1 for tx in texts)
-
-
-@settings(max_examples=60, deadline=None)
-@given(st.lists(st.integers(0, 5), min_size=1, max_size=9))
-def test_paired_row_tiles_cover_every_tile_of_every_group_once(counts):
-  # The paired kernel's program p computes row tiles first and first + 1 with one group's
-  # weights and stores the second only where it is the group's: every row tile of every group
-  # is stored exactly once, by a program holding that group, and nothing else is stored.
-  tile_end = jnp.asarray(np.cumsum(counts), jnp.int32)
-  pairs = int(_hopper._pair_ends(tile_end, len(counts))[-1][1])
-  assert pairs == sum((c + 1) // 2 for c in counts)
-  stored = []
-  for p in range(pairs):
-    g, first, second = (int(v) for v in _hopper.pair_tile(tile_end, len(counts), jnp.int32(p)))
-    stored += [(int(first), g)] + ([(int(first) + 1, g)] if second else [])
-  want = [(t, g) for g, c in enumerate(counts) for t in range(sum(counts[:g]), sum(counts[:g]) + c)]
-  assert sorted(stored) == want
-
-
-def test_pairing_needs_a_spare_row_tile_in_the_buffer(monkeypatch):
-  # The last pair's second tile may start at the groups' bound: the kernel pairs only where the
-  # buffer has a tile more than the groups can fill (the grouped layer's buffer_rows adds it).
-  from dynjax.route import _gmm
-
-  keys = []
-  real_call = _once.call
-  monkeypatch.setattr(_once, "call", lambda key, fn, *a: keys.append(key[1]) or real_call(
-      key, fn, *a))
-  _once.clear()
-  t = route.Tiling(tm=64, tk=64, tn=128, num_stages=4, grid_block_n=8)
-  for skip in (448, 512):
-    args = (jax.ShapeDtypeStruct((512, 256), jnp.bfloat16),
-            jax.ShapeDtypeStruct((4, 256, 512), jnp.bfloat16), jax.ShapeDtypeStruct((4,), jnp.int32))
-    jax.jit(lambda a, b, te, s=skip: _hopper.hopper_gmm(a, b, te, t, None, s)).trace(
-        *args).lower(lowering_platforms=("cuda",))
-  assert [k.pair for k in keys] == [True, False]
-  assert _gmm.buffer_rows(8192, 64, t, "hopper") == _gmm.hopper_floor_rows(64, 64)
-  assert _gmm.hopper_floor_rows(64, 64) == (_gmm.num_tiles(8192, 64, 64) + 1) * 64
-  monkeypatch.setattr(_hopper, "PAIR_TILES", False)
-  assert _gmm.hopper_floor_rows(64, 64) == _gmm.num_tiles(8192, 64, 64) * 64
 
 
 @pytest.mark.parametrize("activation,skip,export", [(None, 0, True), (jax.nn.gelu, 384, True),
