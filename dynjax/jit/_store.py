@@ -32,12 +32,12 @@ import re
 import tempfile
 import threading
 import warnings
-from collections.abc import Hashable
 
 import jax
 import numpy as np
 
 from dynjax import _jax_private
+from dynjax._fingerprint import fingerprint_parts, versions
 
 _FORMAT = 2
 
@@ -258,39 +258,6 @@ def _device_ids(compiled) -> list[int]:
   return [jax.devices()[0].id]
 
 
-def fingerprint_parts(parts: dict[str, Hashable | str]) -> str:
-  """A stable sha256 over named text parts (sorted by name)."""
-  import hashlib
-
-  h = hashlib.sha256()
-  for k in sorted(parts):
-    h.update(k.encode())
-    h.update(b"\0")
-    v = parts[k]
-    h.update(v if isinstance(v, bytes) else str(v).encode())
-    h.update(b"\1")
-  return h.hexdigest()
-
-
-_SOURCE_HASH: list[str] = []
-
-
-def dynjax_source_hash() -> str:
-  """A hash of dynjax's own source: executables built by other dynjax code are not reused."""
-  if not _SOURCE_HASH:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    h = hashlib.sha256()
-    for dirpath, dirnames, files in os.walk(root):
-      dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
-      for f in sorted(files):
-        if f.endswith(".py"):
-          with open(os.path.join(dirpath, f), "rb") as fh:
-            h.update(os.path.relpath(os.path.join(dirpath, f), root).encode())
-            h.update(fh.read())
-    _SOURCE_HASH.append(h.hexdigest()[:16])
-  return _SOURCE_HASH[0]
-
-
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
@@ -327,7 +294,7 @@ def family_parts(fam) -> dict:
       "attention": opts.attention,
       "casts": sorted((i, str(d)) for i, d in fam.casts.items()),
       "host_outputs": fam.host_out,
-      "versions": (jax.__version__, _jax_private.jaxlib_version(), dynjax_source_hash()),
+      "versions": versions(),
       "backend": (jax.default_backend(), dev.device_kind, jax.device_count()),
       "config": _jax_private.lowering_config(),
       "xla_flags": os.environ.get("XLA_FLAGS", ""),

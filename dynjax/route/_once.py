@@ -19,17 +19,17 @@ and most of what a grouped layer's first trace costs beyond ``lax.ragged_dot``'s
 is also kept on disk (``kernel_cache_dir``: ``DYNJAX_KERNEL_CACHE``, by default
 ``~/.cache/dynjax/kernels`` as Triton keeps its kernels), so a later process loads it
 (``jax.export.deserialize``) instead.  A file is keyed by the kernel's key and argument
-shapes, the versions of jax, jaxlib and dynjax, and the source of ``dynjax/route``; a key
-holding a function outside jax and dynjax (a user's activation: its body is not in the key) is
-not kept.  An unreadable file is exported again and replaced; a directory keeps the
-``MAX_KEPT`` most recently used files.
+shapes, and by what keys the executable store too (``dynjax._fingerprint``: the versions of
+jax and jaxlib, dynjax's source, the jax configuration that changes lowering); a key holding
+a function outside jax and dynjax (a user's activation: its body is not in the key) is not
+kept.  An unreadable file is exported again and replaced; a directory keeps the ``MAX_KEPT``
+most recently used files.
 """
 
 from __future__ import annotations
 
 import collections
 import functools
-import hashlib
 import logging
 import os
 import threading
@@ -38,6 +38,9 @@ from collections.abc import Callable, Hashable
 from pathlib import Path
 
 import jax
+
+from dynjax import _jax_private
+from dynjax._fingerprint import fingerprint_parts, versions
 
 # Off: every executable lowers its kernels itself (bench_moe_gmm.py --no-kernel-export).
 EXPORT = True
@@ -67,7 +70,7 @@ def call(key: Hashable, fn: Callable, *args, keep: bool = False):
   use per key is the one exported).  Traceable; one jit around the call, so an executable
   calling the same kernel from several layers holds it once (also where it is not exported).
   ``keep``: the export is also kept on disk for later processes (:func:`kernel_cache_dir`);
-  only for builders whose code is jax's or ``dynjax/route``'s (both in the file's key).
+  only for builders whose code is jax's or dynjax's (both in the file's key).
   """
   full = (key, tuple((tuple(a.shape), jax.numpy.dtype(a.dtype).name) for a in args))
   with _LOCK:
@@ -168,21 +171,12 @@ def _disk_path(key) -> Path | None:
   ident = _stable(key)
   if root is None or ident is None:
     return None
-  digest = hashlib.sha256(repr((ident, _PLATFORMS, _versions())).encode()).hexdigest()[:40]
-  return root / f"{digest}.jaxexport"
-
-
-@functools.cache
-def _versions() -> tuple:
-  import jaxlib  # noqa: PLC0415
-
-  import dynjax  # noqa: PLC0415
-
-  route = Path(__file__).parent
-  source = hashlib.sha256()
-  for f in sorted(route.glob("*.py")):
-    source.update(f.name.encode() + f.read_bytes())
-  return (jax.__version__, jaxlib.__version__, dynjax.__version__, source.hexdigest())
+  # The executable store's versions and lowering configuration (``_fingerprint``), beside
+  # the kernel's own key.
+  digest = fingerprint_parts({"kernel": repr(ident), "platforms": _PLATFORMS,
+                              "versions": versions(),
+                              "config": _jax_private.lowering_config()})
+  return root / f"{digest[:40]}.jaxexport"
 
 
 _STABLE_MODULES = ("jax.", "jaxlib.", "dynjax.")

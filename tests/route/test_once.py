@@ -230,3 +230,15 @@ def test_the_directory_keeps_the_most_recently_used_kernels(tmp_path, monkeypatc
   _lower(a_rows=5)
   assert "a.jaxexport.1.2.tmp" not in _files(tmp_path)
   assert "b.jaxexport.1.2.tmp" in _files(tmp_path)
+
+
+def test_a_kernel_is_kept_per_lowering_configuration(tmp_path, monkeypatch):
+  # The file's key holds what keys the executable store too: jax options that change lowering
+  # (here the default matmul precision; the suite runs at "highest") give another file, not
+  # the other setting's kernel.
+  monkeypatch.setenv("DYNJAX_KERNEL_CACHE", str(tmp_path))
+  _lower()
+  with jax.default_matmul_precision("bfloat16"):
+    _once.clear()
+    _lower()
+  assert len(_files(tmp_path)) == 2
