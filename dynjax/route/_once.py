@@ -39,7 +39,7 @@ from pathlib import Path
 
 import jax
 
-from dynjax import _jax_private
+from dynjax import _config, _jax_private
 from dynjax._fingerprint import fingerprint_parts, versions
 
 # Off: every executable lowers its kernels itself (bench_moe_gmm.py --no-kernel-export).
@@ -158,8 +158,8 @@ def kernel_cache_dir() -> Path | None:
   """Where exported kernels are kept across processes: ``DYNJAX_KERNEL_CACHE`` (``0``,
   ``off`` or ``false``: nowhere), else ``$XDG_CACHE_HOME/dynjax/kernels`` (``~/.cache``)."""
   raw = os.environ.get("DYNJAX_KERNEL_CACHE")
-  if raw is not None and raw.strip().lower() in ("0", "off", "false", "no", ""):
-    return None
+  if raw is not None and _config._BOOLS.get(raw.strip().lower(), True) is False:
+    return None  # the spellings of "off" every DYNJAX_* switch takes
   if raw:
     return Path(raw).expanduser()
   base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
