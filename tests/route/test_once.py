@@ -191,7 +191,7 @@ def test_only_values_the_same_in_every_process_key_a_file():
     assert _once._stable(unstable) is None
 
 
-def test_a_kernel_that_cannot_be_serialized_is_still_exported(tmp_path, monkeypatch, caplog):
+def test_a_kernel_that_cannot_be_serialized_is_not_kept_and_that_is_logged(tmp_path, monkeypatch, caplog):
   # jax's serialization needs the flatbuffers package: without it the process goes on.
   monkeypatch.setenv("DYNJAX_KERNEL_CACHE", str(tmp_path))
 
