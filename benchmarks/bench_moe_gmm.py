@@ -48,6 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import dynjax
+from benchmarks import _xla_options as xla_options
 from dynjax import route
 
 NOMINAL_PEAK = 800e12  # H100 SXM dense bf16, FLOP/s
@@ -472,14 +473,20 @@ def run_e2e(args) -> dict:
   if args.e2e_device_outputs:  # the same variants with host_outputs=False, in the same process
     variants |= {f"{label} [device outputs]": (d, r, False) for label, (d, r) in variants.items()}
   variants = {label: v if len(v) == 3 else (*v, None) for label, v in variants.items()}
-  grouped = next((r for d, r, _ in variants.values() if d == "grouped"), None)
+  # the same variants compiled with other XLA options (benchmarks/_xla_options.py), e.g. no
+  # CUDA graphs, in the same process: taking turns with the defaults below
+  xla_sets = xla_options.parse(args.e2e_xla_options)
+  variants = {label: (*v, None) for label, v in variants.items()} | {
+      f"{label} [{o}]": (*v, opts) for o, opts in xla_sets.items()
+      for label, v in variants.items() if v[0] in ("grouped", "dense")}
+  grouped = next((r for d, r, _, _ in variants.values() if d == "grouped"), None)
   init_tok, init_len = stream[0]
   w1 = {"w1": jnp.zeros((1, cfg["d"], cfg["ffn"]))}
   ts = [16 << i for i in range(8) if 16 << i <= cfg["max_len"]]
   out = {"setting": cfg, "cast_once": not args.no_cast_once, "methods": {},
          "kernels": {  # per length bucket t (rows = batch t k)
       label: {t: r.grouped_kernel(w1, jnp.bfloat16, cfg["batch"] * t * cfg["k"]) for t in ts}
-      for label, (d, r, _) in variants.items() if d == "grouped"}}
+      for label, (d, r, _, _) in variants.items() if d == "grouped"}}
   variables = jax.jit(build_flax_model(cfg, "dense", None).init)(
       jax.random.PRNGKey(0), jnp.asarray(init_tok), jnp.asarray(init_len))
   # Process warm-up, untimed: the model without experts over every length bucket of the stream,
@@ -507,7 +514,14 @@ def run_e2e(args) -> dict:
         f"{np.median(ts):8.3f}", flush=True)
   outputs = {}
   fns = {"no MoE": warm}
-  for label, (dispatch, routed, host_outputs) in variants.items():
+  for o, opts in xla_sets.items():  # the block without experts with those options, warmed up
+    fns[f"no MoE [{o}]"] = dynjax.flax.jit(
+        build_flax_model(cfg, "none", None), dims={"tokens": "b, t", "lengths": "b"},
+        buckets={"t": t_policy, "b": dynjax.buckets.explicit([cfg["batch"]])}, padding="trust",
+        cast_once=not args.no_cast_once, compiler_options=opts)
+    for tok, lens in stream:
+      np.asarray(fns[f"no MoE [{o}]"](variables, tok, lens))
+  for label, (dispatch, routed, host_outputs, opts) in variants.items():
     if elapsed() > args.budget:
       print(f"  {label:32s} skipped (budget)", flush=True)
       continue
@@ -515,7 +529,7 @@ def run_e2e(args) -> dict:
     fn = dynjax.flax.jit(model, dims={"tokens": "b, t", "lengths": "b"},
                          buckets={"t": t_policy, "b": dynjax.buckets.explicit([cfg["batch"]])},
                          padding="trust", cast_once=not args.no_cast_once,
-                         host_outputs=host_outputs)
+                         host_outputs=host_outputs, compiler_options=opts)
     t0 = time.perf_counter()
     try:
       ys = [np.asarray(fn(variables, tok, lens)) for tok, lens in stream]
@@ -650,6 +664,10 @@ def main(argv=None) -> dict:
   ap.add_argument("--e2e-device-outputs", action="store_true",
                   help="also every e2e variant with host_outputs=False (outputs in device "
                        "memory, the default before session 10), interleaved with the others")
+  ap.add_argument("--e2e-xla-options", default="",
+                  help="also the grouped and dense variants (and the block without experts) "
+                       "compiled with these named XLA option sets "
+                       f"({', '.join(xla_options.OPTION_SETS)}), taking turns with the others")
   ap.add_argument("--budget", type=float, default=1e9, help="seconds; later rows are skipped")
   ap.add_argument("--seed", type=int, default=0)
   args = ap.parse_args(argv)

@@ -18,7 +18,8 @@ Parts (``--parts``, in the order given):
   pieces  the layer split: router, layout + row gather, GEMM 1 (+ GELU), GEMM 2, combine, and the
           whole layer in one executable (same x4 timing) and per call (block_until_ready each).
   layer   the whole layer per call (as bench_moe_gmm.py times it; --layer-timing x4: four in one
-          executable, time / 4): grouped kernel="auto", and
+          executable, time / 4; pipelined: 16 calls back to back, one block): grouped
+          kernel="auto", and
           beside it each --layer-kernels kernel auto did not pick (mgpu, pallas = Triton) and
           --mgpu-layer tilings, capacity 1.25 (drops),
           optionally lax.ragged_dot and dense (--layer-extra), per setting and k; a training step
@@ -44,6 +45,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks import _xla_options as xla_options  # noqa: E402
 from benchmarks._report import write_json  # noqa: E402
 from benchmarks.bench_moe_gmm import (  # noqa: E402
   dense_ffn,
@@ -62,6 +64,7 @@ from dynjax.route import _gmm, _mgpu  # noqa: E402
 
 T0 = time.perf_counter()
 REPS = 4
+PIPELINE_BURST = 16  # --layer-timing pipelined: calls launched back to back per sample
 
 
 def elapsed() -> float:
@@ -364,6 +367,45 @@ def run_layer(args, out: dict | None = None, save=lambda: None) -> dict:
   return out
 
 
+def timeit_pipelined(fns, iters: int, burst: int = PIPELINE_BURST) -> dict:
+  """ms per call of ``burst`` calls launched back to back (rotating ``fns``), one block at the
+  end: the device's time per call whenever the host launches faster than the device runs,
+  i.e. what the layer costs inside a longer stream of work (no per-call launch or sync)."""
+  for f in fns:
+    jax.block_until_ready(f())
+  ts = []
+  for _ in range(iters):
+    t0 = time.perf_counter()
+    jax.block_until_ready([fns[j % len(fns)]() for j in range(burst)])
+    ts.append((time.perf_counter() - t0) / burst)
+  ts = np.asarray(ts) * 1e3
+  return {"median_ms": float(np.median(ts)), "p90_ms": float(np.percentile(ts, 90)),
+          "min_ms": float(ts.min())}
+
+
+def time_layer(label: str, res: dict, s: Setting, fn, jf, mode: str, opts: dict | None,
+               iters: int, extra: dict) -> None:
+  """One layer variant timed one way (``--layer-timing``: call, x4 or pipelined), compiled
+  with XLA's defaults or the option set ``opts``; the figure (or the error) into ``res``."""
+  x0, b0 = s.inputs[0]
+  try:
+    if mode == "x4":  # REPS layers on rotating inputs in one executable, / REPS
+      xf = jax.jit(lambda *a: [fn(s.params, x, b) for x, b in a])
+      c = xf.lower(*s.inputs[:REPS]).compile(opts) if opts else xf
+      timed(label, res, c, [list(s.inputs[:REPS])], iters, REPS, **extra)
+      return
+    c = jf.lower(s.params, x0, b0).compile(opts) if opts else jf
+    if mode == "pipelined":
+      r = timeit_pipelined([lambda x=x, b=b: c(s.params, x, b) for x, b in s.inputs], iters)
+      res[label] = {**r, **extra}
+      print(f"  {label:52s} {r['median_ms']:8.4f} ms  (min {r['min_ms']:.4f})", flush=True)
+    else:
+      timed(label, res, lambda x, b: c(s.params, x, b), s.inputs, iters, **extra)
+  except Exception as e:  # noqa: BLE001 -- one failing variant must not lose the others
+    res[label] = {"error": f"{type(e).__name__}: {str(e)[:800]}"}
+    print(f"  {label:52s} FAILED {res[label]['error'][:300]}", flush=True)
+
+
 def layer_one(s: Setting, args) -> dict:
   n, d, f, e, k = args.tokens, args.d, args.ffn, s.e, s.k
   x0, b0 = s.inputs[0]
@@ -418,11 +460,12 @@ def layer_one(s: Setting, args) -> dict:
         extra["rel_err_vs_ragged_dot"] = rel_err(y0, ref)
     except Exception:
       pass
-    if args.layer_timing == "x4":  # REPS layers on rotating inputs in one executable, / REPS
-      timed(label, res, jax.jit(lambda *a, fn=fn: [fn(s.params, x, b) for x, b in a]),
-            [list(s.inputs[:REPS])], args.iters, REPS, **extra)
-    else:
-      timed(label, res, lambda x, b, jf=jf: jf(s.params, x, b), s.inputs, args.iters, **extra)
+    modes = args.layer_timing.split(",")
+    for mode in modes:  # the first mode's figures under the plain label, the others' tagged
+      for oname, opts in {"": None, **xla_options.parse(args.xla_options)}.items():
+        tag = (f" <{mode}>" if mode != modes[0] else "") + (f" [{oname}]" if oname else "")
+        time_layer(f"{label}{tag}", res, s, fn, jf, mode, opts, args.iters,
+                   extra if not tag else {})
   flops = 4.0 * n * k * d * f
   nbytes = 2.0 * (int((loads > 0).sum()) * 2 * d * f + 2 * n * d)
   roof = max(flops / 800e12, nbytes / 3.3e12) * 1e3
@@ -470,10 +513,16 @@ def main(argv=None) -> dict:
                   help="layer rows to leave out, by label prefix (e.g. 'capacity')")
   ap.add_argument("--layer-kernels", default="mgpu,hopper,pallas",
                   help="kernels timed beside the auto choice in the layer part")
-  ap.add_argument("--layer-timing", choices=("call", "x4"), default="call",
-                  help="layer part: per call (block_until_ready each; noisy: one configuration "
-                  "timed twice in one H100 run gave 0.509 and 0.670 ms) or x4 (4 layers on "
-                  "rotating inputs in one executable, time / 4: no dispatch in the figure)")
+  ap.add_argument("--layer-timing", default="call",
+                  help="layer part, one or more of (comma-separated; the first one's figures "
+                  "keep the plain labels): call (block_until_ready each; noisy: one "
+                  "configuration timed twice in one H100 run gave 0.509 and 0.670 ms), x4 (4 "
+                  "layers on rotating inputs in one executable, time / 4: one call's launch and "
+                  "sync shared by four), pipelined (16 calls launched back to back, one block: "
+                  "the device's time a layer when launches keep ahead)")
+  ap.add_argument("--xla-options", default="",
+                  help="also time every layer compiled with these named XLA option sets "
+                  f"({', '.join(xla_options.OPTION_SETS)}; benchmarks/_xla_options.py)")
   ap.add_argument("--train", default="uniform8")
   ap.add_argument("--iters", type=int, default=20)
   ap.add_argument("--rotate", type=int, default=3)
@@ -487,7 +536,11 @@ def main(argv=None) -> dict:
     args.mgpu, args.triton, args.hopper = "32x32x64x4x2g2", "32x32x64x4x2", ""
   else:
     args.d, args.ffn, args.tokens = 1024, 4096, 8192
-  args.rotate = (max(args.rotate, REPS) if "pieces" in args.parts or args.layer_timing == "x4"
+  bad = set(args.layer_timing.split(",")) - {"call", "x4", "pipelined"}
+  if bad:
+    ap.error(f"--layer-timing: {sorted(bad)} not among call, x4, pipelined")
+  args.rotate = (max(args.rotate, REPS)
+                 if "pieces" in args.parts or "x4" in args.layer_timing.split(",")
                  else args.rotate)
   if args.fake_mgpu:
     fake_mgpu()

@@ -56,7 +56,9 @@ Modes (``--modes``, in order; a ``*_restart`` mode reuses the cache of the mode 
   ``*t0lvl0*`` without autotuning (the default before).  ``*sw5*`` (an experiment): background
   lowering keeps the interpreter's 5 ms GIL switch interval instead of dropping it to 0.5 ms.
   ``*parN*``: XLA's ``xla_gpu_force_compilation_parallelism=N`` for every compile; ``*nice*``:
-  the compile workers (and the threads they start) run at nice 10.
+  the compile workers (and the threads they start) run at nice 10.  ``*nocb*`` (any mode, and
+  ``lengths_nocb``): the child runs with ``XLA_FLAGS=--xla_gpu_enable_command_buffer=``, XLA:GPU
+  without CUDA graphs (every kernel launched on its own).
 
 Per mode: start -> 1,000th answer (s), the stream (first request to last answer, s), the mean
 latency over the second half of the requests per length bin (the request's padded length:
@@ -633,7 +635,7 @@ def _child_lengths(args, clock):
     return row
 
   rows = {str(t): row_at(t) for t in lengths}
-  return {"mode": "lengths", "per_length_ms": rows, "marks": clock.marks,
+  return {"mode": args.child or "lengths", "per_length_ms": rows, "marks": clock.marks,
           "jax": jax.__version__}
 
 
@@ -646,7 +648,7 @@ def child(args) -> dict:
     return _child_hand(args, clock, mode)
   if mode.startswith("dynjax_"):
     return _child_dynjax(args, clock, mode)
-  if mode == "lengths":
+  if mode == "lengths" or mode.startswith("lengths_"):  # lengths_nocb: see _spawn
     return _child_lengths(args, clock)
   raise SystemExit(f"serve_fresh: unknown mode {mode!r}; modes: {DEFAULT_MODES}")
 
@@ -662,6 +664,8 @@ def _spawn(args, mode, cache) -> dict:
   env = dict(os.environ, SERVE_FRESH_T0=repr(time.time()))
   if "_noprerun" in mode:  # background builds do not run their executables ahead
     env["DYNJAX_PRERUN"] = "0"
+  if "nocb" in mode:  # experiment: XLA:GPU without CUDA graphs (command buffers) in every compile
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
   proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
   _CHILD[0] = proc
   try:
@@ -753,8 +757,8 @@ def _write(args, results) -> dict:
 def _line(rec) -> str:
   if "error" in rec:
     return f"{rec['mode']}: ERROR {rec['error'][-600:]}"
-  if rec["mode"] == "lengths":
-    return "lengths: " + json.dumps(rec["per_length_ms"])
+  if rec["mode"].startswith("lengths"):
+    return f"{rec['mode']}: " + json.dumps(rec["per_length_ms"])
   b = rec["bins_ms"]
   s = (f"{rec['mode']}: start->last {rec['start_to_last_s']:.2f} s, stream {rec['stream_s']:.2f} s, "
        + ", ".join(f"{k} {v:.2f}" for k, v in b.items() if v is not None) + f" | marks {rec['marks']}")
@@ -776,7 +780,7 @@ def table(results) -> str:
     x = x_exact(b, rec.get("lengths_second_half"), cost)
     return f" | {b['all']:.2f} | " + (f"{x:.3f}" if x is not None else "") + " |"
   for rec in results:
-    if "error" in rec or rec.get("mode") == "lengths":
+    if "error" in rec or rec.get("mode", "").startswith("lengths"):
       continue
     b = rec["bins_ms"]
     cells = [f"{b[f'{lo}-{hi}']:.2f}" if b.get(f"{lo}-{hi}") is not None else "" for lo, hi in BINS]
@@ -793,9 +797,9 @@ def table(results) -> str:
         rows.append(f"| {rec['mode']} {what}{took} | | "
                     f"{rec[key]['stream_s']:.2f} | " + " | ".join(cells) + tail(a, rec))
   for rec in results:
-    if rec.get("mode") == "lengths":
+    if rec.get("mode", "").startswith("lengths"):
       keys = next(iter(rec["per_length_ms"].values())).keys()
-      rows += ["\n| T | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]
+      rows += [f"\n{rec['mode']}:\n| T | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]
       for t, row in rec["per_length_ms"].items():
         rows.append(f"| {t} | " + " | ".join(f"{v:.2f}" if isinstance(v, float) else str(v)
                                              for v in row.values()) + " |")

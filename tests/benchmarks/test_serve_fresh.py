@@ -120,3 +120,36 @@ def test_clock_marks_record_main_thread_cpu_and_collector_time():
   # the other thread's collections count in gc_s, not in gc_main_s
   assert b["gc_s"] - b["gc_main_s"] > a["gc_s"] - a["gc_main_s"]
   assert b["allocated_blocks"] > 0 and set(clock.marks) >= {"a", "b"}
+
+
+def test_nocb_tag_runs_the_child_without_cuda_graphs_and_lengths_variants_keep_their_name(
+    monkeypatch, tmp_path):
+  envs = []
+
+  class Proc:
+    returncode = 0
+
+    def __init__(self, cmd, env, **_):
+      envs.append((cmd[cmd.index("--child") + 1], env))
+
+    def communicate(self, timeout=None):
+      mode = envs[-1][0]
+      rec = ({"mode": mode, "per_length_ms": {"37": {"exact_aot": 1.0}}}
+             if mode.startswith("lengths") else {"mode": mode, "error": "not run"})
+      return "RESULT " + sf.json.dumps(rec), ""
+
+  monkeypatch.setattr(sf.subprocess, "Popen", Proc)
+  monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
+  sf.main(["--modes", "lengths,lengths_nocb,dynjax_pow2_nocb", "--out", str(tmp_path)])
+  flags = {mode: env.get("XLA_FLAGS") for mode, env in envs}
+  assert flags["lengths"] == "--xla_dump_to=/tmp/x"  # the caller's flags, untouched
+  assert flags["lengths_nocb"] == flags["dynjax_pow2_nocb"] == (
+      "--xla_dump_to=/tmp/x --xla_gpu_enable_command_buffer=")
+  # both per-length records are shown, each under its own name; the exact-shape cost curve
+  # comes from the plain one only
+  text = sf.table([{"mode": "lengths", "per_length_ms": {"37": {"exact_aot": 1.0}}},
+                   {"mode": "lengths_nocb", "per_length_ms": {"37": {"exact_aot": 9.0}}}])
+  assert "lengths:" in text and "lengths_nocb:" in text
+  assert sf.exact_cost([{"mode": "lengths_nocb",
+                         "per_length_ms": {"37": {"exact_aot": 9.0}, "99": {"exact_aot": 9.5}}}
+                        ]) is None
