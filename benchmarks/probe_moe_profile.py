@@ -155,7 +155,7 @@ def profile(label: str, fn, args_list, iters: int, out_dir: str | None, top: int
 def _defaults() -> tuple:
   from dynjax.route import _hopper  # noqa: PLC0415
 
-  return _hopper.APPROX_BF16, _hopper.WG_SPLIT, _hopper.WGMMA_IN_FLIGHT, _hopper.MIXED_ORDER
+  return _hopper.APPROX_BF16, _hopper.WG_SPLIT, _hopper.WGMMA_IN_FLIGHT
 
 
 _DEFAULTS = _defaults()  # the kernel's knobs as shipped: set_knob starts from them
@@ -166,16 +166,14 @@ def set_knob(knob: str) -> tuple[str, route.Tiling | None]:
   the fused bfloat16 activation with exact or approximate transcendentals
   (``_hopper.APPROX_BF16``), ``n``/``m`` the compute warpgroups splitting a tile's columns or
   rows (``_hopper.WG_SPLIT``), ``w0``/``w1`` wgmma groups left in flight across k-steps
-  (``_hopper.WGMMA_IN_FLIGHT``), ``o0``/``o1`` row tiles in group order or in the mixed
-  order (``_hopper.MIXED_ORDER``), ``tTMxTKxTNxWxS`` a tiling instead of ``Tiling.auto``.
+  (``_hopper.WGMMA_IN_FLIGHT``), ``tTMxTKxTNxWxS`` a tiling instead of ``Tiling.auto``.
   Returns the knob's tag and tiling.  (Session 12 also tried 2-CTA clusters multicasting the
   token tile, session 13 a 64 x 128 epilogue tile and GEMM 2 without its halved column tile
   (commit e2ba4ff): none faster, README "Routed layers"; those knobs are gone.)"""
   from benchmarks.bench_moe_gmm import parse_tiling  # noqa: PLC0415
   from dynjax.route import _hopper  # noqa: PLC0415
 
-  (_hopper.APPROX_BF16, _hopper.WG_SPLIT, _hopper.WGMMA_IN_FLIGHT,
-   _hopper.MIXED_ORDER) = _DEFAULTS
+  _hopper.APPROX_BF16, _hopper.WG_SPLIT, _hopper.WGMMA_IN_FLIGHT = _DEFAULTS
   tiling = None
   for tok in knob.split("+"):
     if tok in ("0", "1"):
@@ -184,13 +182,11 @@ def set_knob(knob: str) -> tuple[str, route.Tiling | None]:
       _hopper.WG_SPLIT = tok
     elif tok in ("w0", "w1"):
       _hopper.WGMMA_IN_FLIGHT = int(tok[1])
-    elif tok in ("o0", "o1"):
-      _hopper.MIXED_ORDER = tok == "o1"
     elif tok.startswith("t"):
       tiling = parse_tiling(tok[1:])
     else:
       raise SystemExit(f"--knobs: unknown token {tok!r} in {knob!r} (0/1, n/m, w0/w1, "
-                       "o0/o1, tTMxTKxTNxWxS)")
+                       "tTMxTKxTNxWxS)")
   return f"approx{int(_hopper.APPROX_BF16)}" if knob in ("0", "1") else knob, tiling
 
 
@@ -233,7 +229,7 @@ def run_gemms(args) -> dict:
 
       cases = [("gemm1+gelu", xs, w1, jax.nn.gelu), ("gemm1", xs, w1, None),
                ("gemm2", hs, w2, None)]
-      plain = (str(t), _hopper.WG_SPLIT, _hopper.WGMMA_IN_FLIGHT, _hopper.MIXED_ORDER)
+      plain = (str(t), _hopper.WG_SPLIT, _hopper.WGMMA_IN_FLIGHT)
       for label, lhs, w, act in cases:
         if act is None and plain in timed:
           continue  # approximate math changes only the activation: timed at another knob

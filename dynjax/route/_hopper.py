@@ -61,12 +61,6 @@ APPROX_BF16 = True
 # 3 stages with a 64 x 128 epilogue tile: GEMM 2 165 vs 129; GEMM 2 unhalved: 133).
 WG_SPLIT = "m"
 WGMMA_IN_FLIGHT = 1
-# MIXED_ORDER (with ``skip_unused``, the grouped layer): the persistent programs walk the row
-# tiles in the order of :func:`mixed_order` (a table computed in XLA from ``tile_end``, read
-# by the kernel) instead of in group order: even places take the tiles of the groups with the
-# most tiles, odd places those with the fewest, so that every wave mixes tiles that reuse one
-# group's weights from L2 with tiles that stream a light group's weights from HBM.
-MIXED_ORDER = False
 
 
 def reference(lhs, rhs, tile_end, tiling, activation=None):
@@ -109,32 +103,13 @@ def _num_sms() -> int:
   return int(getattr(dev, "core_count", 0) or NUM_SMS) if dev.platform == "gpu" else NUM_SMS
 
 
-def mixed_order(tile_end, num_tiles: int):
-  """int32 ``[num_tiles]``: the order in which :data:`MIXED_ORDER` walks the row tiles, a
-  permutation of the active tiles ``[0, tile_end[-1])`` (the places past them hold their own
-  index).  The active tiles sorted by their group's tile count, most first (stable: a group's
-  tiles stay together, in order), are dealt from both ends: place ``2j`` takes the ``j``-th
-  heaviest, place ``2j + 1`` the ``j``-th lightest."""
-  ends = tile_end.astype(jnp.int32)
-  counts = ends - jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
-  t = jnp.arange(num_tiles, dtype=jnp.int32)
-  g = jnp.minimum(jnp.sum(ends[None, :] <= t[:, None], axis=1), ends.shape[0] - 1)
-  active = ends[-1]
-  by_count = jnp.argsort(jnp.where(t < active, -counts[g], 1), stable=True).astype(jnp.int32)
-  src = jnp.where(t % 2 == 0, t // 2, active - 1 - t // 2)
-  return jnp.where(t < active, by_count[jnp.clip(src, 0, num_tiles - 1)], t)
-
-
 def _body(tile_end_gmem, a_gmem, b_gmem, out_gmem, *, tm, tn, tk, stages, num_groups,
-          activation, m_iters, n_iters, epi, snake, skip_unused, wg_m=False, wait=0,
-          order=False):
+          activation, m_iters, n_iters, epi, snake, skip_unused, wg_m=False, wait=0):
   """One program per SM; the loop over output tiles ``(m_idx, n_idx)`` of ``tm x 2 tn``
   (``skip_unused``: only the row tiles of the groups, a loop bound read at run time).  The two
   compute warpgroups split a tile's columns (``tm x tn`` each), or with ``wg_m`` its rows
   (``tm/2 x 2 tn`` each: one ``m64n256`` wgmma a k-step where ``tm`` is 128); ``wait``: wgmma
-  groups left in flight across k-steps (their stages released that much later); ``order``:
-  ``tile_end_gmem`` holds :func:`mixed_order` after the ``num_groups`` tile ends, and the
-  loop's row tile ``i`` is the tile it names."""
+  groups left in flight across k-steps (their stages released that much later)."""
   from jax.experimental import pallas as pl  # noqa: PLC0415
 
   plgpu = _plgpu()
@@ -178,8 +153,6 @@ def _body(tile_end_gmem, a_gmem, b_gmem, out_gmem, *, tm, tn, tk, stages, num_gr
     def _tiles(info):
       (lin,) = info.index if hasattr(info, "index") else info
       m_idx, n_idx = plgpu.planar_snake(lin, (rows_of_tiles, n_iters), 1, snake)
-      if order:
-        m_idx = tile_end_gmem[num_groups + m_idx]
       g = jnp.int32(0)
       for i in range(num_groups - 1):  # the tile's group: how many groups end at or before it
         g = g + (tile_end_gmem[i] <= m_idx).astype(jnp.int32)
@@ -272,12 +245,9 @@ def hopper_gmm(lhs, rhs, tile_end, tiling, activation=None, skip_unused: int = 0
                   snake=max(1, tiling.grid_block_n), activation=activation,
                   skip_unused=bool(skip_unused), sms=sms,
                   approx=APPROX_BF16 and activation is not None and lhs.dtype == jnp.bfloat16,
-                  wg_m=WG_SPLIT == "m" and tm % 128 == 0, wait=WGMMA_IN_FLIGHT,
-                  order=MIXED_ORDER and bool(skip_unused))
-  table = tile_end.astype(jnp.int32)
-  if key.order:
-    table = jnp.concatenate([table, mixed_order(table, m // tm)])
-  return _once.call(("hopper_gmm", key), _kernel(key), table, lhs, rhs, keep=True)
+                  wg_m=WG_SPLIT == "m" and tm % 128 == 0, wait=WGMMA_IN_FLIGHT)
+  return _once.call(("hopper_gmm", key), _kernel(key), tile_end.astype(jnp.int32), lhs, rhs,
+                    keep=True)
 
 
 class KernelKey(NamedTuple):
@@ -299,7 +269,6 @@ class KernelKey(NamedTuple):
   approx: bool = False
   wg_m: bool = False
   wait: int = 0
-  order: bool = False
 
 
 def _kernel(key: KernelKey):
@@ -308,8 +277,7 @@ def _kernel(key: KernelKey):
   body = functools.partial(
       _body, tm=key.tm, tn=key.tn, tk=key.tk, stages=key.stages, num_groups=key.groups,
       activation=key.activation, m_iters=key.m // key.tm, n_iters=key.n // (2 * key.tn),
-      epi=64, snake=key.snake, skip_unused=key.skip_unused, wg_m=key.wg_m, wait=key.wait,
-      order=key.order)
+      epi=64, snake=key.snake, skip_unused=key.skip_unused, wg_m=key.wg_m, wait=key.wait)
   out = jax.ShapeDtypeStruct((key.m, key.n), key.dtype)
   # jax 0.10 renamed out_shape to out_type (the old name warns, and may go).
   named = {"out_type" if "out_type" in inspect.signature(plgpu.kernel).parameters

@@ -11,16 +11,16 @@ from dynjax.route import _gmm, _hopper
 
 def test_small_probe_runs_both_parts_and_reports(tmp_path, monkeypatch):
   monkeypatch.setattr(_hopper, "TEST_KERNEL", True)
-  for knob in ("APPROX_BF16", "WG_SPLIT", "WGMMA_IN_FLIGHT", "MIXED_ORDER"):  # knobs set them
+  for knob in ("APPROX_BF16", "WG_SPLIT", "WGMMA_IN_FLIGHT"):  # the knobs set them
     monkeypatch.setattr(_hopper, knob, getattr(_hopper, knob))
   monkeypatch.setattr(_gmm, "hopper_floor_rows", lambda groups, tm: 0)  # no 9,088-row buffer
   rep = probe_moe_profile.main([
       "--small", "--out", str(tmp_path), "--parts", "gemms,layers", "--specs", "uniform8:1",
-      "--variants", "capacity", "--iters", "1", "--knobs", "0,1,m+w1+t64x64x64x4x4,1+o1",
+      "--variants", "capacity", "--iters", "1", "--knobs", "0,1,m+w1+t64x64x64x4x4",
       "--no-cublas"])
   gemms = rep["gemms"]["uniform8"]
   for label in ("gemm1+gelu approx0", "gemm1 approx0", "gemm1+gelu approx1",
-                "gemm1 m+w1+t64x64x64x4x4", "gemm1 1+o1"):
+                "gemm1 m+w1+t64x64x64x4x4"):
     assert gemms[label]["rel_err"] < 1e-2, (label, gemms[label])
     assert gemms[label]["device_us"] > 0
   assert "gemm1 approx1" not in gemms  # approximate math changes only the activation

@@ -17,8 +17,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from dynjax import route
 from dynjax._errors import RoutingError
@@ -219,53 +217,6 @@ def test_the_warpgroup_split_and_wgmma_depth_are_kernel_keys_that_lower(split, w
     texts.append(fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text())
   assert [(k.tm, k.wg_m, k.wait) for k in keys] == [(128, split == "m", wait), (64, False, wait)]
   assert all(tx.count("mosaic_gpu_v2") == 1 for tx in texts)
-
-
-@settings(max_examples=60, deadline=None)
-@given(counts=st.lists(st.integers(0, 40), min_size=1, max_size=12), spare=st.integers(0, 5))
-def test_mixed_order_is_a_permutation_of_the_active_tiles_dealt_heavy_then_light(counts, spare):
-  # The table MIXED_ORDER hands the kernel: every active row tile exactly once, the places past
-  # them their own index; even places walk the groups with the most tiles (most first), odd
-  # places those with the fewest.
-  ends = np.cumsum(counts).astype(np.int32)
-  active, n = int(ends[-1]), int(ends[-1]) + spare
-  if n == 0:
-    return
-  order = np.asarray(jax.jit(_hopper.mixed_order, static_argnums=1)(jnp.asarray(ends), n))
-  assert sorted(order[:active]) == list(range(active))
-  assert list(order[active:]) == list(range(active, n))
-  size = np.asarray(counts)[np.searchsorted(ends, order[:active], side="right")]
-  heavy, light = size[0::2], size[1::2]
-  assert list(heavy) == sorted(heavy, reverse=True) and list(light) == sorted(light)
-  if len(light):
-    assert heavy.min() >= light.max()
-  # a group's tiles stay together and in order: ascending among the heavy places, descending
-  # among the light ones (dealt from the end)
-  for p, sign in ((0, 1), (1, -1)):
-    tiles = order[:active][p::2]
-    groups = np.searchsorted(ends, tiles, side="right")
-    same = groups[1:] == groups[:-1]
-    assert np.all(np.diff(tiles)[same] == sign)
-
-
-def test_the_mixed_order_kernel_is_a_kernel_of_its_own_that_lowers(monkeypatch):
-  # With skip_unused only (the order covers the tiles a routing fills): the table rides after
-  # the tile ends in the kernel's one int32 operand, and the key says so.
-  keys = []
-  real_call = _once.call
-  monkeypatch.setattr(_once, "call", lambda key, fn, *a, **kw: keys.append(
-      (key[1], a[0].shape)) or real_call(key, fn, *a, **kw))
-  _once.clear()
-  t = route.Tiling(tm=64, tk=64, tn=128, num_stages=4, grid_block_n=8)
-  args = (jax.ShapeDtypeStruct((512, 256), jnp.bfloat16),
-          jax.ShapeDtypeStruct((8, 256, 512), jnp.bfloat16), jax.ShapeDtypeStruct((8,), jnp.int32))
-  for mixed, skip in ((True, 384), (True, 0), (False, 384)):
-    monkeypatch.setattr(_hopper, "MIXED_ORDER", mixed)
-    fn = jax.jit(lambda a, b, te, s=skip: _hopper.hopper_gmm(a, b, te, t, jax.nn.gelu, s))
-    assert fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text().count(
-        "mosaic_gpu_v2") == 1
-  assert [(k.order, shape) for k, shape in keys] == [(True, (8 + 8,)), (False, (8,)),
-                                                     (False, (8,))]
 
 
 @pytest.mark.parametrize("activation,skip,export", [(None, 0, True), (jax.nn.gelu, 384, True),
