@@ -323,12 +323,16 @@ def main(argv=None) -> dict:
   ap.add_argument("--gemm-settings", default="uniform8", help="the gemms part's routings")
   ap.add_argument("--no-cublas", dest="cublas", action="store_false",
                   help="gemms: skip cuBLAS on the dense shapes")
+  ap.add_argument("--tokens", type=int, default=0,
+                  help="tokens a layer (default 8,192; --small 512); e.g. 1,024 = a request of "
+                  "batch 8 at length 128, as issue 19's e2e serves them")
   ap.add_argument("--iters", type=int, default=10)
   ap.add_argument("--top", type=int, default=12)
   ap.add_argument("--zipf", type=float, default=1.2)
   ap.add_argument("--seed", type=int, default=0)
   args = ap.parse_args(argv)
-  args.d, args.ffn, args.tokens = (128, 256, 512) if args.small else (1024, 4096, 8192)
+  args.d, args.ffn, tokens = (128, 256, 512) if args.small else (1024, 4096, 8192)
+  args.tokens = args.tokens or tokens
   args.rotate = REPS
   report = open_report(args, argv)
   for part in args.parts.split(","):

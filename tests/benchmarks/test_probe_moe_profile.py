@@ -17,7 +17,7 @@ def test_small_probe_runs_both_parts_and_reports(tmp_path, monkeypatch):
   rep = probe_moe_profile.main([
       "--small", "--out", str(tmp_path), "--parts", "gemms,layers", "--specs", "uniform8:1",
       "--variants", "capacity", "--iters", "1", "--knobs", "0,1,m+w1+t64x64x64x4x4",
-      "--no-cublas"])
+      "--no-cublas", "--tokens", "256"])
   gemms = rep["gemms"]["uniform8"]
   for label in ("gemm1+gelu approx0", "gemm1 approx0", "gemm1+gelu approx1",
                 "gemm1 m+w1+t64x64x64x4x4"):
@@ -29,6 +29,8 @@ def test_small_probe_runs_both_parts_and_reports(tmp_path, monkeypatch):
   assert probe_moe_profile._defaults() == probe_moe_profile._DEFAULTS  # knobs set back
   layer = rep["layers"]["uniform8:1"]
   assert set(layer) == {"auto_kernel", "capacity"}
+  # --tokens: the buffer of 256 routed rows (--small alone: 512)
+  assert gemms["rows"]["approx0"] == _gmm.num_tiles(256, 8, 128) * 128
   assert layer["capacity"]["wall_us"] > 0 and layer["capacity"]["kernels"]
   saved = json.loads((tmp_path / "probe_moe_profile.json").read_text())
   assert set(saved) >= {"jax", "device", "gemms", "layers"}
