@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Device call (H100): XLA:GPU's CUDA graphs ("command buffers") on and off, side by side in
 # one process each (benchmarks/_xla_options.py: "nocb" = no CUDA graphs, "nocc" = graphs
-# without custom calls such as the Mosaic GPU kernels).  PARTS (default layer,e2e) picks:
+# without custom calls such as the Mosaic GPU kernels).  PARTS (default layer; each part takes
+# ~5-6 min, so run one a device call) picks:
 #   layer   issue 19's MoE layer (bench_moe_kernels.py, four layers in one executable / 4 and
 #           per call): the grouped layer, the dropping layer, one dense FFN of the same FLOPs
 #   e2e     issue 19's MoE encoder taking turns per request (bench_moe_gmm.py --parts e2e),
@@ -9,15 +10,16 @@
 #   lengths issue 18's BERT-base per exact length (serve_fresh.py lengths, lengths_nocb)
 # Results: $OUT/{layer_x4,layer_call,e2e,serve}/ and one log each.
 source "$(dirname "$0")/_gpu_head.sh"
-PARTS=${PARTS:-layer,e2e}
+PARTS=${PARTS:-layer}
 export DYNJAX_KERNEL_CACHE=/tmp/dynjax_kernels_cb
 if [[ ,$PARTS, == *,layer,* ]]; then
   L="--parts layer --layer-kernels hopper --train none --iters ${ITERS:-20} --xla-options nocb,nocc"
-  timeout 150 python3 benchmarks/bench_moe_kernels.py --out "$OUT/layer_x4" $L --k 1 \
+  # x4 builds take ~10 s a variant and option set (run 16 cut both x4 runs at 150 s)
+  timeout 240 python3 benchmarks/bench_moe_kernels.py --out "$OUT/layer_x4" $L --k 1 \
     --layer-timing x4 --settings uniform8,zipf8 --layer-extra ffn > "$OUT/layer_x4.log" 2>&1
   echo "layer x4 rc=$?"; grep -E "^  |==" "$OUT/layer_x4.log" | cut -c1-120
   # 64 experts: the dropping layer's x4 build takes > 60 s a variant (timed per call below)
-  timeout 150 python3 benchmarks/bench_moe_kernels.py --out "$OUT/layer_x4_64" $L --k 1 \
+  timeout 120 python3 benchmarks/bench_moe_kernels.py --out "$OUT/layer_x4_64" $L --k 1 \
     --layer-timing x4 --settings uniform64,zipf64 --layer-extra ffn --layer-skip capacity \
     > "$OUT/layer_x4_64.log" 2>&1
   echo "layer x4 64 rc=$?"; grep -E "^  |==" "$OUT/layer_x4_64.log" | cut -c1-120
