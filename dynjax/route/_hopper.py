@@ -198,7 +198,9 @@ def column_tile(m_tiles: int, n: int, tn: int, sms: int = NUM_SMS) -> int:
 
   Measured (H100, jax 0.11.2, bf16, 71 row tiles of 128): GEMM 2 of the FFN (N=1024: 284 tiles
   of 128 x 256 on 132 SMs, 2.15 waves) 0.213 ms, with 64-column tiles (4.3 waves) 0.180; GEMM 1
-  (N=4096, 8.6 waves) 0.181 ms, 64-column tiles 0.201.
+  (N=4096, 8.6 waves) 0.181 ms, 64-column tiles 0.201.  Session 17 (the layer at k=2, device
+  time, GEMM 2 halved -> not): level at 8,192 routed rows (300.6 / 301.8 us), halved 7 us
+  faster at 4,096, 13 us slower at 2,048 (benchmarks/results/probe_moe_profile_run15_*).
   """
   def fill(t):
     tiles = max(1, m_tiles) * (n // (2 * t))
