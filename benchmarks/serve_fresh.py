@@ -56,7 +56,8 @@ Modes (``--modes``, in order; a ``*_restart`` mode reuses the cache of the mode 
   ``*t0lvl0*`` without autotuning (the default before).  ``*sw5*`` (an experiment): background
   lowering keeps the interpreter's 5 ms GIL switch interval instead of dropping it to 0.5 ms.
   ``*parN*``: XLA's ``xla_gpu_force_compilation_parallelism=N`` for every compile; ``*nice*``:
-  the compile workers (and the threads they start) run at nice 10.  ``*nocb*`` (any mode, and
+  the compile workers (and the threads they start) run at nice 10; ``*ladN*``: a cold ``auto``
+  warm-up builds N buckets (``max`` and its halvings; ``_auto.WARM_LADDER``, 4).  ``*nocb*`` (any mode, and
   ``lengths_nocb``): the child runs with ``XLA_FLAGS=--xla_gpu_enable_command_buffer=``, XLA:GPU
   without CUDA graphs (every kernel launched on its own).
 
@@ -442,6 +443,11 @@ def _child_dynjax(args, clock, mode):
       return work(self)
 
     _scheduler.CompileScheduler._work = niced
+  ladder = re.search(r"lad(\d+)", mode)  # experiment: a cold auto warm-up builds N buckets
+  if ladder:
+    from dynjax.bucketing import _auto
+
+    _auto.WARM_LADDER = int(ladder.group(1))
   workers = re.search(r"cw(\d+)", mode)  # experiment: compile_workers=N
 
   def build(module):
