@@ -48,6 +48,7 @@ from dynjax.jit._guards import (
   declared_checks,
   equality_guards,
   guard_texts,
+  trace_failure_hint,
   trust_bucket_holds,
 )
 from dynjax.jit._store import ExecutableStore, family_store
@@ -233,7 +234,7 @@ class Family:
                                         for a in self.avals))
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         self.fall_back(self._under_guards(
-            f"symbolic tracing failed ({type(e).__name__}: {first})"))
+            f"symbolic tracing failed ({type(e).__name__}: {first}){trace_failure_hint(e)}"))
         return
     if equalities:  # ``if x.shape[1] == 5:`` traced as unequal: checked on every call
       reason = equality_guards(self, equalities)

@@ -27,6 +27,28 @@ _INT = re.compile(r"^-?\d+$")
 _FLIP = {"<": ">", "<=": ">=", ">": "<", ">=": "<="}
 
 
+# What to do about the symbolic-shape limits of JAX that public code meets most (found by
+# probing public idioms under padding="auto", session 17): a substring of JAX's message ->
+# the advice appended to the fallback reason.
+TRACE_FAILURE_HINTS = (
+    ("associative scan over axis of non-constant size",
+     "jax.lax.associative_scan needs a static length along its axis; a jax.lax.scan over that "
+     "axis traces with a dynamic length and is bucketed"),
+    ("used in a context that requires a constant",
+     "the function uses a dynamic size where JAX needs a constant (int(), range(), or an op "
+     "whose lowering depends on the length, such as jnp.searchsorted into a dynamic-length "
+     "array): give that axis an integer in dims if it never varies, or compute that part with "
+     "ops that accept a symbolic size"),
+)
+
+
+def trace_failure_hint(e: BaseException) -> str:
+  """``"; <advice>"`` for a symbolic-tracing failure :data:`TRACE_FAILURE_HINTS` knows, else
+  ``""`` (appended to the fallback reason)."""
+  text = str(e)
+  return next((f"; {hint}" for key, hint in TRACE_FAILURE_HINTS if key in text), "")
+
+
 def guard_texts(var_order, bounds: dict) -> tuple[str, ...]:
   """``jax.export`` constraints of ``{var index: (lo, hi)}`` bounds (``hi`` may be inf)."""
   out = []

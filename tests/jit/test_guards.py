@@ -333,3 +333,35 @@ def test_a_generated_eq_called_inside_jax_adds_no_guard_and_from_user_code_it_do
     assert (Key((b, 4)) == Key((3, 4))) is False  # the user's comparison: a guard, here
   assert [(str(lhs), str(rhs), where.rsplit(":", 1)[0]) for lhs, rhs, where in record] == [
       ("b", "3", __file__)]
+
+
+# -- advice for JAX's symbolic-shape limits that public code meets ---------------------------
+
+
+def _linear_recurrence(x):  # h_t = a_t h_{t-1} + b_t by associative scan (S5 / LRU models)
+  a, b = jax.nn.sigmoid(x[..., :4]), x[..., 4:]
+  return lax.associative_scan(lambda l, r: (l[0] * r[0], r[0] * l[1] + r[1]), (a, b), axis=1)[1]
+
+
+def test_an_associative_scan_over_the_dynamic_axis_falls_back_exactly_and_says_what_to_use():
+  f = dynjax.jit(_linear_recurrence, dims={"x": "b, t, 8"}, buckets={"t": [8, 16]})
+  x = np.random.default_rng(0).standard_normal((2, 5, 8)).astype(np.float32)
+  with pytest.warns(UserWarning, match=r"symbolic tracing failed \(NotImplementedError: "
+                    r"associative scan over axis of non-constant size.*; "
+                    r"jax.lax.associative_scan needs a static length along its axis; a "
+                    r"jax.lax.scan over that axis traces with a dynamic length"):
+    got = f(x)
+  np.testing.assert_allclose(got, jax.jit(_linear_recurrence)(x), rtol=1e-6, atol=1e-6)
+  g = dynjax.jit(_linear_recurrence, dims={"x": "b, t, 8"}, on_fallback="error")
+  with pytest.raises(dynjax.PaddingFallbackError, match="needs a static length along its axis"):
+    g(x)
+
+
+def test_a_size_needed_as_a_constant_gets_advice_and_unknown_failures_get_none():
+  from dynjax.jit._guards import trace_failure_hint
+
+  f = dynjax.jit(lambda x: x * int(x.shape[1]), dims={"x": "b, t"})
+  with pytest.warns(UserWarning, match=r"used in a context that requires a constant.*; the "
+                    r"function uses a dynamic size where JAX needs a constant"):
+    _assert_same(f(_x(5)), _x(5) * 5)
+  assert trace_failure_hint(ValueError("something else")) == ""
