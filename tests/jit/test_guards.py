@@ -340,7 +340,7 @@ def test_a_generated_eq_called_inside_jax_adds_no_guard_and_from_user_code_it_do
 
 def _linear_recurrence(x):  # h_t = a_t h_{t-1} + b_t by associative scan (S5 / LRU models)
   a, b = jax.nn.sigmoid(x[..., :4]), x[..., 4:]
-  return lax.associative_scan(lambda l, r: (l[0] * r[0], r[0] * l[1] + r[1]), (a, b), axis=1)[1]
+  return lax.associative_scan(lambda p, q: (p[0] * q[0], q[0] * p[1] + q[1]), (a, b), axis=1)[1]
 
 
 def test_an_associative_scan_over_the_dynamic_axis_falls_back_exactly_and_says_what_to_use():
