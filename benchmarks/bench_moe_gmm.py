@@ -492,17 +492,23 @@ def run_e2e(args) -> dict:
   # Process warm-up, untimed: the model without experts over every length bucket of the stream,
   # so that one-time costs (backend start, XLA's in-process autotuning of the attention and
   # embedding GEMMs, which every variant shares) do not land on whichever variant runs first.
+  def serve(model, **kw):  # every variant wrapped alike (kw: host_outputs, compiler_options)
+    return dynjax.flax.jit(model, dims={"tokens": "b, t", "lengths": "b"},
+                           buckets={"t": t_policy, "b": dynjax.buckets.explicit([cfg["batch"]])},
+                           padding="trust", cast_once=not args.no_cast_once, **kw)
+
+  def warm_up(fn) -> set:  # one call per length bucket of the stream
+    seen = set()
+    for tok, lens in stream:
+      b = t_policy.bucket(tok.shape[1])
+      if b not in seen:
+        seen.add(b)
+        np.asarray(fn(variables, tok, lens))
+    return seen
+
   t0 = time.perf_counter()
-  warm = dynjax.flax.jit(build_flax_model(cfg, "none", None), dims={"tokens": "b, t",
-                                                                    "lengths": "b"},
-                         buckets={"t": t_policy, "b": dynjax.buckets.explicit([cfg["batch"]])},
-                         padding="trust", cast_once=not args.no_cast_once)
-  seen = set()
-  for tok, lens in stream:
-    b = t_policy.bucket(tok.shape[1])
-    if b not in seen:
-      seen.add(b)
-      np.asarray(warm(variables, tok, lens))
+  warm = serve(build_flax_model(cfg, "none", None))
+  seen = warm_up(warm)
   out["warmup_s"] = time.perf_counter() - t0
   print(f"  process warm-up (model without experts, {len(seen)} length buckets) "
         f"{out['warmup_s']:.1f} s, untimed", flush=True)
@@ -515,21 +521,14 @@ def run_e2e(args) -> dict:
   outputs = {}
   fns = {"no MoE": warm}
   for o, opts in xla_sets.items():  # the block without experts with those options, warmed up
-    fns[f"no MoE [{o}]"] = dynjax.flax.jit(
-        build_flax_model(cfg, "none", None), dims={"tokens": "b, t", "lengths": "b"},
-        buckets={"t": t_policy, "b": dynjax.buckets.explicit([cfg["batch"]])}, padding="trust",
-        cast_once=not args.no_cast_once, compiler_options=opts)
-    for tok, lens in stream:
-      np.asarray(fns[f"no MoE [{o}]"](variables, tok, lens))
+    fns[f"no MoE [{o}]"] = serve(build_flax_model(cfg, "none", None), compiler_options=opts)
+    warm_up(fns[f"no MoE [{o}]"])
   for label, (dispatch, routed, host_outputs, opts) in variants.items():
     if elapsed() > args.budget:
       print(f"  {label:32s} skipped (budget)", flush=True)
       continue
     model = build_flax_model(cfg, dispatch, routed)
-    fn = dynjax.flax.jit(model, dims={"tokens": "b, t", "lengths": "b"},
-                         buckets={"t": t_policy, "b": dynjax.buckets.explicit([cfg["batch"]])},
-                         padding="trust", cast_once=not args.no_cast_once,
-                         host_outputs=host_outputs, compiler_options=opts)
+    fn = serve(model, host_outputs=host_outputs, compiler_options=opts)
     t0 = time.perf_counter()
     try:
       ys = [np.asarray(fn(variables, tok, lens)) for tok, lens in stream]

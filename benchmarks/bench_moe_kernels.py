@@ -367,22 +367,6 @@ def run_layer(args, out: dict | None = None, save=lambda: None) -> dict:
   return out
 
 
-def timeit_pipelined(fns, iters: int, burst: int = PIPELINE_BURST) -> dict:
-  """ms per call of ``burst`` calls launched back to back (rotating ``fns``), one block at the
-  end: the device's time per call whenever the host launches faster than the device runs,
-  i.e. what the layer costs inside a longer stream of work (no per-call launch or sync)."""
-  for f in fns:
-    jax.block_until_ready(f())
-  ts = []
-  for _ in range(iters):
-    t0 = time.perf_counter()
-    jax.block_until_ready([fns[j % len(fns)]() for j in range(burst)])
-    ts.append((time.perf_counter() - t0) / burst)
-  ts = np.asarray(ts) * 1e3
-  return {"median_ms": float(np.median(ts)), "p90_ms": float(np.percentile(ts, 90)),
-          "min_ms": float(ts.min())}
-
-
 def time_layer(label: str, res: dict, s: Setting, fn, jf, mode: str, opts: dict | None,
                iters: int, extra: dict) -> None:
   """One layer variant timed one way (``--layer-timing``: call, x4 or pipelined), compiled
@@ -395,10 +379,10 @@ def time_layer(label: str, res: dict, s: Setting, fn, jf, mode: str, opts: dict 
       timed(label, res, c, [list(s.inputs[:REPS])], iters, REPS, **extra)
       return
     c = jf.lower(s.params, x0, b0).compile(opts) if opts else jf
-    if mode == "pipelined":
-      r = timeit_pipelined([lambda x=x, b=b: c(s.params, x, b) for x, b in s.inputs], iters)
-      res[label] = {**r, **extra}
-      print(f"  {label:52s} {r['median_ms']:8.4f} ms  (min {r['min_ms']:.4f})", flush=True)
+    if mode == "pipelined":  # PIPELINE_BURST calls on rotating inputs back to back, one block
+      calls = [functools.partial(c, s.params, x, b) for x, b in s.inputs]
+      burst = lambda: [calls[j % len(calls)]() for j in range(PIPELINE_BURST)]  # noqa: E731
+      timed(label, res, burst, [()], iters, PIPELINE_BURST, **extra)
     else:
       timed(label, res, lambda x, b: c(s.params, x, b), s.inputs, iters, **extra)
   except Exception as e:  # noqa: BLE001 -- one failing variant must not lose the others

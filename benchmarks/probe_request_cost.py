@@ -33,14 +33,11 @@ import time
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import _isolated  # noqa: E402
+from benchmarks import _xla_options as xla_options  # noqa: E402
 from benchmarks._report import write_json  # noqa: E402
 
-FLAGS = {
-    "default": "",
-    "nocb": "--xla_gpu_enable_command_buffer=",
-    "cball": "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN "
-             "--xla_gpu_graph_min_graph_size=1",
-}
+FLAGS = {"default": "", **{name: xla_options.as_flags(xla_options.OPTION_SETS[name])
+                           for name in ("nocb", "cball")}}
 
 
 def count_kernels(text: str) -> dict:

@@ -84,6 +84,9 @@ import tempfile
 import threading
 import time
 
+from benchmarks import _isolated
+from benchmarks import _xla_options as xla_options
+
 BINS = ((1, 64), (65, 128), (129, 256), (257, 512))
 DEFAULT_MODES = ("torch_eager,hand,hand_restart,dynjax_pow2,dynjax_pow2_restart,dynjax_auto,"
                  "dynjax_value,dynjax_value_restart,dynjax_wait,dynjax_wait_restart,lengths")
@@ -667,11 +670,12 @@ def _spawn(args, mode, cache) -> dict:
          "--profile_first", str(args.profile_first if mode.endswith("_prof") else 0)]
   if cache and "_nostore" not in mode:
     cmd += ["--cache", cache]
-  env = dict(os.environ, SERVE_FRESH_T0=repr(time.time()))
+  # experiment nocb: XLA:GPU without CUDA graphs (command buffers) in every compile
+  flags = xla_options.as_flags(xla_options.OPTION_SETS["nocb"]) if "nocb" in mode else ""
+  env = dict(_isolated.env_with_xla_flags(flags) if flags else os.environ,
+             SERVE_FRESH_T0=repr(time.time()))
   if "_noprerun" in mode:  # background builds do not run their executables ahead
     env["DYNJAX_PRERUN"] = "0"
-  if "nocb" in mode:  # experiment: XLA:GPU without CUDA graphs (command buffers) in every compile
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
   proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
   _CHILD[0] = proc
   try:

@@ -35,5 +35,5 @@ def test_bad_timing_mode_and_option_set_are_named(capsys):
   assert "['bogus'] not among call, x4, pipelined" in capsys.readouterr().err
   from benchmarks import _xla_options
 
-  with pytest.raises(SystemExit, match="unknown set 'nope'; known: nocb, nocc"):
+  with pytest.raises(SystemExit, match="unknown set 'nope'; known: nocb, nocc, cball"):
     _xla_options.parse("nocb,nope")
