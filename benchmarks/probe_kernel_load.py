@@ -7,7 +7,10 @@ experts, 8,192 rows, bf16) through ``route._once`` with the kernel kept in ``--d
 is saved.  Step ``load`` (a fresh process per variant): the kept file deserialized with
 ``jax.export`` and called, the output compared with the saved one.  Variants: ``none`` (no
 Mosaic GPU import at all), ``lib`` (only ``jax._src.lib.mosaic_gpu``, the compiled bindings),
-``core`` (``jax.experimental.mosaic.gpu``, what the Pallas kernel's build imports).  Each
+``runtime`` (``dynjax._jax_private.mosaic_gpu_runtime``: the bindings, and the runtime's path
+set as ``core``'s import sets it), ``core`` (``jax.experimental.mosaic.gpu``, what the Pallas
+kernel's build imports), ``dynjax`` (the kernel through ``route._once``, which finds the kept
+file: whether Mosaic GPU's Python was imported at all).  Each
 reports whether it ran, the seconds of its import, of the load, and of the first call (compile
 included), and which Mosaic GPU modules ``sys.modules`` held before the call.
 """
@@ -60,15 +63,24 @@ def export_step(d: str) -> dict:
 
 
 def load_step(d: str, variant: str) -> dict:
+  import jax
+  import numpy as np
+  from jax import export
+
+  if variant == "dynjax":
+    return dynjax_step(d)
   t0 = time.perf_counter()
   if variant == "lib":
     import jax._src.lib.mosaic_gpu  # noqa: F401
   elif variant == "core":
     import jax.experimental.mosaic.gpu  # noqa: F401
+  elif variant == "runtime":
+    from dynjax import _jax_private
+
+    why = _jax_private.mosaic_gpu_runtime()
+    if why is not None:
+      return {"variant": variant, "ran": False, "error": why}
   t_import = time.perf_counter() - t0
-  import jax
-  import numpy as np
-  from jax import export
 
   (name,) = [f for f in os.listdir(d) if f.endswith(".jaxexport")]
   t1 = time.perf_counter()
@@ -89,6 +101,33 @@ def load_step(d: str, variant: str) -> dict:
           "max_abs_diff": float(np.max(np.abs(y - want))), "modules_before_call": mods}
 
 
+def dynjax_step(d: str) -> dict:
+  """The kept kernel through dynjax itself (``route._once`` finds the file the export step
+  kept): which Mosaic GPU modules the process imported, and the seconds of the first call."""
+  import jax
+  import numpy as np
+
+  from dynjax.route import _hopper, _once
+
+  os.environ["DYNJAX_KERNEL_CACHE"] = d
+  before = set(os.listdir(d))
+  t, m, a, w, tile_end = _inputs()
+  t0 = time.perf_counter()
+  try:
+    y = jax.jit(lambda a, w, te: _hopper.hopper_gmm(a, w, te, t, jax.nn.gelu, m))(a, w, tile_end)
+    y = np.asarray(y.astype("float32"))
+  except Exception as e:  # noqa: BLE001 - the answer we look for
+    return {"variant": "dynjax", "ran": False, "error": f"{type(e).__name__}: {str(e)[:600]}"}
+  want = np.load(os.path.join(d, "want.npy"))
+  return {"variant": "dynjax", "ran": True, "first_call_s": round(time.perf_counter() - t0, 3),
+          "max_abs_diff": float(np.max(np.abs(y - want))),
+          "loaded_not_exported": set(os.listdir(d)) == before,
+          "exports": _once._exported.cache_info().misses,
+          "runtime_path": os.environ.get("MOSAIC_GPU_RUNTIME_LIB_PATH"),
+          "mosaic_python_imported": "jax.experimental.mosaic.gpu" in sys.modules,
+          "pallas_mosaic_imported": "jax.experimental.pallas.mosaic_gpu" in sys.modules}
+
+
 def main(argv=None) -> dict:
   ap = argparse.ArgumentParser(description=__doc__)
   ap.add_argument("--dir", default="/tmp/dynjax_probe_kernel_load")
@@ -105,7 +144,7 @@ def main(argv=None) -> dict:
   for f in os.listdir(args.dir):
     os.remove(os.path.join(args.dir, f))
   rec: dict = {}
-  for step in ["export", "load:none", "load:lib", "load:core"]:
+  for step in ["export", "load:none", "load:lib", "load:runtime", "load:core", "load:dynjax"]:
     p = subprocess.run([sys.executable, __file__, "--dir", args.dir, "--step", step],
                        capture_output=True, text=True, timeout=300)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]

@@ -6,8 +6,11 @@ does), for the grouped layer (dynjax.route, hopper kernel) and for ``lax.ragged_
 
 Each variant in a fresh process (no shared jax caches), buckets t = 64, 128, 256, 512 (batch 8)
 in that order: seconds of trace, lower (StableHLO, the GPU kernels' export included) and XLA
-compile, and the first run.  ``grouped-noahead``: the grouped layer without its kernels compiled
-ahead on a background thread (``route._once.PRECOMPILE_ON``).  Writes DIR/probe_moe_build.json.
+compile, the first run, and the steady time a call (the lowest of 5 bursts of 50 calls with one
+block each; a checksum of the output beside it).  Options of the grouped layer after ``-``,
+joined by ``.``: ``noahead``, its kernels not compiled ahead on a background thread
+(``route._once.PRECOMPILE_ON``); ``scan``, each row tile's group found by a searchsorted scan
+(``route._gmm.TILE_GROUP_SEARCH``, before session 18).  Writes DIR/probe_moe_build.json.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import _isolated  # noqa: E402
 from benchmarks._report import write_json  # noqa: E402
 
+STEADY_CALLS = 50
+
 
 def child(variants: str, small: bool) -> list:
   """Each of ``variants`` (``+``-separated) built in this one process, in order."""
@@ -29,11 +34,13 @@ def child(variants: str, small: bool) -> list:
 
 
 def _build(variant: str, small: bool) -> dict:
-  """``variant``: ``grouped`` or ``ragged_dot``; ``grouped-noahead``: the grouped layer without
-  its kernels compiled ahead on a background thread (``route._once.PRECOMPILE_ON = ()``)."""
+  """``variant``: ``none``, ``grouped``, ``ragged_dot`` or ``dense``; the grouped layer's
+  options after ``-`` (the module docstring), e.g. ``grouped-noahead.scan``."""
   t00 = time.perf_counter()
   label = variant
   variant, _, opt = variant.partition("-")
+  if opt and variant != "grouped":
+    raise SystemExit(f"--variants: options are for the grouped layer, not {label!r}")
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -42,12 +49,16 @@ def _build(variant: str, small: bool) -> dict:
   import bench_moe_gmm as bm
 
   from dynjax import route
-  from dynjax.route import _once
+  from dynjax.route import _gmm, _once
 
-  if opt == "noahead":
-    _once.PRECOMPILE_ON = ()
-  elif opt:
-    raise SystemExit(f"--variants: unknown option {opt!r} in {label!r} (noahead)")
+  for o in filter(None, opt.split(".")):
+    if o == "noahead":
+      _once.PRECOMPILE_ON = ()
+    elif o == "scan":  # each row tile's group by a searchsorted scan (before session 18)
+      _gmm.TILE_GROUP_SEARCH = "scan"
+    else:
+      raise SystemExit(f"--variants: unknown option {o!r} in {label!r} "
+                       f"(noahead, scan; joined by '.')")
 
   cfg = dict(vocab=30522, d=1024, heads=16, ffn=4096, experts=8, k=2, max_len=512, batch=8)
   ts = (64, 128, 256, 512)
@@ -77,12 +88,23 @@ def _build(variant: str, small: bool) -> dict:
     t2 = time.perf_counter()
     exe = lowered.compile()
     t3 = time.perf_counter()
-    jax.block_until_ready(exe(v16, tok, lens))
+    y = jax.block_until_ready(exe(v16, tok, lens))
     t4 = time.perf_counter()
+    # Steady: a burst of calls with one block at the end, per call (the GPU's time when the
+    # host launches ahead), the lowest of 5 bursts.
+    bursts = []
+    for _ in range(5):
+      t5 = time.perf_counter()
+      for _ in range(STEADY_CALLS):
+        y = exe(v16, tok, lens)
+      jax.block_until_ready(y)
+      bursts.append((time.perf_counter() - t5) / STEADY_CALLS)
     out["buckets"][t] = {"trace_s": t1 - t0, "lower_s": t2 - t1, "compile_s": t3 - t2,
-                         "first_run_s": t4 - t3}
+                         "first_run_s": t4 - t3, "steady_us": min(bursts) * 1e6,
+                         "checksum": float(np.asarray(y, np.float32).sum())}
     print(f"  {label:16s} t={t:4d} trace {t1 - t0:6.2f} s  lower {t2 - t1:6.2f}  compile "
-          f"{t3 - t2:6.2f}  first run {t4 - t3:6.3f}", flush=True)
+          f"{t3 - t2:6.2f}  first run {t4 - t3:6.3f}  steady {min(bursts) * 1e6:7.1f} us",
+          flush=True)
   return out
 
 
@@ -99,8 +121,9 @@ def main(argv=None) -> dict:
   if args.child:
     _isolated.emit(child(args.child, args.small))
     return {}
-  known = {"none", "grouped", "grouped-noahead", "ragged_dot", "dense"}
-  bad = {x for v in args.variants.split(",") for x in v.split("+")} - known
+  known = {"none", "grouped", "ragged_dot", "dense"}
+  bad = {x for v in args.variants.split(",") for x in v.split("+")
+         if x.partition("-")[0] not in known}
   if bad:
     raise SystemExit(f"--variants: unknown {sorted(bad)}; known: {sorted(known)}")
   report = {"runs": []}

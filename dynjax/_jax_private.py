@@ -337,3 +337,39 @@ def undecided_equalities():
     yield record
   finally:
     _EQ_LOCAL.record = previous
+
+
+_MOSAIC_RUNTIME: list = []  # [reason or None], once a process
+
+
+def mosaic_gpu_runtime() -> str | None:
+  """Readies the process to run a Mosaic GPU kernel deserialized with ``jax.export`` without
+  importing Mosaic GPU's Python (``jax.experimental.mosaic.gpu``).  None when ready, else why not.
+
+  The kernel's custom call JIT-compiles a host stub that needs Mosaic GPU's runtime library;
+  it finds that library through ``MOSAIC_GPU_RUNTIME_LIB_PATH``, which the import of
+  ``jax.experimental.mosaic.gpu.core`` sets (next to the compiled bindings'
+  ``_mosaic_gpu_ext``).  Without it the first run fails with "Failed to lookup host symbol"
+  (``benchmarks/probe_kernel_load.py``).  This imports only the compiled bindings
+  (``jax._src.lib.mosaic_gpu``) and sets the variable the same way.  Measured on the H100 host
+  (jax 0.11.2): the Python import costs 0.35 s of a cold process; see ``route._once``.
+  """
+  if _MOSAIC_RUNTIME:
+    return _MOSAIC_RUNTIME[0]
+  import os
+  import pathlib
+
+  why = None
+  try:
+    from jax._src.lib import mosaic_gpu as mosaic_gpu_lib
+
+    path = pathlib.Path(mosaic_gpu_lib._mosaic_gpu_ext.__file__).parent / \
+        "libmosaic_gpu_runtime.so"
+    if not path.exists():
+      why = f"Mosaic GPU's runtime library is not at {path}"
+    else:
+      os.environ.setdefault("MOSAIC_GPU_RUNTIME_LIB_PATH", str(path))
+  except Exception as e:  # noqa: BLE001 - no CUDA plugin, or the private name moved
+    why = f"Mosaic GPU's compiled bindings did not import ({type(e).__name__}: {e})"
+  _MOSAIC_RUNTIME.append(why)
+  return why

@@ -169,6 +169,12 @@ def buffer_rows(rows: int, num_groups: int, tiling: Tiling, backend: str) -> int
 # rows: 8 experts uniform k=1 mgpu 0.589 ms, Triton 0.664; 64 experts mgpu 1.19, Triton 0.93
 # (an earlier run).
 MGPU_MAX_EXTRA_TILES = 1 / 8
+# jnp.searchsorted's method for each row tile's group: "compare_all" (one [tiles, groups]
+# compare and sum: one fusion) or "scan" (a while loop of log2(groups) steps, each its own
+# lowered function).  H100, jax 0.11.2, the e2e MoE encoder's 4 length buckets, plain jax.jit
+# (benchmarks/probe_moe_build.py, session 18): lowering 0.25-0.29 s against 0.43-0.51 with
+# "scan", the same outputs (checksums), compile within its noise (12.8-15.4 s).
+TILE_GROUP_SEARCH = "compare_all"
 
 
 def hopper_floor_rows(num_groups: int, tm: int) -> int:
@@ -454,7 +460,8 @@ def group_tiles(group_sizes: jax.Array, num_row_tiles: int, tm: int):
   count = (sizes + tm - 1) // tm
   end = jnp.cumsum(count)
   start = end - count
-  tile_group = jnp.searchsorted(end, jnp.arange(num_row_tiles, dtype=jnp.int32), side="right")
+  tile_group = jnp.searchsorted(end, jnp.arange(num_row_tiles, dtype=jnp.int32), side="right",
+                                method=TILE_GROUP_SEARCH)
   return tile_group.astype(jnp.int32), start.astype(jnp.int32), count.astype(jnp.int32)
 
 

@@ -28,6 +28,7 @@ numbers).  Cost (H100, jax 0.11.2): see ``_gmm.resolve_backend``.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import inspect
 from collections.abc import Callable
 from typing import NamedTuple
@@ -36,6 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from dynjax import _jax_private
 from dynjax._errors import RoutingError
 from dynjax.route import _once
 
@@ -85,11 +87,15 @@ def unavailable_reason(dtype) -> str | None:
   why = hopper_refusal(dtype)
   if why is not None:
     return why
+  # Found, not imported: a process whose kernels are kept on disk (route._once) never builds
+  # one, and the import costs 0.40 s of a cold process on the H100 host (jax 0.11.2).
   try:
-    _plgpu()
+    found = importlib.util.find_spec("jax.experimental.pallas.mosaic_gpu") is not None
   except ImportError as e:
-    return f"this jax ({jax.__version__}) has no Mosaic GPU Pallas ({e})"
-  return None
+    found, why = False, str(e)
+  if not found:
+    return f"this jax ({jax.__version__}) has no Mosaic GPU Pallas ({why or 'no module'})"
+  return _jax_private.mosaic_gpu_runtime()
 
 
 def _plgpu():
@@ -248,8 +254,13 @@ def hopper_gmm(lhs, rhs, tile_end, tiling, activation=None, skip_unused: int = 0
                   skip_unused=bool(skip_unused), sms=sms,
                   approx=APPROX_BF16 and activation is not None and lhs.dtype == jnp.bfloat16,
                   wg_m=WG_SPLIT == "m" and tm % 128 == 0, wait=WGMMA_IN_FLIGHT)
-  return _once.call(("hopper_gmm", key), _kernel(key), tile_end.astype(jnp.int32), lhs, rhs,
-                    keep=True)
+  # The kernel is built only where it is exported: not where route._once loads it from disk.
+  return _once.call(("hopper_gmm", key), functools.partial(_run_kernel, key),
+                    tile_end.astype(jnp.int32), lhs, rhs, keep=True)
+
+
+def _run_kernel(key: KernelKey, *args):
+  return _kernel(key)(*args)
 
 
 class KernelKey(NamedTuple):

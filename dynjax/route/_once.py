@@ -140,6 +140,8 @@ def _exported(key):
     try:  # ~1 ms (2-core box) against the export's 0.6-0.8 s
       exp = export.deserialize(bytearray(path.read_bytes()))
       _touch(path)  # most recently used: pruned last
+      if "cuda" in exp.platforms and jax.default_backend() == "gpu":
+        _ready_to_run()
       return exp
     except Exception as e:  # noqa: BLE001 - a damaged or foreign file: export it again
       logger.warning("dynjax.route: the stored GPU kernel %s could not be read (%s: %s); "
@@ -152,6 +154,16 @@ def _exported(key):
   if path is not None:
     _keep(path, exp)
   return exp
+
+
+def _ready_to_run() -> None:
+  """Readies the process to run a kept Mosaic GPU kernel: the process that loads one has not
+  built it, so it has not imported ``jax.experimental.mosaic.gpu``, whose import (0.35 s of a
+  cold process on the H100 host, 1.3-1.9 s on the 2-core box) also tells the kernel's custom
+  call where Mosaic GPU's runtime is.  ``_jax_private.mosaic_gpu_runtime`` says so without
+  it; where it cannot, the import does."""
+  if _jax_private.mosaic_gpu_runtime() is not None:
+    import jax.experimental.mosaic.gpu  # noqa: F401, PLC0415 - sets the runtime's path
 
 
 def kernel_cache_dir() -> Path | None:

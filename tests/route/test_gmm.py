@@ -263,3 +263,23 @@ def test_tiling_auto_keeps_tile_padding_small():
   assert route.Tiling.auto(8192, 64).tm == 64
   moe = route.Routed(route.Experts(route.ffn()), route.Router(E), mode="grouped", kernel="xla")
   assert moe.stats()["tiling"] == "auto"
+
+
+@pytest.mark.parametrize("search", ["compare_all", "scan"])
+def test_group_tiles_maps_each_row_tile_to_its_group(search, monkeypatch):
+  # Each row tile's group, first tile and tile count of tile-aligned groups, against a loop in
+  # numpy, with empty groups and tiles past the last group's (which get the group count).
+  from dynjax.route import _gmm
+
+  monkeypatch.setattr(_gmm, "TILE_GROUP_SEARCH", search)
+  rng = np.random.RandomState(0)
+  fn = jax.jit(_gmm.group_tiles, static_argnums=(1, 2))
+  for sizes in ([0, 0, 0], [5, 0, 17, 1], list(rng.randint(0, 40, 8)), [16, 16], [1]):
+    tm, tiles = 8, 12
+    count = [-(-s // tm) for s in sizes]
+    start = list(np.cumsum([0] + count[:-1]))
+    want = [next((g for g in range(len(sizes)) if start[g] <= t < start[g] + count[g]),
+                 len(sizes)) for t in range(tiles)]
+    got = fn(jnp.asarray(sizes, jnp.int32), tiles, tm)
+    assert got[0].tolist() == want, (sizes, search)
+    assert got[1].tolist() == start and got[2].tolist() == count

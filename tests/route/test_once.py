@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import jax
 import jax.numpy as jnp
@@ -242,3 +243,80 @@ def test_a_kernel_is_kept_per_lowering_configuration(tmp_path, monkeypatch):
     _once.clear()
     _lower()
   assert len(_files(tmp_path)) == 2
+
+
+def test_a_kept_kernel_on_a_gpu_readies_mosaic_gpus_runtime_without_its_python(tmp_path,
+                                                                               monkeypatch):
+  # A process that loads its kernels never builds them, so it never imports Mosaic GPU's Python
+  # (0.35 s of a cold H100 process), whose import also tells the custom call where Mosaic GPU's
+  # runtime is: loading a CUDA kernel on a GPU readies that runtime instead, once a load.
+  monkeypatch.setenv("DYNJAX_KERNEL_CACHE", str(tmp_path))
+  monkeypatch.setattr(_once, "PRECOMPILE_ON", ())
+  readied = []
+  monkeypatch.setattr(_once, "_ready_to_run", lambda: readied.append(1))
+  _lower()
+  assert readied == []  # exported here: built with Mosaic GPU's Python
+  for backend, want in (("cpu", []), ("gpu", [1])):
+    _once.clear()
+    monkeypatch.setattr(jax, "default_backend", lambda b=backend: b)
+    _lower()
+    assert readied == want, backend
+  # A kernel kept for another platform than CUDA: nothing to ready.
+  monkeypatch.setattr(_once, "_PLATFORMS", ("cpu",))
+  loads = []
+  real = jax.export.deserialize
+  monkeypatch.setattr(jax.export, "deserialize", lambda b: loads.append(1) or real(b))
+  for _ in range(2):
+    _once.clear()
+    jax.jit(lambda a: _once.call("c", jnp.tanh, a, keep=True)).trace(
+        jax.ShapeDtypeStruct((8, 16), jnp.float32)).lower()
+  assert loads == [1] and readied == [1] and len(_files(tmp_path)) == 2
+
+
+def test_the_runtime_is_readied_by_importing_mosaic_gpu_only_where_the_short_way_fails(
+    monkeypatch):
+  import sys
+
+  from dynjax import _jax_private
+
+  # None in sys.modules: an import of it raises, so the test sees whether it was tried.
+  monkeypatch.setitem(sys.modules, "jax.experimental.mosaic.gpu", None)
+  monkeypatch.setattr(_jax_private, "mosaic_gpu_runtime", lambda: None)
+  _once._ready_to_run()
+  monkeypatch.setattr(_jax_private, "mosaic_gpu_runtime", lambda: "no bindings")
+  with pytest.raises(ImportError):
+    _once._ready_to_run()
+
+
+@pytest.mark.parametrize("runtime", [True, False])
+def test_mosaic_gpus_runtime_is_found_beside_its_compiled_bindings(runtime, tmp_path,
+                                                                    monkeypatch):
+  import sys
+  import types
+
+  from dynjax import _jax_private
+
+  ext = tmp_path / "_mosaic_gpu_ext.so"
+  ext.write_bytes(b"")
+  if runtime:
+    (tmp_path / "libmosaic_gpu_runtime.so").write_bytes(b"")
+  lib = types.ModuleType("jax._src.lib.mosaic_gpu")
+  lib._mosaic_gpu_ext = types.SimpleNamespace(__file__=str(ext))
+  monkeypatch.setitem(sys.modules, "jax._src.lib.mosaic_gpu", lib)
+  monkeypatch.setattr(jax._src.lib, "mosaic_gpu", lib, raising=False)
+  monkeypatch.setattr(_jax_private, "_MOSAIC_RUNTIME", [])
+  monkeypatch.delenv("MOSAIC_GPU_RUNTIME_LIB_PATH", raising=False)
+  why = _jax_private.mosaic_gpu_runtime()
+  if runtime:
+    assert why is None
+    assert os.environ["MOSAIC_GPU_RUNTIME_LIB_PATH"] == str(tmp_path / "libmosaic_gpu_runtime.so")
+  else:
+    assert why == f"Mosaic GPU's runtime library is not at {tmp_path / 'libmosaic_gpu_runtime.so'}"
+    assert "MOSAIC_GPU_RUNTIME_LIB_PATH" not in os.environ
+  assert _jax_private.mosaic_gpu_runtime() == why  # once a process
+  # Without the bindings (a CPU jaxlib): the reason says so.
+  monkeypatch.setitem(sys.modules, "jax._src.lib.mosaic_gpu", None)
+  monkeypatch.delattr(jax._src.lib, "mosaic_gpu", raising=False)
+  monkeypatch.setattr(_jax_private, "_MOSAIC_RUNTIME", [])
+  assert _jax_private.mosaic_gpu_runtime().startswith("Mosaic GPU's compiled bindings did not "
+                                                      "import")
