@@ -368,7 +368,7 @@ def mosaic_gpu_runtime() -> str | None:
     if not path.exists():
       why = f"Mosaic GPU's runtime library is not at {path}"
     else:
-      os.environ.setdefault("MOSAIC_GPU_RUNTIME_LIB_PATH", str(path))
+      os.environ["MOSAIC_GPU_RUNTIME_LIB_PATH"] = str(path)  # as that import does
   except Exception as e:  # noqa: BLE001 - no CUDA plugin, or the private name moved
     why = f"Mosaic GPU's compiled bindings did not import ({type(e).__name__}: {e})"
   _MOSAIC_RUNTIME.append(why)

@@ -305,14 +305,14 @@ def test_mosaic_gpus_runtime_is_found_beside_its_compiled_bindings(runtime, tmp_
   monkeypatch.setitem(sys.modules, "jax._src.lib.mosaic_gpu", lib)
   monkeypatch.setattr(jax._src.lib, "mosaic_gpu", lib, raising=False)
   monkeypatch.setattr(_jax_private, "_MOSAIC_RUNTIME", [])
-  monkeypatch.delenv("MOSAIC_GPU_RUNTIME_LIB_PATH", raising=False)
+  monkeypatch.setenv("MOSAIC_GPU_RUNTIME_LIB_PATH", "/stale")  # replaced, as the import does
   why = _jax_private.mosaic_gpu_runtime()
   if runtime:
     assert why is None
     assert os.environ["MOSAIC_GPU_RUNTIME_LIB_PATH"] == str(tmp_path / "libmosaic_gpu_runtime.so")
   else:
     assert why == f"Mosaic GPU's runtime library is not at {tmp_path / 'libmosaic_gpu_runtime.so'}"
-    assert "MOSAIC_GPU_RUNTIME_LIB_PATH" not in os.environ
+    assert os.environ["MOSAIC_GPU_RUNTIME_LIB_PATH"] == "/stale"
   assert _jax_private.mosaic_gpu_runtime() == why  # once a process
   # Without the bindings (a CPU jaxlib): the reason says so.
   monkeypatch.setitem(sys.modules, "jax._src.lib.mosaic_gpu", None)
