@@ -3,7 +3,8 @@
     python benchmarks/probe_moe_profile.py --out DIR                 # H100 sizes
     python benchmarks/probe_moe_profile.py --small --out /tmp/p      # CPU smoke run
 
-Parts: ``gemms``, the layer's two grouped GEMMs alone per hopper-kernel knob (``--knobs``:
+Parts: ``requests``, issue 19's e2e encoder one request at a time (``run_requests``);
+``gemms``, the layer's two grouped GEMMs alone per hopper-kernel knob (``--knobs``:
 approximate math in the fused activation on / off, ``_hopper.APPROX_BF16``) beside cuBLAS; ``layers``: for each ``--specs`` entry (``setting:k``, settings as in bench_moe_kernels.py) and each
 variant (the grouped layer at kernel="auto", the capacity-1.25 dropping layer, one dense FFN of
 the same FLOPs), four layers on rotating inputs in one executable are run ``--iters`` times
@@ -110,7 +111,9 @@ def call_timeline(events: list[dict]) -> dict:
           "host_before_first_kernel": sorted(host.items(), key=lambda r: -r[1])[:12]}
 
 
-def profile(label: str, fn, args_list, iters: int, out_dir: str | None, top: int = 25) -> dict:
+def profile(label: str, fn, args_list, iters: int, out_dir: str | None, top: int = 25,
+            per_call: int = REPS) -> dict:
+  """``per_call``: layers a call of ``fn`` runs (each row is per layer); 1: per call."""
   jf = jax.jit(fn)
   jax.block_until_ready(jf(*args_list))  # compile + warm
   if out_dir:
@@ -121,7 +124,7 @@ def profile(label: str, fn, args_list, iters: int, out_dir: str | None, top: int
     t0 = time.perf_counter()
     jax.block_until_ready(jf(*args_list))
     walls.append(time.perf_counter() - t0)
-  wall = float(np.median(walls)) / REPS * 1e6
+  wall = float(np.median(walls)) / per_call * 1e6
   log_dir = tempfile.mkdtemp(prefix="moe_prof_")
   with jax.profiler.trace(log_dir):
     for i in range(iters):
@@ -130,12 +133,13 @@ def profile(label: str, fn, args_list, iters: int, out_dir: str | None, top: int
   events = trace_events(log_dir)
   agg, procs, gaps = device_kernels(events)
   calls = call_timeline(events)
-  per = iters * REPS
+  per = iters * per_call
   rows = sorted(((nm, dur / per, cnt / per) for nm, (dur, cnt) in agg.items()),
                 key=lambda r: -r[1])
   total = sum(r[1] for r in rows)
   gap_rows = sorted(((nm, g / per) for nm, g in gaps.items()), key=lambda r: -r[1])
-  print(f"\n  {label}: wall {wall:.1f} us a layer, device events {total:.1f} us, idle "
+  print(f"\n  {label}: wall {wall:.1f} us a {'layer' if per_call > 1 else 'call'}, device "
+        f"events {total:.1f} us, idle "
         f"between them {sum(g for _, g in gap_rows):.1f} us", flush=True)
   for nm, us, cnt in rows[:top]:
     print(f"    {us:8.2f} us  x{cnt:4.2f}  {nm[:110]}", flush=True)
@@ -310,6 +314,40 @@ def run_layers(args) -> dict:
   return out
 
 
+def run_requests(args) -> dict:
+  """Issue 19's e2e MoE encoder (``bench_moe_gmm.build_flax_model``: 8 experts, k=2, batch 8)
+  as one request runs it: ``jax.jit`` of the model's apply at each ``--request-lengths`` t, one
+  call at a time (a block after each), bf16 weights on the device, for the models ``none`` (the
+  block without experts), ``grouped`` (kernel auto) and ``dense``: device time by kernel, and
+  the host's time before the first kernel and after the last."""
+  from benchmarks import bench_moe_gmm as bm  # noqa: PLC0415
+
+  cfg = dict(vocab=512 if args.small else 30522, d=args.d, heads=4 if args.small else 16,
+             ffn=args.ffn, experts=8, k=2, max_len=128 if args.small else 512, batch=8)
+  routed = route.Routed(route.Experts(route.ffn()),
+                        route.Router(cfg["experts"], k=cfg["k"], renormalize=True),
+                        mode="grouped", kernel="auto" if jax.default_backend() == "gpu" else "xla")
+  out: dict = {}
+  for t in [int(x) for x in args.request_lengths.split(",")]:
+    rng = np.random.RandomState(args.seed)
+    tok = jnp.asarray(rng.randint(1, cfg["vocab"], (cfg["batch"], t)), jnp.int32)
+    lens = jnp.asarray(rng.randint(t // 2 + 1, t + 1, cfg["batch"]), jnp.int32)
+    variables = jax.jit(bm.build_flax_model(cfg, "dense", None).init)(
+        jax.random.PRNGKey(0), tok, lens)
+    v16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16) if x.ndim >= 2 else x, variables)
+    res = out.setdefault(str(t), {})
+    print(f"\n== request t={t} (batch {cfg['batch']})", flush=True)
+    for name in args.request_models.split(","):
+      model = bm.build_flax_model(cfg, name, routed if name == "grouped" else None)
+      try:
+        res[name] = profile(f"{name} t={t}", model.apply, [v16, tok, lens], args.iters,
+                            None, top=args.top, per_call=1)
+      except Exception as ex:  # one failing model must not lose the others
+        res[name] = {"error": f"{type(ex).__name__}: {str(ex)[:800]}"}
+        print(f"  {name} FAILED {res[name]['error'][:400]}", flush=True)
+  return out
+
+
 def main(argv=None) -> dict:
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--out", default=None)
@@ -326,6 +364,10 @@ def main(argv=None) -> dict:
   ap.add_argument("--tokens", type=int, default=0,
                   help="tokens a layer (default 8,192; --small 512); e.g. 1,024 = a request of "
                   "batch 8 at length 128, as issue 19's e2e serves them")
+  ap.add_argument("--request-lengths", default="128,256",
+                  help="requests part: the lengths t of the e2e's requests (batch 8)")
+  ap.add_argument("--request-models", default="none,grouped,dense",
+                  help="requests part: none, grouped, dense, ragged_dot")
   ap.add_argument("--iters", type=int, default=10)
   ap.add_argument("--top", type=int, default=12)
   ap.add_argument("--zipf", type=float, default=1.2)
@@ -336,7 +378,8 @@ def main(argv=None) -> dict:
   args.rotate = REPS
   report = open_report(args, argv)
   for part in args.parts.split(","):
-    report[part] = {"gemms": run_gemms, "layers": run_layers}[part](args)
+    report[part] = {"gemms": run_gemms, "layers": run_layers,
+                    "requests": run_requests}[part](args)
     write_json(args.out, "probe_moe_profile.json", report, default=str)
   return report
 
