@@ -34,3 +34,18 @@ def test_small_probe_runs_both_parts_and_reports(tmp_path, monkeypatch):
   assert layer["capacity"]["wall_us"] > 0 and layer["capacity"]["kernels"]
   saved = json.loads((tmp_path / "probe_moe_profile.json").read_text())
   assert set(saved) >= {"jax", "device", "gemms", "layers"}
+
+
+def test_small_requests_part_profiles_each_model_per_call(tmp_path):
+  rep = probe_moe_profile.main([
+      "--small", "--out", str(tmp_path), "--parts", "requests", "--request-lengths", "16",
+      "--request-models", "none,grouped", "--iters", "1", "--top", "2"])
+  res = rep["requests"]["16"]
+  assert set(res) == {"none", "grouped"}
+  for r in res.values():
+    assert r["wall_us"] > 0 and r["device_us"] > 0 and r["kernels"], r
+  # Per call, not per layer (the layers part divides by its 4 layers): each call's one
+  # annotation counts once.
+  counts = {k["name"]: k["count"] for k in res["none"]["kernels"]}
+  assert counts["probe_call_0"] == 1.0 and counts["PjitFunction(apply)"] >= 1.0
+  assert json.loads((tmp_path / "probe_moe_profile.json").read_text())["requests"]["16"]
