@@ -319,7 +319,8 @@ def run_requests(args) -> dict:
   as one request runs it: ``jax.jit`` of the model's apply at each ``--request-lengths`` t, one
   call at a time (a block after each), bf16 weights on the device, for the models ``none`` (the
   block without experts), ``grouped`` (kernel auto) and ``dense``: device time by kernel, and
-  the host's time before the first kernel and after the last."""
+  the host's time before the first kernel and after the last; the optimized HLO of each goes
+  to ``DIR/hlo_<model>_t<t>.txt``."""
   from benchmarks import bench_moe_gmm as bm  # noqa: PLC0415
 
   cfg = dict(vocab=512 if args.small else 30522, d=args.d, heads=4 if args.small else 16,
@@ -340,8 +341,8 @@ def run_requests(args) -> dict:
     for name in args.request_models.split(","):
       model = bm.build_flax_model(cfg, name, routed if name == "grouped" else None)
       try:
-        res[name] = profile(f"{name} t={t}", model.apply, [v16, tok, lens], args.iters,
-                            None, top=args.top, per_call=1)
+        res[name] = profile(f"{name}_t{t} ", model.apply, [v16, tok, lens], args.iters,
+                            args.out, top=args.top, per_call=1)
       except Exception as ex:  # one failing model must not lose the others
         res[name] = {"error": f"{type(ex).__name__}: {str(ex)[:800]}"}
         print(f"  {name} FAILED {res[name]['error'][:400]}", flush=True)
