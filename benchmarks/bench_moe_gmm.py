@@ -50,6 +50,7 @@ import numpy as np
 import dynjax
 from benchmarks import _xla_options as xla_options
 from dynjax import route
+from dynjax.route import _grouped
 
 NOMINAL_PEAK = 800e12  # H100 SXM dense bf16, FLOP/s
 NOMINAL_BW = 3.3e12  # H100 SXM HBM3, bytes/s
@@ -457,9 +458,17 @@ def run_e2e(args) -> dict:
   router = route.Router(cfg["experts"], k=cfg["k"], renormalize=True)
   on_gpu = jax.default_backend() != "cpu"
   variants = {}
+  # grouped+apart / grouped+fused: the combine materialized on its own or fused into its
+  # consumer (route._grouped.COMBINE_APART), whatever the library's default
+  combine = {}
   for v in args.e2e_variants.split(","):
     if v.startswith("grouped"):  # grouped (auto kernel), grouped-pallas, grouped-hopper:TILING
-      kernel, _, tiling = v.partition("-")[2].partition(":")
+      _, plus, extra = v.partition("+")
+      if plus and extra not in ("apart", "fused"):
+        raise SystemExit(f"--e2e-variants: unknown option +{extra} of {v!r} (+apart, +fused)")
+      if extra:
+        combine[f"dynjax {v} (gmm kernel)"] = extra == "apart"
+      kernel, _, tiling = v.partition("+")[0].partition("-")[2].partition(":")
       kernel = kernel or ("auto" if on_gpu else "xla")
       variants[f"dynjax {v} (gmm kernel)"] = ("grouped", route.Routed(
           experts, router, mode="grouped", kernel=kernel,
@@ -530,12 +539,16 @@ def run_e2e(args) -> dict:
     model = build_flax_model(cfg, dispatch, routed)
     fn = serve(model, host_outputs=host_outputs, compiler_options=opts)
     t0 = time.perf_counter()
-    try:
+    default_combine = _grouped.COMBINE_APART
+    try:  # the cold pass builds every bucket: the flag is read as each is traced
+      _grouped.COMBINE_APART = combine.get(label.split(" [")[0], default_combine)
       ys = [np.asarray(fn(variables, tok, lens)) for tok, lens in stream]
     except Exception as e:  # one failing variant must not lose the others' figures
       out["methods"][label] = {"error": f"{type(e).__name__}: {str(e)[:1500]}"}
       print(f"  {label:32s} FAILED {out['methods'][label]['error'][:600]}", flush=True)
       continue
+    finally:
+      _grouped.COMBINE_APART = default_combine
     cold = time.perf_counter() - t0
     ts = time_stream(fn, variables, stream)
     outputs[label] = ys
@@ -658,6 +671,8 @@ def main(argv=None) -> dict:
   ap.add_argument("--e2e-variants", default="grouped,ragged_dot,dense,profiled",
                   help="grouped (kernel auto), grouped-pallas, grouped-mgpu, grouped-hopper, "
                        "grouped-KERNEL:TILING (tm x tk x tn x warps x stages g grid_block_n), "
+                       "any of them +apart or +fused (the combine on its own or fused into "
+                       "its consumer), "
                        "ragged_dot, dense, profiled; the first grouped one also times the "
                        "training step")
   ap.add_argument("--e2e-device-outputs", action="store_true",

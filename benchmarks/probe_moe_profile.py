@@ -339,13 +339,20 @@ def run_requests(args) -> dict:
     res = out.setdefault(str(t), {})
     print(f"\n== request t={t} (batch {cfg['batch']})", flush=True)
     for name in args.request_models.split(","):
-      model = bm.build_flax_model(cfg, name, routed if name == "grouped" else None)
+      from dynjax.route import _grouped  # noqa: PLC0415
+
+      base, _, opt = name.partition("-")
+      if opt not in ("", "apart") or (opt and base != "grouped"):
+        raise SystemExit(f"--request-models: unknown {name!r}")
+      _grouped.COMBINE_APART = opt == "apart"
+      model = bm.build_flax_model(cfg, base, routed if base == "grouped" else None)
       try:
         res[name] = profile(f"{name}_t{t} ", model.apply, [v16, tok, lens], args.iters,
                             args.out, top=args.top, per_call=1)
       except Exception as ex:  # one failing model must not lose the others
         res[name] = {"error": f"{type(ex).__name__}: {str(ex)[:800]}"}
         print(f"  {name} FAILED {res[name]['error'][:400]}", flush=True)
+      _grouped.COMBINE_APART = False
   return out
 
 
@@ -368,7 +375,8 @@ def main(argv=None) -> dict:
   ap.add_argument("--request-lengths", default="128,256",
                   help="requests part: the lengths t of the e2e's requests (batch 8)")
   ap.add_argument("--request-models", default="none,grouped,dense",
-                  help="requests part: none, grouped, dense, ragged_dot")
+                  help="requests part: none, grouped, dense, ragged_dot; grouped-apart: the "
+                  "combine not fused into its consumer (route._grouped.COMBINE_APART)")
   ap.add_argument("--iters", type=int, default=10)
   ap.add_argument("--top", type=int, default=12)
   ap.add_argument("--zipf", type=float, default=1.2)

@@ -156,7 +156,8 @@ def _elementwise_rule(ctx, eqn, invals):
   return [PaddedValue(o, fill) for o in outs]
 
 
-@register(P.transpose_p, P.squeeze_p, P.sharding_constraint_p, P.device_put_p)
+@register(P.transpose_p, P.squeeze_p, P.sharding_constraint_p, P.device_put_p,
+          getattr(lax, "optimization_barrier_p", None))  # the barrier: each operand as it is
 def _layout_passthrough_rule(ctx, eqn, invals):
   outs = _bind(ctx, eqn, [pv.val for pv in invals])
   fills = [pv.fill for pv in invals]

@@ -30,6 +30,16 @@ from dynjax.route._gmm import (
 )
 from dynjax.route._router import Routing
 
+# The combine (each cell's k rows times their gates) materialized on its own, not fused into
+# its consumer (an optimization barrier).  XLA fused its gather into the transpose that feeds
+# the e2e MoE encoder's pooling: 19 us at 1,024 tokens where the dense model's same transpose
+# takes 7.  Apart, H100 jax 0.11.2 (session 18): the request's device time 249.5 / 250.1 ->
+# 237.9 / 238.4 us at t=128, 314.7 / 313.1 -> 304.5 / 304.0 at t=256, 547 -> 543 at t=512
+# (probe_moe_profile.py --parts requests); the e2e taking turns per request, apart against
+# fused, 5 of 6 mean/median pairs faster by 6-29 us (bench_moe_gmm_e2e_run22_combine_h100.log).
+# Its cost where the consumer would have fused it cheaply: one [N, d] write and read.
+COMBINE_APART = True
+
 
 class GroupedLayout(NamedTuple):
   """Where every (cell, choice) sits in the grouped buffer.
@@ -131,4 +141,5 @@ def grouped_ffn(params, x: jax.Array, routing: Routing, *, activation, tiling: T
   picked = jnp.take(ys, lay.slots.reshape(-1), axis=0, mode="fill", fill_value=0)
   picked = picked.astype(acc).reshape(n, -1, ys.shape[1]) * gates[..., None]
   y = picked[:, 0] if picked.shape[1] == 1 else jnp.sum(picked, axis=1)
-  return y.astype(x.dtype)
+  y = y.astype(x.dtype)
+  return jax.lax.optimization_barrier(y) if COMBINE_APART else y

@@ -80,6 +80,12 @@ CASES = [
   ("dot_contract_b", lambda x: jnp.einsum("bt,bs->ts", x, x), BT, {}),
   ("dot_batch_free", lambda x: jnp.einsum("btc,bsc->bts", x, x), BTC, {}),
   ("cumsum", lambda x: (jnp.cumsum(x, 1), lax.cumsum(x, 1, reverse=True)), BT, {}),
+  (  # each operand as it is; what it holds in its padding (0 from exp - 1 of a 0 fill) kept
+    "optimization_barrier",
+    lambda x: jnp.sum(lax.optimization_barrier((jnp.expm1(x), x * 2))[0], 1),
+    BT,
+    {},
+  ),
   ("cumprod", lambda x: lax.cumprod(1 + 0.1 * x, 1, reverse=True), BT, {}),
   (
     "cummax_cummin",

@@ -283,3 +283,27 @@ def test_group_tiles_maps_each_row_tile_to_its_group(search, monkeypatch):
     got = fn(jnp.asarray(sizes, jnp.int32), tiles, tm)
     assert got[0].tolist() == want, (sizes, search)
     assert got[1].tolist() == start and got[2].tolist() == count
+
+
+@pytest.mark.parametrize("apart", [True, False])
+def test_the_combine_stands_apart_from_its_consumer_only_where_asked(apart, monkeypatch):
+  # COMBINE_APART: the combine behind an optimization barrier (XLA then materializes it
+  # instead of fusing its gather into the consumer); values and gradients as the dense layer's.
+  from dynjax.route import _grouped
+
+  monkeypatch.setattr(_grouped, "COMBINE_APART", apart)
+  params, x, logits = make(2, 2, [2.0, 1.0, 0.0, -30.0])
+  moe = route.Routed(route.Experts(route.ffn()), route.Router(E, k=2, renormalize=True),
+                     mode="grouped", kernel="xla", tiling=TILING)
+  fn = lambda p, x, lg: jnp.tanh(moe(p, x, lg)) + x  # noqa: E731 - a consumer to fuse into
+  assert ("optimization_barrier" in str(jax.make_jaxpr(fn)(params, x, logits))) == apart
+  ct = jax.random.normal(jax.random.PRNGKey(7), x.shape)
+
+  def value_and_grads(f):
+    return jax.jit(jax.value_and_grad(lambda p, x, lg: jnp.sum(f(p, x, lg) * ct), (0, 1, 2)))(
+        params, x, logits)
+
+  got = value_and_grads(fn)
+  want = value_and_grads(lambda p, x, lg: jnp.tanh(dense(p, x, lg, 2)) + x)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
