@@ -95,7 +95,13 @@ def unavailable_reason(dtype) -> str | None:
     found, why = False, str(e)
   if not found:
     return f"this jax ({jax.__version__}) has no Mosaic GPU Pallas ({why or 'no module'})"
-  return _jax_private.mosaic_gpu_runtime()
+  if _jax_private.mosaic_gpu_runtime() is None:
+    return None
+  try:  # the runtime not found the short way: this jax's own import decides
+    _plgpu()
+  except ImportError as e:
+    return f"this jax ({jax.__version__}) has no Mosaic GPU Pallas ({e})"
+  return None
 
 
 def _plgpu():

@@ -140,12 +140,13 @@ def _exported(key):
     try:  # ~1 ms (2-core box) against the export's 0.6-0.8 s
       exp = export.deserialize(bytearray(path.read_bytes()))
       _touch(path)  # most recently used: pruned last
-      if "cuda" in exp.platforms and jax.default_backend() == "gpu":
-        _ready_to_run()
-      return exp
     except Exception as e:  # noqa: BLE001 - a damaged or foreign file: export it again
       logger.warning("dynjax.route: the stored GPU kernel %s could not be read (%s: %s); "
                      "exporting it again", path, type(e).__name__, e)
+    else:
+      if "cuda" in exp.platforms and jax.default_backend() == "gpu":
+        _ready_to_run()
+      return exp
   _, avals = key
   structs = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in avals]
   checks = [export.DisabledSafetyCheck.custom_call(c) for c in _CUSTOM_CALLS]

@@ -301,8 +301,17 @@ def test_a_kept_kernel_is_neither_built_nor_its_pallas_imported(tmp_path, monkey
   monkeypatch.setattr(_mgpu, "hopper_refusal", lambda dtype: None)
   monkeypatch.setattr(_jax_private, "mosaic_gpu_runtime", lambda: None)
   assert _hopper.unavailable_reason(jnp.bfloat16) is None
+  # The short way fails: this jax's own import decides (here it fails too).
   monkeypatch.setattr(_jax_private, "mosaic_gpu_runtime", lambda: "no bindings")
-  assert _hopper.unavailable_reason(jnp.bfloat16) == "no bindings"
+
+  def no_pallas():
+    raise ImportError("no Mosaic GPU bindings")
+
+  monkeypatch.setattr(_hopper, "_plgpu", no_pallas)
+  assert _hopper.unavailable_reason(jnp.bfloat16) == (
+      f"this jax ({jax.__version__}) has no Mosaic GPU Pallas (no Mosaic GPU bindings)")
+  monkeypatch.setattr(_hopper, "_plgpu", lambda: None)
+  assert _hopper.unavailable_reason(jnp.bfloat16) is None
   monkeypatch.setattr(_jax_private, "mosaic_gpu_runtime", lambda: None)
   import importlib.util
   monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
