@@ -322,6 +322,7 @@ def run_requests(args) -> dict:
   the host's time before the first kernel and after the last; the optimized HLO of each goes
   to ``DIR/hlo_<model>_t<t>.txt``."""
   from benchmarks import bench_moe_gmm as bm  # noqa: PLC0415
+  from dynjax.route import _grouped  # noqa: PLC0415
 
   cfg = dict(vocab=512 if args.small else 30522, d=args.d, heads=4 if args.small else 16,
              ffn=args.ffn, experts=8, k=2, max_len=128 if args.small else 512, batch=8)
@@ -339,12 +340,12 @@ def run_requests(args) -> dict:
     res = out.setdefault(str(t), {})
     print(f"\n== request t={t} (batch {cfg['batch']})", flush=True)
     for name in args.request_models.split(","):
-      from dynjax.route import _grouped  # noqa: PLC0415
-
       base, _, opt = name.partition("-")
-      if opt not in ("", "apart") or (opt and base != "grouped"):
-        raise SystemExit(f"--request-models: unknown {name!r}")
-      _grouped.COMBINE_APART = opt == "apart"
+      if opt not in ("", "apart", "fused") or (opt and base != "grouped"):
+        raise SystemExit(f"--request-models: unknown {name!r} (none, grouped, grouped-apart, "
+                         "grouped-fused, dense, ragged_dot)")
+      default = _grouped.COMBINE_APART
+      _grouped.COMBINE_APART = opt == "apart" if opt else default
       model = bm.build_flax_model(cfg, base, routed if base == "grouped" else None)
       try:
         res[name] = profile(f"{name}_t{t} ", model.apply, [v16, tok, lens], args.iters,
@@ -352,7 +353,8 @@ def run_requests(args) -> dict:
       except Exception as ex:  # one failing model must not lose the others
         res[name] = {"error": f"{type(ex).__name__}: {str(ex)[:800]}"}
         print(f"  {name} FAILED {res[name]['error'][:400]}", flush=True)
-      _grouped.COMBINE_APART = False
+      finally:
+        _grouped.COMBINE_APART = default
   return out
 
 
@@ -375,8 +377,9 @@ def main(argv=None) -> dict:
   ap.add_argument("--request-lengths", default="128,256",
                   help="requests part: the lengths t of the e2e's requests (batch 8)")
   ap.add_argument("--request-models", default="none,grouped,dense",
-                  help="requests part: none, grouped, dense, ragged_dot; grouped-apart: the "
-                  "combine not fused into its consumer (route._grouped.COMBINE_APART)")
+                  help="requests part: none, grouped, dense, ragged_dot; grouped-apart / "
+                  "grouped-fused: the combine on its own or fused into its consumer "
+                  "(route._grouped.COMBINE_APART; without: the library's default)")
   ap.add_argument("--iters", type=int, default=10)
   ap.add_argument("--top", type=int, default=12)
   ap.add_argument("--zipf", type=float, default=1.2)

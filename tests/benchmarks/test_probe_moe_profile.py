@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from benchmarks import probe_moe_profile
 from dynjax.route import _gmm, _hopper
 
@@ -49,3 +51,18 @@ def test_small_requests_part_profiles_each_model_per_call(tmp_path):
   counts = {k["name"]: k["count"] for k in res["none"]["kernels"]}
   assert counts["probe_call_0"] == 1.0 and counts["PjitFunction(apply)"] >= 1.0
   assert json.loads((tmp_path / "probe_moe_profile.json").read_text())["requests"]["16"]
+
+
+def test_requests_part_combine_options_leave_the_default_as_it_was(monkeypatch):
+  from dynjax.route import _grouped
+
+  monkeypatch.setattr(_grouped, "COMBINE_APART", True)
+  seen = []
+  monkeypatch.setattr(probe_moe_profile, "profile", lambda *a, **kw: seen.append(
+      _grouped.COMBINE_APART) or {})
+  probe_moe_profile.main(["--small", "--parts", "requests", "--request-lengths", "16",
+                          "--request-models", "grouped-fused,grouped,grouped-apart"])
+  assert seen == [False, True, True] and _grouped.COMBINE_APART is True
+  with pytest.raises(SystemExit, match="unknown 'dense-apart'"):
+    probe_moe_profile.main(["--small", "--parts", "requests", "--request-lengths", "16",
+                            "--request-models", "dense-apart"])
