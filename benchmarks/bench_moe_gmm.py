@@ -36,6 +36,7 @@ Uses only public dynjax / dynjax.route / dynjax.flax names.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import math
@@ -74,6 +75,33 @@ def timeit(fns, iters: int) -> dict:
   ts = np.asarray(ts) * 1e3
   return {"median_ms": float(np.median(ts)), "p90_ms": float(np.percentile(ts, 90)),
           "min_ms": float(ts.min())}
+
+
+# The grouped layer's combine, named after a variant's "+" (route._grouped.COMBINE_APART):
+# on its own (an optimization barrier) or fused into its consumer.
+COMBINE_OPTIONS = {"apart": True, "fused": False}
+
+
+def combine_option(name: str, flag: str) -> tuple[str, bool | None]:
+  """``"grouped-hopper+apart"`` -> ``("grouped-hopper", True)``; without ``+``: ``(name,
+  None)`` (the library's default); another option: an error naming ``flag``."""
+  base, plus, option = name.partition("+")
+  if plus and option not in COMBINE_OPTIONS:
+    raise SystemExit(f"{flag}: unknown option +{option} of {name!r} "
+                     f"({', '.join('+' + o for o in COMBINE_OPTIONS)})")
+  return base, COMBINE_OPTIONS[option] if plus else None
+
+
+@contextlib.contextmanager
+def combine_apart(apart: bool | None):
+  """``route._grouped.COMBINE_APART`` set to ``apart`` (None: left as it is), restored after:
+  the flag is read as a bucket is traced."""
+  default = _grouped.COMBINE_APART
+  _grouped.COMBINE_APART = default if apart is None else apart
+  try:
+    yield
+  finally:
+    _grouped.COMBINE_APART = default
 
 
 def rel_err(a, b) -> float:
@@ -458,17 +486,11 @@ def run_e2e(args) -> dict:
   router = route.Router(cfg["experts"], k=cfg["k"], renormalize=True)
   on_gpu = jax.default_backend() != "cpu"
   variants = {}
-  # grouped+apart / grouped+fused: the combine materialized on its own or fused into its
-  # consumer (route._grouped.COMBINE_APART), whatever the library's default
-  combine = {}
+  combine = {}  # label -> COMBINE_APART for its builds (grouped+apart / +fused; else default)
   for v in args.e2e_variants.split(","):
     if v.startswith("grouped"):  # grouped (auto kernel), grouped-pallas, grouped-hopper:TILING
-      _, plus, extra = v.partition("+")
-      if plus and extra not in ("apart", "fused"):
-        raise SystemExit(f"--e2e-variants: unknown option +{extra} of {v!r} (+apart, +fused)")
-      if extra:
-        combine[f"dynjax {v} (gmm kernel)"] = extra == "apart"
-      kernel, _, tiling = v.partition("+")[0].partition("-")[2].partition(":")
+      base, combine[f"dynjax {v} (gmm kernel)"] = combine_option(v, "--e2e-variants")
+      kernel, _, tiling = base.partition("-")[2].partition(":")
       kernel = kernel or ("auto" if on_gpu else "xla")
       variants[f"dynjax {v} (gmm kernel)"] = ("grouped", route.Routed(
           experts, router, mode="grouped", kernel=kernel,
@@ -539,16 +561,13 @@ def run_e2e(args) -> dict:
     model = build_flax_model(cfg, dispatch, routed)
     fn = serve(model, host_outputs=host_outputs, compiler_options=opts)
     t0 = time.perf_counter()
-    default_combine = _grouped.COMBINE_APART
-    try:  # the cold pass builds every bucket: the flag is read as each is traced
-      _grouped.COMBINE_APART = combine.get(label.split(" [")[0], default_combine)
-      ys = [np.asarray(fn(variables, tok, lens)) for tok, lens in stream]
+    try:  # the cold pass builds every bucket
+      with combine_apart(combine.get(label.split(" [")[0])):
+        ys = [np.asarray(fn(variables, tok, lens)) for tok, lens in stream]
     except Exception as e:  # one failing variant must not lose the others' figures
       out["methods"][label] = {"error": f"{type(e).__name__}: {str(e)[:1500]}"}
       print(f"  {label:32s} FAILED {out['methods'][label]['error'][:600]}", flush=True)
       continue
-    finally:
-      _grouped.COMBINE_APART = default_combine
     cold = time.perf_counter() - t0
     ts = time_stream(fn, variables, stream)
     outputs[label] = ys

@@ -16,6 +16,7 @@ joined by ``.``: ``noahead``, its kernels not compiled ahead on a background thr
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -92,19 +93,14 @@ def _build(variant: str, small: bool) -> dict:
     t4 = time.perf_counter()
     # Steady: a burst of calls with one block at the end, per call (the GPU's time when the
     # host launches ahead), the lowest of 5 bursts.
-    bursts = []
-    for _ in range(5):
-      t5 = time.perf_counter()
-      for _ in range(STEADY_CALLS):
-        y = exe(v16, tok, lens)
-      jax.block_until_ready(y)
-      bursts.append((time.perf_counter() - t5) / STEADY_CALLS)
+    call = functools.partial(exe, v16, tok, lens)
+    burst = bm.timeit([lambda call=call: [call() for _ in range(STEADY_CALLS)]], 5)
+    steady_us = burst["min_ms"] / STEADY_CALLS * 1e3
     out["buckets"][t] = {"trace_s": t1 - t0, "lower_s": t2 - t1, "compile_s": t3 - t2,
-                         "first_run_s": t4 - t3, "steady_us": min(bursts) * 1e6,
+                         "first_run_s": t4 - t3, "steady_us": steady_us,
                          "checksum": float(np.asarray(y, np.float32).sum())}
     print(f"  {label:16s} t={t:4d} trace {t1 - t0:6.2f} s  lower {t2 - t1:6.2f}  compile "
-          f"{t3 - t2:6.2f}  first run {t4 - t3:6.3f}  steady {min(bursts) * 1e6:7.1f} us",
-          flush=True)
+          f"{t3 - t2:6.2f}  first run {t4 - t3:6.3f}  steady {steady_us:7.1f} us", flush=True)
   return out
 
 

@@ -314,6 +314,9 @@ def run_layers(args) -> dict:
   return out
 
 
+REQUEST_MODELS = ("none", "grouped", "dense", "ragged_dot")
+
+
 def run_requests(args) -> dict:
   """Issue 19's e2e MoE encoder (``bench_moe_gmm.build_flax_model``: 8 experts, k=2, batch 8)
   as one request runs it: ``jax.jit`` of the model's apply at each ``--request-lengths`` t, one
@@ -322,8 +325,14 @@ def run_requests(args) -> dict:
   the host's time before the first kernel and after the last; the optimized HLO of each goes
   to ``DIR/hlo_<model>_t<t>.txt``."""
   from benchmarks import bench_moe_gmm as bm  # noqa: PLC0415
-  from dynjax.route import _grouped  # noqa: PLC0415
 
+  models = [(name, *bm.combine_option(name, "--request-models"))
+            for name in args.request_models.split(",")]
+  bad = [name for name, base, apart in models
+         if base not in REQUEST_MODELS or (apart is not None and base != "grouped")]
+  if bad:
+    raise SystemExit(f"--request-models: unknown {', '.join(map(repr, bad))} (known: "
+                     f"{', '.join(REQUEST_MODELS)}; grouped+apart, grouped+fused)")
   cfg = dict(vocab=512 if args.small else 30522, d=args.d, heads=4 if args.small else 16,
              ffn=args.ffn, experts=8, k=2, max_len=128 if args.small else 512, batch=8)
   routed = route.Routed(route.Experts(route.ffn()),
@@ -339,22 +348,15 @@ def run_requests(args) -> dict:
     v16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16) if x.ndim >= 2 else x, variables)
     res = out.setdefault(str(t), {})
     print(f"\n== request t={t} (batch {cfg['batch']})", flush=True)
-    for name in args.request_models.split(","):
-      base, _, opt = name.partition("-")
-      if opt not in ("", "apart", "fused") or (opt and base != "grouped"):
-        raise SystemExit(f"--request-models: unknown {name!r} (none, grouped, grouped-apart, "
-                         "grouped-fused, dense, ragged_dot)")
-      default = _grouped.COMBINE_APART
-      _grouped.COMBINE_APART = opt == "apart" if opt else default
+    for name, base, apart in models:
       model = bm.build_flax_model(cfg, base, routed if base == "grouped" else None)
       try:
-        res[name] = profile(f"{name}_t{t} ", model.apply, [v16, tok, lens], args.iters,
-                            args.out, top=args.top, per_call=1)
+        with bm.combine_apart(apart):  # profile() traces the model
+          res[name] = profile(f"{name}_t{t} ", model.apply, [v16, tok, lens], args.iters,
+                              args.out, top=args.top, per_call=1)
       except Exception as ex:  # one failing model must not lose the others
         res[name] = {"error": f"{type(ex).__name__}: {str(ex)[:800]}"}
         print(f"  {name} FAILED {res[name]['error'][:400]}", flush=True)
-      finally:
-        _grouped.COMBINE_APART = default
   return out
 
 
@@ -377,8 +379,8 @@ def main(argv=None) -> dict:
   ap.add_argument("--request-lengths", default="128,256",
                   help="requests part: the lengths t of the e2e's requests (batch 8)")
   ap.add_argument("--request-models", default="none,grouped,dense",
-                  help="requests part: none, grouped, dense, ragged_dot; grouped-apart / "
-                  "grouped-fused: the combine on its own or fused into its consumer "
+                  help="requests part: none, grouped, dense, ragged_dot; grouped+apart / "
+                  "grouped+fused: the combine on its own or fused into its consumer "
                   "(route._grouped.COMBINE_APART; without: the library's default)")
   ap.add_argument("--iters", type=int, default=10)
   ap.add_argument("--top", type=int, default=12)

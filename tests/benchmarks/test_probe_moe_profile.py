@@ -61,8 +61,11 @@ def test_requests_part_combine_options_leave_the_default_as_it_was(monkeypatch):
   monkeypatch.setattr(probe_moe_profile, "profile", lambda *a, **kw: seen.append(
       _grouped.COMBINE_APART) or {})
   probe_moe_profile.main(["--small", "--parts", "requests", "--request-lengths", "16",
-                          "--request-models", "grouped-fused,grouped,grouped-apart"])
+                          "--request-models", "grouped+fused,grouped,grouped+apart"])
   assert seen == [False, True, True] and _grouped.COMBINE_APART is True
-  with pytest.raises(SystemExit, match="unknown 'dense-apart'"):
+  with pytest.raises(SystemExit, match=r"unknown 'dense\+apart'"):
     probe_moe_profile.main(["--small", "--parts", "requests", "--request-lengths", "16",
-                            "--request-models", "dense-apart"])
+                            "--request-models", "dense+apart"])
+  with pytest.raises(SystemExit, match=r"unknown option \+bogus of 'grouped\+bogus'"):
+    probe_moe_profile.main(["--small", "--parts", "requests", "--request-lengths", "16",
+                            "--request-models", "grouped+bogus"])
