@@ -147,6 +147,12 @@ def private_primitives() -> dict:
     out["stack"] = lax_internal.stack_p  # jnp.stack (jax >= 0.10)
   except Exception:  # pragma: no cover
     pass
+  try:
+    from jax._src.lax import lax as lax_internal
+
+    out["ragged_dot_general"] = lax_internal.ragged_dot_general_p  # lax.ragged_dot (MoE)
+  except Exception:  # pragma: no cover
+    pass
   return out
 
 

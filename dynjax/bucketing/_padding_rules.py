@@ -229,6 +229,38 @@ def _dot_general_rule(ctx, eqn, invals):
   return [PaddedValue(o) for o in _bind(ctx, eqn, [lhs, rhs])]
 
 
+if "ragged_dot_general" in _PRIVATE:
+
+  @register(_PRIVATE["ragged_dot_general"])
+  def _ragged_dot_general_rule(ctx, eqn, invals):
+    # ``lax.ragged_dot`` (a MoE over tokens sorted by expert: rows in consecutive groups of
+    # ``group_sizes``, group g times ``rhs[g]``; rows past the last group give 0).  The group
+    # sizes have no dynamic axis, so they are the true ones (counted from masked data), and
+    # every group lies in the true prefix of the ragged axis.  Ragged rows (a non-contracting
+    # lhs axis): row i's result depends only on row i and its group, so the prefix is exact
+    # with nothing masked.  Ragged contraction (the weights' gradient) and any other dynamic
+    # contracting axis: masked with 0 as ``dot_general``'s (the padded rows lie past every
+    # group, but need not be finite).
+    p = eqn.params
+    rdn = p["ragged_dot_dimension_numbers"]
+    (lc, rc), (lb, _) = rdn.dot_dimension_numbers
+    la, ra, ga = (v.aval for v in eqn.invars)
+    if p.get("group_offset") is not None:
+      raise unsupported(eqn, "group_offset (a sharded ragged dot) over dynamic shapes")
+    if dynamic_axes(ga) or any(is_dynamic_dim(ra.shape[d]) for d in rdn.rhs_group_dimensions):
+      raise unsupported(eqn, "a dynamic number of groups")
+    if any(d in lb and is_dynamic_dim(la.shape[d]) for d in rdn.lhs_ragged_dimensions):
+      raise unsupported(eqn, "a ragged batch axis that is dynamic")
+    rows = [d for d in rdn.lhs_ragged_dimensions if d not in lc and is_dynamic_dim(la.shape[d])]
+    if rows:
+      ctx.note(eqn, f"ragged rows along axis {rows[0]} ({la.shape[rows[0]]}): exact on the "
+               "true prefix, nothing masked")
+    zero_l, zero_r = identity_for("sum", la.dtype), identity_for("sum", ra.dtype)
+    lhs = ctx.mask(invals[0], la, lc, zero_l, eqn, "lhs")
+    rhs = ctx.mask(invals[1], ra, rc, zero_r, eqn, "rhs")
+    return [PaddedValue(o) for o in _bind(ctx, eqn, [lhs, rhs, invals[2].val])]
+
+
 def _cumulative_rule(kind: str):
   def rule(ctx, eqn, invals):
     aval = eqn.invars[0].aval

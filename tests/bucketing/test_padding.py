@@ -59,6 +59,35 @@ def _scan_tanh_loss(y):
   return lax.scan(step, jnp.zeros(y.shape[0]), y.T)[1].sum()
 
 
+# A MoE layer as public JAX code writes it (MaxText / Mixtral ports): top-2 of a router, the
+# (token, choice) pairs sorted by expert, the experts' FFN as two ``lax.ragged_dot`` over the
+# sorted rows with ``bincount`` group sizes, unsorted, gate-weighted sum.
+_MOE = np.random.default_rng(5)
+_MOE_GATE = jnp.asarray(_MOE.normal(size=(3, 4)), jnp.float32)
+_MOE_W1 = jnp.asarray(_MOE.normal(size=(4, 3, 5)) / 2, jnp.float32)
+_MOE_W2 = jnp.asarray(_MOE.normal(size=(4, 5, 3)) / 2, jnp.float32)
+
+
+def _moe_sorted(x, w1=_MOE_W1, w2=_MOE_W2):
+  b, t, d = x.shape
+  h = x.reshape(-1, d)
+  gates, experts = lax.top_k(h @ _MOE_GATE, 2)
+  gates = jax.nn.softmax(gates, axis=-1)
+  flat = experts.reshape(-1)
+  order = jnp.argsort(flat)
+  rows = jnp.repeat(h, 2, axis=0)[order]
+  sizes = jnp.bincount(flat, length=w1.shape[0])
+  y = lax.ragged_dot(jax.nn.silu(lax.ragged_dot(rows, w1, sizes)), w2, sizes)
+  y = y[jnp.argsort(order)].reshape(-1, 2, d)
+  return jnp.einsum("nkd,nk->nd", y, gates).reshape(b, t, d)
+
+
+def _moe_sorted_grads(x, w1, w2):
+  """A training step's gradients: the weights' through a ragged contraction over the rows."""
+  loss = lambda x, w1, w2: jnp.sum(jnp.tanh(_moe_sorted(x, w1, w2)))
+  return jax.grad(loss, (0, 1, 2))(x, w1, w2)
+
+
 def _ints(lo, hi):
   def make(rng, shapes):
     return [rng.integers(lo, hi, size=s).astype(np.int32) for s in shapes]
@@ -79,6 +108,13 @@ CASES = [
   ("dot_contract_t", lambda x, w: x @ w, lambda b, t: [(b, t), (t, 3)], {}),
   ("dot_contract_b", lambda x: jnp.einsum("bt,bs->ts", x, x), BT, {}),
   ("dot_batch_free", lambda x: jnp.einsum("btc,bsc->bts", x, x), BTC, {}),
+  ("moe_ragged_dot", _moe_sorted, BTC, {}),
+  (  # rows past every group give 0; the ragged contraction (dW) masks the padded rows
+    "moe_ragged_dot_grads",
+    _moe_sorted_grads,
+    lambda b, t: [(b, t, 3), (4, 3, 5), (4, 5, 3)],
+    {"rtol": 2e-5, "atol": 2e-5},
+  ),
   ("cumsum", lambda x: (jnp.cumsum(x, 1), lax.cumsum(x, 1, reverse=True)), BT, {}),
   (  # each operand as it is; what it holds in its padding (0 from exp - 1 of a 0 fill) kept
     "optimization_barrier",
@@ -557,6 +593,18 @@ def test_unsupported_primitive_names_primitive_and_line():
   assert "no exact rule for 'fft' at " in str(e.value)
   assert f"test_padding.py:{line}" in str(e.value)
   assert isinstance(e.value, NotImplementedError)
+
+
+def test_ragged_dot_over_a_dynamic_ragged_batch_axis_says_why():
+  (t,) = export.symbolic_shape("t")
+  dn = lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(((2,), (1,)), ((0,), (0,))),
+                                     lhs_ragged_dimensions=(0,), rhs_group_dimensions=())
+  fun = lambda x, w: lax.ragged_dot_general(x, w, jnp.array([1, 1], jnp.int32), dn)
+  cj = jax.make_jaxpr(fun)(jax.ShapeDtypeStruct((t, 2, 3), jnp.float32),
+                           jax.ShapeDtypeStruct((t, 3, 2), jnp.float32))
+  with pytest.raises(PaddingUnsupportedError,
+                     match="no exact rule for 'ragged_dot_general' at .*ragged batch axis"):
+    pad_jaxpr(cj, ("t",), {"t": 8})
 
 
 def test_unvalidated_plan_checks_in_the_callers_trace():

@@ -25,7 +25,8 @@ def zoo():  # XLA optimisations are off suite-wide (conftest.py)
 
 @pytest.mark.parametrize("train", [False, True], ids=["forward", "train"])
 @pytest.mark.parametrize(
-  "name", ["bilstm", "transformer_tagger", "seq2seq", "audio_convnet", "graph_net"]
+  "name", ["bilstm", "transformer_tagger", "seq2seq", "audio_convnet", "graph_net",
+           "moe_tagger"]
 )
 def test_zoo_model_is_exact_with_one_compile_per_bucket(zoo, name, train, compiles):
   entry = zoo[name]
