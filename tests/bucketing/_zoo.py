@@ -21,9 +21,9 @@ The idioms are the public ones, not the ones the padding rules were written arou
   per-graph readout with ``segment_sum``/``segment_max`` over ``node_graph``.
 * Audio conv net: ``nn.Conv`` (``"SAME"``), ``nn.max_pool`` / ``nn.avg_pool`` with stride 2, a
   length mask after pooling.
-* MoE tagger: Mixtral's sparse block as JAX ports write it: top-2 router, tokens sorted by
-  expert with ``argsort``, ``lax.ragged_dot`` experts with ``bincount`` group sizes, scattered
-  back with ``.at[order].set``.
+* MoE tagger: Mixtral's sparse block as JAX ports write it (``examples/moe_public.py``):
+  top-2 router, tokens sorted by expert with ``argsort``, ``lax.ragged_dot`` experts with
+  ``bincount`` group sizes, scattered back with ``.at[order].set``.
 """
 
 from __future__ import annotations
@@ -154,33 +154,7 @@ def _linen_models():
       pooled = jnp.sum(jnp.where(mask, h, 0.0), axis=1) / jnp.maximum(l4, 1)[:, None]
       return nn.Dense(self.classes)(pooled)
 
-  class MoEFeedForward(nn.Module):
-    """Mixtral's sparse block as JAX ports write it (MaxText-style): a router, top-2 softmax
-    gates, the (token, choice) pairs sorted by expert, the experts as two ``lax.ragged_dot``
-    over the sorted rows (``bincount`` group sizes), scattered back into token order."""
-
-    experts: int = 4
-    k: int = 2
-    hidden: int = 48
-
-    @nn.compact
-    def __call__(self, x):
-      b, t, d = x.shape
-      h = x.reshape(-1, d)
-      logits = nn.Dense(self.experts, use_bias=False, name="router")(h)
-      weights, selected = jax.lax.top_k(logits, self.k)
-      weights = jax.nn.softmax(weights.astype(jnp.float32), axis=-1).astype(x.dtype)
-      flat = selected.reshape(-1)
-      order = jnp.argsort(flat)
-      rows = jnp.take(h, order // self.k, axis=0)
-      group_sizes = jnp.bincount(flat, length=self.experts)
-      init = nn.initializers.lecun_normal(batch_axis=(0,))
-      w_in = self.param("w_in", init, (self.experts, d, self.hidden))
-      w_out = self.param("w_out", init, (self.experts, self.hidden, d))
-      y = jax.lax.ragged_dot(nn.silu(jax.lax.ragged_dot(rows, w_in, group_sizes)), w_out,
-                             group_sizes)
-      y = jnp.zeros_like(y).at[order].set(y).reshape(b * t, self.k, d)
-      return jnp.einsum("nkd,nk->nd", y, weights).reshape(b, t, d)
+  from examples.moe_public import SparseMoEBlock
 
   class MoETagger(nn.Module):
     d: int = 32
@@ -196,7 +170,7 @@ def _linen_models():
       y = nn.LayerNorm()(x)
       x = x + nn.MultiHeadDotProductAttention(num_heads=4)(y, y, mask=nn.make_attention_mask(
           valid, valid))
-      x = x + MoEFeedForward()(nn.LayerNorm()(x))
+      x = x + SparseMoEBlock(experts=4, k=2, hidden=48)(nn.LayerNorm()(x))
       return nn.Dense(self.tags)(nn.LayerNorm()(x))
 
   return BiLSTMClassifier, TransformerTagger, Seq2Seq, AudioConvNet, MoETagger
