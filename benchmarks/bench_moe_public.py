@@ -17,6 +17,11 @@ Each mode: the cold pass (compiles included) and its XLA compiles (``jax.monitor
 the steady mean / median per request over a second pass; the largest difference of the
 outputs from ``exact``'s (auto must be exact within the dtype's rounding); auto's fallbacks
 (must be none).  Writes DIR/bench_moe_public.json with the JAX version and the device.
+
+The modes share one process, so XLA's in-process autotuning results for a GEMM shape carry
+from one mode to the next (auto and trust compile the same bucket shapes): compare cold
+passes between runs of one mode each (``--modes auto``, ``--modes trust``), steady ones
+within a run.
 """
 
 from __future__ import annotations
@@ -106,7 +111,10 @@ def main(argv=None) -> dict:
     rec = {"cold_s": cold, "compiles": compiles, "mean_ms": float(ts.mean()),
            "median_ms": float(np.median(ts))}
     if mode != "exact":
-      rec["fallbacks"] = list(fn.stats()["fallbacks"])
+      st = fn.stats()
+      rec["fallbacks"] = list(st["fallbacks"])
+      rec["compile_s"] = float(st["compile_seconds"])  # dynjax's builds: XLA compile and
+      rec["lowering_s"] = float(st["lowering_seconds"])  # of it, trace + padding + lowering
     if "exact" in results and mode != "exact":
       rec["max_abs_diff_vs_exact"] = float(max(
           np.abs(a.astype(np.float32) - b.astype(np.float32)).max()
