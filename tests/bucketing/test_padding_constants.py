@@ -55,6 +55,14 @@ CASES = {
   "argmax": (lambda x: jnp.argmax(jnp.zeros_like(x) + C3, 0), _t3),
   "argmin": (lambda x: jnp.argmin(x * 0.0, 0), _t3),
   "dot_general": (lambda x: (jnp.ones_like(x) @ C3) + C3 @ x.T, _t3),
+  "ragged_dot": (  # constant weights and group sizes; a ragged contraction of a full operand
+    lambda x: (
+      lax.ragged_dot(x, jnp.stack([jnp.diag(C3), jnp.eye(3)]), jnp.array([1, 1], jnp.int32)),
+      lax.ragged_dot_general(
+        jnp.ones_like(x), x, jnp.array([1, 2], jnp.int32),
+        lax.RaggedDotDimensionNumbers((((0,), (0,)), ((), ())), (0,), ()))),
+    _t3,
+  ),
   "cumsum": (lambda x: lax.cumsum(jnp.ones_like(x), 0, reverse=True) + x, _t3),
   "cumprod": (lambda x: lax.cumprod(jnp.full(x.shape, 2.0), 0, reverse=True), _t3),
   "cummax": (lambda x: lax.cummax(jnp.zeros_like(x), 0, reverse=True), _t3),
