@@ -12,6 +12,8 @@ process, each over the same request stream (batch 8, log-normal lengths, numpy i
   exact   ``jax.jit(model.apply)`` at each request's own shape (what the fallback did)
   auto    ``dynjax.flax.jit(padding="auto")``, pow2 length buckets: exact by the padding pass
   trust   the same with ``padding="trust"`` (the function re-run at the bucket's sizes)
+  +route  any of them with ``dynjax.route.ragged_dot`` in place of ``lax.ragged_dot`` (the
+          grouped-GEMM kernels; on CPU it is ``lax.ragged_dot``), e.g. ``auto+route``
 
 Each mode: the cold pass (compiles included) and its XLA compiles (``jax.monitoring``), then
 the steady mean / median per request over a second pass; the largest difference of the
@@ -86,15 +88,19 @@ def main(argv=None) -> dict:
         f"batch 8, {len(lengths)} distinct lengths -> {len(out['buckets'])} pow2 buckets",
         flush=True)
   fns = {}
+  routed = MoEClassifier(**cfg, dtype=dtype, dot=dynjax.route.ragged_dot)
   for mode in args.modes.split(","):
-    if mode == "exact":
-      fns[mode] = jax.jit(model.apply)
-    elif mode in ("auto", "trust"):
-      fns[mode] = dynjax.flax.jit(model, dims={"tokens": "b, t", "lengths": "b"},
-                                  buckets={"t": policy, "b": dynjax.buckets.explicit([8])},
-                                  padding=mode)
+    padding, _, dot = mode.partition("+")
+    if padding not in ("exact", "auto", "trust") or dot not in ("", "route"):
+      raise SystemExit(f"--modes: unknown mode {mode!r}; use exact, auto, trust, each "
+                       "optionally +route")
+    m = routed if dot else model
+    if padding == "exact":
+      fns[mode] = jax.jit(m.apply)
     else:
-      raise SystemExit(f"--modes: unknown mode {mode!r}; use exact, auto, trust")
+      fns[mode] = dynjax.flax.jit(m, dims={"tokens": "b, t", "lengths": "b"},
+                                  buckets={"t": policy, "b": dynjax.buckets.explicit([8])},
+                                  padding=padding)
   results = {}
   for mode, fn in fns.items():
     before = counter.count
@@ -110,12 +116,12 @@ def main(argv=None) -> dict:
     ts = np.asarray(ts) * 1e3
     rec = {"cold_s": cold, "compiles": compiles, "mean_ms": float(ts.mean()),
            "median_ms": float(np.median(ts))}
-    if mode != "exact":
+    if not mode.startswith("exact"):
       st = fn.stats()
       rec["fallbacks"] = list(st["fallbacks"])
       rec["compile_s"] = float(st["compile_seconds"])  # dynjax's builds: XLA compile and
       rec["lowering_s"] = float(st["lowering_seconds"])  # of it, trace + padding + lowering
-    if "exact" in results and mode != "exact":
+    if "exact" in results and mode != "exact":  # (+route: within the dtype's rounding)
       rec["max_abs_diff_vs_exact"] = float(max(
           np.abs(a.astype(np.float32) - b.astype(np.float32)).max()
           for a, b in zip(results[mode], results["exact"], strict=True)))

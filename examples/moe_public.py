@@ -10,8 +10,9 @@ tokens are routed like any other (no mask): the model knows nothing of dynjax.
 the length, masked self-attention, the sparse block, masked-mean pooling.  Under
 ``dynjax.flax.jit(padding="auto")`` it runs on length buckets, exact against ``jax.jit`` at
 each request's own shape (the padding pass's ``ragged_dot_general`` rule: until it existed
-the whole model ran unpadded, one compile per shape).  ``benchmarks/bench_moe_public.py``
-serves it both ways.
+the whole model ran unpadded, one compile per shape).  ``dot=dynjax.route.ragged_dot`` runs
+the same experts on dynjax's grouped-GEMM kernels (a one-name change in public code).
+``benchmarks/bench_moe_public.py`` serves it every way.
 
 Example:
   >>> model = MoEClassifier(vocab=512, d=64, heads=4, hidden=128, experts=8, k=2)
@@ -21,6 +22,8 @@ Example:
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import flax.linen as nn
 import jax
@@ -34,6 +37,7 @@ class SparseMoEBlock(nn.Module):
   k: int = 2
   hidden: int = 256
   dtype: jnp.dtype = jnp.float32
+  dot: Callable = jax.lax.ragged_dot  # or dynjax.route.ragged_dot: the grouped-GEMM kernels
 
   @nn.compact
   def __call__(self, x):
@@ -49,8 +53,7 @@ class SparseMoEBlock(nn.Module):
     init = nn.initializers.lecun_normal(batch_axis=(0,))
     w_in = self.param("w_in", init, (self.experts, d, self.hidden)).astype(self.dtype)
     w_out = self.param("w_out", init, (self.experts, self.hidden, d)).astype(self.dtype)
-    y = jax.lax.ragged_dot(nn.silu(jax.lax.ragged_dot(rows, w_in, group_sizes)), w_out,
-                           group_sizes)
+    y = self.dot(nn.silu(self.dot(rows, w_in, group_sizes)), w_out, group_sizes)
     y = jnp.zeros_like(y).at[order].set(y).reshape(b * t, self.k, d)
     return jnp.einsum("nkd,nk->nd", y, weights).reshape(b, t, d).astype(x.dtype)
 
@@ -66,6 +69,7 @@ class MoEClassifier(nn.Module):
   k: int = 2
   max_len: int = 512
   dtype: jnp.dtype = jnp.float32
+  dot: Callable = jax.lax.ragged_dot
 
   @nn.compact
   def __call__(self, tokens, lengths):
@@ -76,7 +80,7 @@ class MoEClassifier(nn.Module):
     y = nn.LayerNorm(dtype=self.dtype)(x)
     x = x + nn.MultiHeadDotProductAttention(num_heads=self.heads, dtype=self.dtype)(
         y, y, mask=nn.make_attention_mask(valid, valid))
-    x = x + SparseMoEBlock(self.experts, self.k, self.hidden, self.dtype)(
+    x = x + SparseMoEBlock(self.experts, self.k, self.hidden, self.dtype, self.dot)(
         nn.LayerNorm(dtype=self.dtype)(x))
     m = valid[..., None].astype(jnp.float32)
     return jnp.sum(x.astype(jnp.float32) * m, 1) / jnp.maximum(lengths, 1)[:, None]

@@ -24,6 +24,7 @@ from dynjax.route._paths import Branches as Branches
 from dynjax.route._paths import Experts as Experts
 from dynjax.route._paths import ffn as ffn
 from dynjax.route._profile import Profile as Profile
+from dynjax.route._ragged import ragged_dot as ragged_dot
 from dynjax.route._routed import Routed as Routed
 from dynjax.route._router import Router as Router
 from dynjax.route._router import Routing as Routing
@@ -32,7 +33,7 @@ _FLAX_NAMES = ("LinenMoE", "NnxMoE")
 
 __all__ = ["Branches", "Experts", "LinenMoE", "NnxMoE", "Plan", "Profile", "Routed", "Router",
            "Routing", "Tiling", "apply", "combine", "dense_reference", "dispatch", "ffn", "gmm",
-           "grouped_layout", "make_plan"]
+           "grouped_layout", "make_plan", "ragged_dot"]
 
 
 def __getattr__(name: str):

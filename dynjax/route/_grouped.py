@@ -81,6 +81,26 @@ def grouped_layout(routing: Routing, num_paths: int, tm: int,
   return GroupedLayout(slots.reshape(n, k).astype(jnp.int32), table, loads)
 
 
+def _on_groups(xs, w, sizes, routed: int, tiling: Tiling, backend: str, activation):
+  """``activation(xs[rows of g] @ w[g])`` on the grouped buffer ``xs`` (``routed``: the rows
+  a routing fills at most)."""
+  if backend != "hopper":
+    return gmm(xs, w, sizes, tiling=tiling, backend=backend, activation=activation)
+  # Row tiles past the groups' are not computed at all: the callers read only the groups'
+  # rows, and their gradients are dropped by the row gather's transpose (the table sends
+  # them nowhere).  The static buffer bounds every routing: at 64 paths ~1/4 of its tiles
+  # are unused on a uniform routing.
+  # The kernels' column tiles follow the waves of the largest routing of the buffer's
+  # class: every call shape below the floor shares one kernel pair (one Mosaic GPU compile
+  # each: ~1-1.5 s on the H100), where choosing by each shape's own rows gave the e2e's 6
+  # length buckets 4 kernels.
+  num = w.shape[0]
+  fill = num_tiles(routed, num, tiling.tm) * tiling.tm
+  waves = max(fill, hopper_floor_rows(num, tiling.tm))
+  return hopper_grouped(xs, w, sizes.astype(jnp.int32), tiling, activation, skip_unused=fill,
+                        wave_rows=waves)
+
+
 def ffn_spec(paths) -> tuple | None:
   """``(activation, accumulate)`` when ``paths`` is ``Experts(ffn(...))``, else None."""
   return getattr(getattr(paths, "fn", None), "ffn_spec", None)
@@ -115,26 +135,9 @@ def grouped_ffn(params, x: jax.Array, routing: Routing, *, activation, tiling: T
   rows = buffer_rows(n * routing.paths.shape[1], num_paths, tiling, backend)
   lay = grouped_layout(routing, num_paths, row_alignment(tiling, backend), rows)
   xs = jnp.take(x, lay.table, axis=0, mode="fill", fill_value=0)
-  if backend == "hopper":
-    # Row tiles past the paths' are not computed at all: the combine reads only the cells'
-    # rows, and their gradients are dropped by the row gather's transpose (the table sends
-    # them nowhere).  The static buffer bounds every routing: at 64 paths ~1/4 of its tiles
-    # are unused on a uniform routing.
-    # The kernels' column tiles follow the waves of the largest routing of the buffer's
-    # class: every call shape below the floor shares one kernel pair (one Mosaic GPU compile
-    # each: ~1-1.5 s on the H100), where choosing by each shape's own rows gave the e2e's 6
-    # length buckets 4 kernels.
-    sizes = lay.group_sizes.astype(jnp.int32)
-    fill = num_tiles(n * routing.paths.shape[1], num_paths, tiling.tm) * tiling.tm
-    waves = max(fill, hopper_floor_rows(num_paths, tiling.tm))
-    h = hopper_grouped(xs, w1.astype(x.dtype), sizes, tiling, activation, skip_unused=fill,
-                       wave_rows=waves)
-    ys = hopper_grouped(h, w2.astype(x.dtype), sizes, tiling, None, skip_unused=fill,
-                        wave_rows=waves)
-  else:
-    h = gmm(xs, w1.astype(x.dtype), lay.group_sizes, tiling=tiling, backend=backend,
-            activation=activation)
-    ys = gmm(h, w2.astype(x.dtype), lay.group_sizes, tiling=tiling, backend=backend)
+  routed = n * routing.paths.shape[1]
+  h = _on_groups(xs, w1.astype(x.dtype), lay.group_sizes, routed, tiling, backend, activation)
+  ys = _on_groups(h, w2.astype(x.dtype), lay.group_sizes, routed, tiling, backend, None)
   acc = jnp.promote_types(ys.dtype, jnp.float32)
   valid = routing.paths < num_paths
   gates = jnp.where(valid, routing.gates, 0).astype(acc)

@@ -11,6 +11,7 @@ on CPU.  Mosaic GPU has no interpret mode for warp-specialized kernels, so:
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -317,3 +318,113 @@ def test_a_kept_kernel_is_neither_built_nor_its_pallas_imported(tmp_path, monkey
   monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
   assert _hopper.unavailable_reason(jnp.bfloat16) == (
       f"this jax ({jax.__version__}) has no Mosaic GPU Pallas (no module)")
+
+
+@pytest.mark.parametrize("sizes", [[0, 37, 16, 0, 5], [20, 0, 0, 0, 0], [3, 3, 3, 3, 3],
+                                   [30, 40, 0, 9, 1], [60, 60, 60, 60, 60]])  # more rows asked than M
+@pytest.mark.parametrize("kernel", ["hopper", "pallas"])
+def test_ragged_dot_is_lax_ragged_dot_on_the_kernels(stand_in, sizes, kernel):
+  # Packed rows in consecutive groups (public MoE code's layout), through the tile layout and
+  # back: values and gradients equal lax.ragged_dot's, rows past the groups 0, sizes past M cut.
+  m = 64
+  a = jax.random.normal(jax.random.key(0), (m, K_DIM), jnp.float32)
+  b = jax.random.normal(jax.random.key(1), (len(sizes), K_DIM, N_DIM), jnp.float32) / 4
+  s = jnp.asarray(sizes, jnp.int32)
+  ct = jax.random.normal(jax.random.key(2), (m, N_DIM), jnp.float32)
+  mine = lambda a, b: route.ragged_dot(a, b, s, kernel=kernel, tiling=TILING)
+  want = lambda a, b: jax.lax.ragged_dot(a, b, s)
+  np.testing.assert_allclose(jax.jit(mine)(a, b), want(a, b), rtol=1e-5, atol=1e-5)
+  if sum(sizes) < m:
+    assert not np.asarray(jax.jit(mine)(a, b))[sum(sizes):].any()
+  g_mine = jax.jit(jax.grad(lambda a, b: jnp.sum(mine(a, b) * ct), (0, 1)))(a, b)
+  g_want = jax.grad(lambda a, b: jnp.sum(want(a, b) * ct), (0, 1))(a, b)
+  for x, y in zip(g_mine, g_want, strict=True):
+    np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-4)
+
+
+def test_ragged_dot_is_lax_ragged_dot_where_no_kernel_runs():
+  a = jnp.ones((6, 4), jnp.float32)
+  b = jnp.ones((2, 4, 3), jnp.float32)
+  s = jnp.array([2, 1], jnp.int32)
+  plain = str(jax.make_jaxpr(jax.lax.ragged_dot)(a, b, s))
+  # CPU ("auto" -> "xla"), a precision or an output type the kernels do not take, mixed dtypes
+  for kw in ({}, {"precision": jax.lax.Precision.HIGHEST},
+             {"preferred_element_type": jnp.float32}):
+    jaxpr = str(jax.make_jaxpr(functools.partial(route.ragged_dot, **kw))(a, b, s))
+    assert "ragged_dot_general" in jaxpr and "gather" not in jaxpr
+  assert str(jax.make_jaxpr(route.ragged_dot)(a, b, s)) == plain
+  # a symbolic row count where no kernel runs (CPU, "auto"): lax.ragged_dot; where one does,
+  # the primitive each bucket lowers to the kernel
+  (t,) = jax.export.symbolic_shape("t")
+  sym = jax.ShapeDtypeStruct((t, 4), jnp.float32)
+  jaxpr = str(jax.make_jaxpr(lambda a: route.ragged_dot(a, b, s))(sym))
+  assert "ragged_dot_general" in jaxpr and "dynjax_ragged_dot" not in jaxpr
+  jaxpr = str(jax.make_jaxpr(lambda a: route.ragged_dot(a, b, s, kernel="pallas"))(sym))
+  assert "dynjax_ragged_dot" in jaxpr and "pallas_call" not in jaxpr
+
+
+def test_ragged_dot_names_bad_operands():
+  b = jnp.ones((2, 4, 3))
+  with pytest.raises(RoutingError, match=r"expected lhs \[M, K\], rhs \[G, K, N\] and "
+                     r"group_sizes \[G\], got lhs \(6, 5\)"):
+    route.ragged_dot(jnp.ones((6, 5)), b, jnp.array([1, 2]))
+  with pytest.raises(RoutingError, match=r"group_sizes \(3,\)"):
+    route.ragged_dot(jnp.ones((6, 4)), b, jnp.array([1, 2, 3]))
+  with pytest.raises(RoutingError, match="group_sizes has dtype float32"):
+    route.ragged_dot(jnp.ones((6, 4)), b, jnp.array([1.0, 2.0]))
+
+
+def test_ragged_dot_never_asks_the_kernel_for_tiles_past_its_buffer(stand_in, monkeypatch):
+  # Group sizes past M are cut before the layout: the kernel walks the groups' tiles up to a
+  # bound read at run time, so uncut sizes would send it past the buffer (only the real
+  # kernel would show it: the stand-in indexes in XLA).
+  from dynjax.route import _ragged
+
+  seen = []
+  real = _ragged._on_groups
+
+  def spy(xs, w, sizes, *rest):
+    seen.append((xs.shape[0], np.asarray(sizes)))
+    return real(xs, w, sizes, *rest)
+
+  monkeypatch.setattr(_ragged, "_on_groups", spy)
+  a = jnp.ones((64, K_DIM), jnp.float32)
+  b = jnp.ones((5, K_DIM, N_DIM), jnp.float32)
+  route.ragged_dot(a, b, jnp.array([60, 60, 60, 60, 60]), kernel="hopper", tiling=TILING)
+  (rows, sizes), = seen
+  assert sizes.tolist() == [60, 4, 0, 0, 0]
+  assert sum(-(-s // TILING.tm) for s in sizes) * TILING.tm <= rows
+
+
+@pytest.mark.parametrize("padding", ["auto", "trust"])
+def test_ragged_dot_in_a_bucketed_moe_is_exact_with_gradients(stand_in, padding):
+  # Public MoE code with route.ragged_dot in place of lax.ragged_dot, under dynjax.jit: the
+  # family trace (symbolic rows) binds the primitive, each bucket runs the kernel (its
+  # stand-in) at its padded rows; values and gradients equal jax.jit with lax.ragged_dot at
+  # each exact shape.
+  import dynjax
+
+  w = jax.random.normal(jax.random.key(3), (E, K_DIM, N_DIM), jnp.float32) / 4
+  gate = jax.random.normal(jax.random.key(4), (K_DIM, E), jnp.float32)
+
+  def moe(x, w, dot):
+    experts = jnp.argmax(x @ gate, axis=-1)
+    order = jnp.argsort(experts)
+    y = dot(x[order], w, jnp.bincount(experts, length=E))
+    return jnp.zeros_like(y).at[order].set(y)
+
+  def step(x, w, dot):
+    return jax.value_and_grad(lambda w: jnp.sum(jnp.tanh(moe(x, w, dot))))(w)
+
+  ours = functools.partial(route.ragged_dot, kernel="hopper", tiling=TILING)
+  f = dynjax.jit(lambda x, w: step(x, w, ours), dims={"x": "t, 32", "w": None},
+                 buckets={"t": [16, 64]}, padding=padding, on_fallback="error")
+  ref = jax.jit(lambda x, w: step(x, w, jax.lax.ragged_dot))
+  for t in (5, 16, 40):
+    x = jax.random.normal(jax.random.key(t), (t, K_DIM), jnp.float32)
+    (v, g), (v0, g0) = f(x, w), ref(x, w)
+    np.testing.assert_allclose(v, v0, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(g, g0, rtol=1e-4, atol=1e-4)
+  assert f.stats()["fallbacks"] == [] and len(f.stats()["per_bucket_calls"]) == 2
+  if padding == "auto":
+    assert "the grouped-GEMM kernel at the bucket's rows" in f.explain()

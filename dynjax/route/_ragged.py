@@ -1,0 +1,169 @@
+"""``dynjax.route.ragged_dot``: ``jax.lax.ragged_dot`` on the grouped-GEMM kernels, a drop-in.
+
+Public MoE code sorts its (token, choice) pairs by expert and runs the experts as
+``lax.ragged_dot(rows, w, group_sizes)``: packed rows, group ``g`` the ``group_sizes[g]`` rows
+after the groups before it.  :func:`ragged_dot` computes the same on :func:`dynjax.route.gmm`'s
+kernels: the rows are gathered into tile-aligned groups (each group's base a multiple of the
+row tile, the layout of ``mode="grouped"``), run through the kernel, and gathered back.
+
+Under ``dynjax.jit(padding="auto")`` the family is traced with a symbolic row count, where no
+kernel (static shapes) can be built: there :func:`ragged_dot` binds ``dynjax_ragged_dot``, a
+primitive whose padding rule is ``ragged_dot_general``'s (the rows are a true prefix; nothing
+is masked) and whose lowering, at each bucket's padded shape, is :func:`ragged_dot` again.  Its
+derivative is ``lax.ragged_dot``'s (the forward runs on the kernel, the backward on XLA's ragged
+dots), so ``jax.grad`` inside the traced function works.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.extend import core as jex_core
+from jax.interpreters import ad, mlir
+
+from dynjax import _jax_private as jp
+from dynjax._errors import RoutingError
+from dynjax._symbolic import is_symbolic
+from dynjax.route._gmm import Tiling, buffer_rows, resolve_backend, row_alignment
+from dynjax.route._grouped import _on_groups
+
+KERNELS = ("hopper", "mgpu", "pallas")  # the gmm backends ragged_dot runs on (else lax's)
+
+
+def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=None, *,
+               kernel: str = "auto", tiling: Tiling | None = None) -> jax.Array:
+  """:func:`jax.lax.ragged_dot` on dynjax's grouped-GEMM kernels: a drop-in replacement.
+
+  ``lhs [M, K]`` holds its rows in consecutive groups of ``group_sizes [G]`` (tokens sorted by
+  expert, the idiom of public MoE code); ``out[rows of g] = lhs[rows of g] @ rhs[g]`` and rows
+  past the last group are 0, as ``lax.ragged_dot`` computes.  On a Hopper GPU in bf16/f16 the
+  rows are laid out in tile-aligned groups (one row gather), run through the ``"hopper"``
+  kernel of :func:`gmm`, and gathered back; elsewhere (CPU, other dtypes or widths, a
+  ``precision`` or ``preferred_element_type`` that the kernels do not take) it *is*
+  ``lax.ragged_dot``.  With a symbolic row count (``dynjax.jit(padding="auto")``'s family
+  trace) it binds a primitive that each bucket lowers to the kernel.  Differentiable (the
+  backward is ``lax.ragged_dot``'s); the numerics are the kernels' (float32 accumulation,
+  outputs in ``lhs``'s dtype).
+
+  Args:
+    lhs: ``[M, K]``.
+    rhs: ``[G, K, N]``.
+    group_sizes: integer ``[G]``; rows past ``M`` are cut (as ``lax.ragged_dot``).
+    precision, preferred_element_type: as ``lax.ragged_dot``'s (set: ``lax.ragged_dot``).
+    kernel: ``"auto"`` (:func:`dynjax.route._gmm.resolve_backend`), or a :func:`gmm` backend.
+    tiling: the kernel's :class:`Tiling` (default: ``Tiling.auto`` for the rows and groups).
+
+  Example:
+    >>> order = jnp.argsort(experts); sizes = jnp.bincount(experts, length=8)
+    >>> y = dynjax.route.ragged_dot(x[order], w_in, sizes)   # was jax.lax.ragged_dot
+  """
+  lhs, rhs, group_sizes = (jnp.asarray(a) for a in (lhs, rhs, group_sizes))
+  if lhs.ndim != 2 or rhs.ndim != 3 or group_sizes.shape != rhs.shape[:1] or (
+      lhs.shape[1] != rhs.shape[1]):
+    raise RoutingError(
+        f"dynjax.route.ragged_dot: expected lhs [M, K], rhs [G, K, N] and group_sizes [G], "
+        f"got lhs {tuple(lhs.shape)}, rhs {tuple(rhs.shape)}, group_sizes "
+        f"{tuple(group_sizes.shape)}; for other dimension numbers use "
+        "jax.lax.ragged_dot_general")
+  if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+    raise RoutingError(f"dynjax.route.ragged_dot: group_sizes has dtype {group_sizes.dtype}, "
+                       "expected an integer dtype (int32)")
+  plain = functools.partial(jax.lax.ragged_dot, lhs, rhs, group_sizes, precision=precision,
+                            preferred_element_type=preferred_element_type)
+  m, k = lhs.shape
+  g, _, n = rhs.shape
+  if (precision is not None or preferred_element_type is not None or lhs.dtype != rhs.dtype
+      or any(is_symbolic(d) for d in (k, n))):
+    return plain()
+  if is_symbolic(m):  # a family trace: the kernel is chosen at each bucket's shape
+    backend = resolve_backend(kernel, lhs.dtype, None, g, widths=((k, n),), tiling=tiling)
+    if backend not in KERNELS:
+      return plain()
+    return ragged_dot_p.bind(lhs, rhs, group_sizes.astype(jnp.int32), kernel=kernel,
+                             tiling=tiling)
+  return _on_kernel(lhs, rhs, group_sizes, kernel, tiling) if m else plain()
+
+
+def _on_kernel(lhs, rhs, group_sizes, kernel: str, tiling: Tiling | None):
+  """:func:`ragged_dot` at a static row count: the tile layout around the kernel, or
+  ``lax.ragged_dot`` where no kernel runs."""
+  m, k = lhs.shape
+  g, _, n = rhs.shape
+  if tiling is None:
+    tiling = Tiling.auto(m, g, resolve_backend(kernel, lhs.dtype, m, g, widths=((k, n),)))
+  backend = resolve_backend(kernel, lhs.dtype, m, g, widths=((k, n),), tiling=tiling)
+  if backend not in KERNELS:
+    return jax.lax.ragged_dot(lhs, rhs, group_sizes)
+  a = row_alignment(tiling, backend)
+  rows = buffer_rows(m, g, tiling, backend)
+  # Group sizes cut at M (rows past it do not exist: uncut, the kernel would walk tiles past
+  # its buffer), then each row's slot in the buffer: its group's tile-aligned base plus its
+  # rank in the group; rows past every group: none (their result is 0).
+  ends = jnp.minimum(jnp.cumsum(group_sizes.astype(jnp.int32)), m)
+  sizes = ends - jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+  tiles = (sizes + a - 1) // a
+  base = (jnp.cumsum(tiles) - tiles) * a
+  r = jnp.arange(m, dtype=jnp.int32)
+  grp = jnp.searchsorted(ends, r, side="right", method="compare_all").astype(jnp.int32)
+  safe = jnp.minimum(grp, g - 1)
+  slot = jnp.where(grp < g, base[safe] + r - (ends[safe] - sizes[safe]), rows)
+  table = jnp.full((rows,), m, jnp.int32).at[slot].set(r, mode="drop")
+  xs = jnp.take(lhs, table, axis=0, mode="fill", fill_value=0)
+  ys = _on_groups(xs, rhs, sizes, m, tiling, backend, None)
+  return jnp.take(ys, slot, axis=0, mode="fill", fill_value=0)
+
+
+# -- a symbolic row count: one primitive, lowered at each bucket's shape -----------------------
+ragged_dot_p = jex_core.Primitive("dynjax_ragged_dot")
+
+
+def _impl(lhs, rhs, group_sizes, *, kernel, tiling):
+  if is_symbolic(lhs.shape[0]):  # a symbolic lowering (jax.export): no kernel can be built
+    return jax.lax.ragged_dot(lhs, rhs, group_sizes)
+  return _on_kernel(lhs, rhs, group_sizes, kernel, tiling)
+
+
+def _abstract(lhs, rhs, group_sizes, **_):
+  return jp.shaped_array((lhs.shape[0], rhs.shape[2]), lhs.dtype)
+
+
+def _jvp(primals, tangents, *, kernel, tiling):
+  # The kernel's forward; the tangent (hence the backward) is lax.ragged_dot's, linear in
+  # (lhs, rhs) and transposable by jax's own rules.
+  lhs, rhs, sizes = primals
+  dl, dr, _ = (ad.instantiate_zeros(t) for t in tangents)
+  out = ragged_dot_p.bind(lhs, rhs, sizes, kernel=kernel, tiling=tiling)
+  tangent = jax.lax.ragged_dot(dl, rhs, sizes) + jax.lax.ragged_dot(lhs, dr, sizes)
+  return out, tangent
+
+
+ragged_dot_p.def_impl(_impl)
+ragged_dot_p.def_abstract_eval(_abstract)
+ad.primitive_jvps[ragged_dot_p] = _jvp
+mlir.register_lowering(ragged_dot_p, mlir.lower_fun(_impl, multiple_results=False))
+
+
+def _padding_rule(ctx, eqn, invals):
+  # The padding pass (dynjax.jit(padding="auto")): ragged rows are a true prefix (the group
+  # sizes have no dynamic axis, so they are the true ones); nothing to mask.  Bound at the
+  # bucket's padded shape, the primitive lowers to the kernel there.
+  from dynjax.bucketing._padding_core import PaddedValue, is_dynamic_dim, unsupported
+
+  la, ra, _ = (v.aval for v in eqn.invars)
+  if any(is_dynamic_dim(d) for d in (*la.shape[1:], *ra.shape)):
+    raise unsupported(eqn, "a dynamic contracting, output or group axis")
+  ctx.note(eqn, f"ragged rows along axis 0 ({la.shape[0]}): exact on the true prefix, "
+           "nothing masked; the grouped-GEMM kernel at the bucket's rows")
+  out = ragged_dot_p.bind(*(pv.val for pv in invals), **eqn.params)
+  return [PaddedValue(out)]
+
+
+def _register_padding_rule():
+  from dynjax.bucketing._padding_core import register
+
+  register(ragged_dot_p)(_padding_rule)
+
+
+_register_padding_rule()
