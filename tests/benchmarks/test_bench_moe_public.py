@@ -23,3 +23,14 @@ def test_small_bench_buckets_the_public_moe_exactly(tmp_path):
     assert r["compiles"] == len(rep["buckets"])
     assert r["max_abs_diff_vs_exact"] < 1e-5
     assert r["mean_ms"] > 0 and r["cold_s"] > 0
+
+
+def test_probe_ragged_dot_reports_values_kernel_and_times(tmp_path):
+  from benchmarks import probe_ragged_dot
+
+  rep = probe_ragged_dot.main(["--rows", "32,48", "--k", "16", "--n", "32", "--groups", "4",
+                               "--out", str(tmp_path)])
+  assert json.loads((tmp_path / "probe_ragged_dot.json").read_text()) == rep
+  for rec in rep["rows"].values():  # CPU: route.ragged_dot is lax.ragged_dot
+    assert rec["max_abs_diff"] == 0 and rec["mosaic_gpu_custom_calls"] == 0
+    assert sum(rec["sizes"]) in (32, 48) and rec["route_ms"] > 0 and rec["lax_ms"] > 0
