@@ -1,6 +1,6 @@
 """``dynjax.route.ragged_dot`` against ``jax.lax.ragged_dot`` alone: values, which kernel the
-optimized HLO holds, and the time of one call (packed rows sorted by expert, as public MoE code
-has them).  Medians of 50 calls, milliseconds.
+optimized HLO holds, the time of one call, and of its value and gradients (packed rows sorted
+by expert, as public MoE code has them).  Medians of 50 calls, milliseconds.
 
   python benchmarks/probe_ragged_dot.py [--rows 4096] [--out DIR]
 """
@@ -59,6 +59,22 @@ def main(argv=None) -> dict:
            "mosaic_gpu_custom_calls": hlo.count("mosaic_gpu"),
            "route_ms": _median_ms(ours, x, w, sizes),
            "lax_ms": _median_ms(plain, x, w, sizes)}
+    # a training step's dot: loss and gradients in lhs and rhs (the kernel's backward)
+    ct = jnp.asarray(rng.normal(size=(m, args.n)), jnp.float32)
+    grads = {}
+    for name, dot in (("route", route.ragged_dot), ("lax", jax.lax.ragged_dot)):
+      step = jax.jit(jax.value_and_grad(
+          lambda x, w, dot=dot, s=sizes, c=ct: jnp.sum(dot(x, w, s).astype(jnp.float32) * c),
+          (0, 1)))
+      grads[name] = step(x, w)[1]
+      rec[f"{name}_grad_ms"] = _median_ms(step, x, w)
+    rec["grad_max_rel_diff"] = float(max(
+        np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32)).max()
+        / max(np.abs(np.asarray(b, np.float32)).max(), 1e-30)
+        for a, b in zip(grads["route"], grads["lax"], strict=True)))
+    print(f"  M={m:6d} value+grads: route {rec['route_grad_ms']:7.3f} ms  lax.ragged_dot "
+          f"{rec['lax_grad_ms']:7.3f} ms  max rel diff {rec['grad_max_rel_diff']:.2e}",
+          flush=True)
     out["rows"][str(m)] = rec
     print(f"  M={m:6d} route {rec['route_ms']:7.3f} ms  lax.ragged_dot {rec['lax_ms']:7.3f} ms"
           f"  max |diff| {rec['max_abs_diff']:.2e} of {rec['max_abs']:.2e}  mosaic_gpu in HLO "

@@ -34,3 +34,4 @@ def test_probe_ragged_dot_reports_values_kernel_and_times(tmp_path):
   for rec in rep["rows"].values():  # CPU: route.ragged_dot is lax.ragged_dot
     assert rec["max_abs_diff"] == 0 and rec["mosaic_gpu_custom_calls"] == 0
     assert sum(rec["sizes"]) in (32, 48) and rec["route_ms"] > 0 and rec["lax_ms"] > 0
+    assert rec["grad_max_rel_diff"] == 0 and rec["route_grad_ms"] > 0
