@@ -21,7 +21,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.extend import core as jex_core
-from jax.interpreters import ad, mlir
+from jax.interpreters import ad, batching, mlir
 
 from dynjax import _jax_private as jp
 from dynjax._errors import RoutingError
@@ -45,7 +45,9 @@ def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=Non
   ``lax.ragged_dot``.  With a symbolic row count (``dynjax.jit(padding="auto")``'s family
   trace) it binds a primitive that each bucket lowers to the kernel.  Differentiable (the
   backward is ``lax.ragged_dot``'s); the numerics are the kernels' (float32 accumulation,
-  outputs in ``lhs``'s dtype).
+  outputs in ``lhs``'s dtype).  Directly under ``jax.vmap`` it is ``lax.ragged_dot``; a
+  function already jitted around it cannot be vmapped (the kernel call has no batching rule,
+  as ``Routed(mode="grouped")``'s).
 
   Args:
     lhs: ``[M, K]``.
@@ -75,8 +77,9 @@ def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=Non
   m, k = lhs.shape
   g, _, n = rhs.shape
   if (precision is not None or preferred_element_type is not None or lhs.dtype != rhs.dtype
-      or any(is_symbolic(d) for d in (k, n))):
-    return plain()
+      or any(is_symbolic(d) for d in (k, n))
+      or any(jp.is_batched(a) for a in (lhs, rhs, group_sizes))):  # the kernel call has no
+    return plain()  # batching rule: under jax.vmap, lax.ragged_dot
   if is_symbolic(m):  # a family trace: the kernel is chosen at each bucket's shape
     backend = resolve_backend(kernel, lhs.dtype, None, g, widths=((k, n),), tiling=tiling)
     if backend not in KERNELS:
@@ -139,9 +142,21 @@ def _jvp(primals, tangents, *, kernel, tiling):
   return out, tangent
 
 
+def _batch(args, dims, *, kernel, tiling):
+  # Under jax.vmap of a family trace: lax.ragged_dot's own batching (no kernel), every operand
+  # batched (this jax's rule takes no other case).
+  del kernel, tiling
+  size = next(a.shape[d] for a, d in zip(args, dims, strict=True)
+              if d is not None)
+  args = [jnp.broadcast_to(a, (size, *a.shape)) if d is None
+          else jnp.moveaxis(a, d, 0) for a, d in zip(args, dims, strict=True)]
+  return jax.vmap(jax.lax.ragged_dot)(*args), 0
+
+
 ragged_dot_p.def_impl(_impl)
 ragged_dot_p.def_abstract_eval(_abstract)
 ad.primitive_jvps[ragged_dot_p] = _jvp
+batching.primitive_batchers[ragged_dot_p] = _batch
 mlir.register_lowering(ragged_dot_p, mlir.lower_fun(_impl, multiple_results=False))
 
 
