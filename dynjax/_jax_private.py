@@ -156,16 +156,6 @@ def private_primitives() -> dict:
   return out
 
 
-def is_batched(x) -> bool:
-  """Whether ``x`` is a ``jax.vmap`` tracer (at the innermost trace): a kernel call without a
-  batching rule (``call_exported``) must not be bound on it."""
-  try:
-    from jax._src.interpreters import batching
-  except Exception:  # pragma: no cover - private API moved: assume batched (the safe side)
-    return isinstance(x, jax.core.Tracer)
-  return isinstance(x, batching.BatchTracer)
-
-
 def shaped_array(shape, dtype):
   """An abstract value (``ShapedArray``) of a shape that may hold symbolic dims."""
   from jax._src import core

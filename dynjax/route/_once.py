@@ -38,6 +38,7 @@ from collections.abc import Callable, Hashable
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 
 from dynjax import _config, _jax_private
 from dynjax._fingerprint import fingerprint_parts, versions
@@ -121,8 +122,27 @@ def precompiles() -> dict:
     return {k: not t.is_alive() for k, t in _STARTED.items()}
 
 
-@functools.partial(jax.jit, static_argnames=("key",))
 def _call(*args, key):
+  """The exported kernel of ``key`` on ``args``, batchable: jax has no batching rule for an
+  exported call, so under ``jax.vmap`` (also of a function jitted around it) the kernel runs
+  once an element, in a ``lax.map`` (no batched kernel exists; correct, not fast)."""
+
+  @jax.custom_batching.custom_vmap
+  def kernel(*a):
+    return _call_exported(*a, key=key)
+
+  @kernel.def_vmap
+  def _batched(axis_size, in_batched, *a):
+    a = [x if b else jnp.broadcast_to(x, (axis_size, *x.shape))
+         for x, b in zip(a, in_batched, strict=True)]
+    out = jax.lax.map(lambda xs: _call_exported(*xs, key=key), a)
+    return out, jax.tree.map(lambda _: True, out)
+
+  return kernel(*args)
+
+
+@functools.partial(jax.jit, static_argnames=("key",))
+def _call_exported(*args, key):
   return _exported(key).call(*args)
 
 
@@ -262,7 +282,7 @@ def _prune(root: Path) -> None:
 def clear() -> None:
   """Forgets every exported kernel (tests)."""
   _exported.cache_clear()
-  _call.clear_cache()
+  _call_exported.clear_cache()
   _direct.clear_cache()
   _BUILDERS.clear()
   _FAILED.clear()

@@ -45,9 +45,9 @@ def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=Non
   ``lax.ragged_dot``.  With a symbolic row count (``dynjax.jit(padding="auto")``'s family
   trace) it binds a primitive that each bucket lowers to the kernel.  Differentiable (the
   backward is ``lax.ragged_dot``'s); the numerics are the kernels' (float32 accumulation,
-  outputs in ``lhs``'s dtype).  Directly under ``jax.vmap`` it is ``lax.ragged_dot``; a
-  function already jitted around it cannot be vmapped (the kernel call has no batching rule,
-  as ``Routed(mode="grouped")``'s).
+  outputs in ``lhs``'s dtype).  Under ``jax.vmap`` (also of a function jitted around it) the
+  kernel runs once an element (``route._once``: a ``lax.map``), unbatched weights included,
+  which ``lax.ragged_dot``'s own batching does not take.
 
   Args:
     lhs: ``[M, K]``.
@@ -77,9 +77,8 @@ def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=Non
   m, k = lhs.shape
   g, _, n = rhs.shape
   if (precision is not None or preferred_element_type is not None or lhs.dtype != rhs.dtype
-      or any(is_symbolic(d) for d in (k, n))
-      or any(jp.is_batched(a) for a in (lhs, rhs, group_sizes))):  # the kernel call has no
-    return plain()  # batching rule: under jax.vmap, lax.ragged_dot
+      or any(is_symbolic(d) for d in (k, n))):
+    return plain()
   if is_symbolic(m):  # a family trace: the kernel is chosen at each bucket's shape
     backend = resolve_backend(kernel, lhs.dtype, None, g, widths=((k, n),), tiling=tiling)
     if backend not in KERNELS:

@@ -320,3 +320,18 @@ def test_mosaic_gpus_runtime_is_found_beside_its_compiled_bindings(runtime, tmp_
   monkeypatch.setattr(_jax_private, "_MOSAIC_RUNTIME", [])
   assert _jax_private.mosaic_gpu_runtime().startswith("Mosaic GPU's compiled bindings did not "
                                                       "import")
+
+
+def test_an_exported_kernel_runs_under_vmap_also_of_a_jitted_caller(monkeypatch):
+  # jax has no batching rule for an exported call: under jax.vmap, and jax.vmap of a function
+  # already jitted around it (its jaxpr batched after the fact), the kernel runs once an
+  # element; unbatched operands are broadcast.
+  monkeypatch.setattr(_once, "_PLATFORMS", ("cpu",))  # an export that runs here
+  a = jnp.asarray(np.random.RandomState(0).randn(3, 8, 16), jnp.float32)
+  b = jnp.asarray(np.random.RandomState(1).randn(16, 4), jnp.float32)
+  call = lambda a, b: _once.call("vm", _kernel, a, b)  # noqa: E731
+  want = jax.vmap(_kernel, in_axes=(0, None))(a, b)
+  for fn in (jax.vmap(call, in_axes=(0, None)), jax.vmap(jax.jit(call), in_axes=(0, None)),
+             jax.jit(jax.vmap(call, in_axes=(0, None)))):
+    np.testing.assert_allclose(fn(a, b), want, rtol=1e-6, atol=1e-6)
+  assert _once._exported.cache_info().misses == 1  # one export, the element's shapes
