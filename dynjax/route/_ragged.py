@@ -96,7 +96,9 @@ def _on_kernel(lhs, rhs, group_sizes, kernel: str, tiling: Tiling | None):
   if tiling is None:
     tiling = Tiling.auto(m, g, resolve_backend(kernel, lhs.dtype, m, g, widths=((k, n),)))
   backend = resolve_backend(kernel, lhs.dtype, m, g, widths=((k, n),), tiling=tiling)
-  if backend not in KERNELS:
+  # The kernels take K and N in whole blocks (hopper: N in two compute warpgroups' columns).
+  cols = tiling.tn * (2 if backend == "hopper" else 1)
+  if backend not in KERNELS or k % tiling.tk or n % cols:
     return jax.lax.ragged_dot(lhs, rhs, group_sizes)
   a = row_alignment(tiling, backend)
   rows = buffer_rows(m, g, tiling, backend)

@@ -12,6 +12,7 @@ import pytest
 from jax import lax
 
 from dynjax import _jax_private as jp
+from dynjax import route
 from dynjax.bucketing._padding_core import RULES
 from tests.bucketing._harness import Case
 
@@ -55,6 +56,11 @@ CASES = {
   "argmax": (lambda x: jnp.argmax(jnp.zeros_like(x) + C3, 0), _t3),
   "argmin": (lambda x: jnp.argmin(x * 0.0, 0), _t3),
   "dot_general": (lambda x: (jnp.ones_like(x) @ C3) + C3 @ x.T, _t3),
+  "dynjax_ragged_dot": (  # route.ragged_dot at a symbolic row count (3 columns: lax's inside)
+    lambda x: route.ragged_dot(x, jnp.stack([jnp.diag(C3), jnp.eye(3)]),
+                               jnp.array([1, 1], jnp.int32), kernel="pallas"),
+    _t3,
+  ),
   "ragged_dot": (  # constant weights and group sizes; a ragged contraction of a full operand
     lambda x: (
       lax.ragged_dot(x, jnp.stack([jnp.diag(C3), jnp.eye(3)]), jnp.array([1, 1], jnp.int32)),

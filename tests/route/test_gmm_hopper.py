@@ -361,6 +361,9 @@ def test_ragged_dot_is_lax_ragged_dot_where_no_kernel_runs():
   assert "ragged_dot_general" in jaxpr and "dynjax_ragged_dot" not in jaxpr
   jaxpr = str(jax.make_jaxpr(lambda a: route.ragged_dot(a, b, s, kernel="pallas"))(sym))
   assert "dynjax_ragged_dot" in jaxpr and "pallas_call" not in jaxpr
+  # widths the kernel's blocks do not divide (K=4 against the tiling's 16): lax's, exactly
+  assert str(jax.make_jaxpr(lambda a, b, s: route.ragged_dot(
+      a, b, s, kernel="pallas", tiling=TILING))(a, b, s)) == plain
 
 
 def test_ragged_dot_names_bad_operands():
