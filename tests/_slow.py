@@ -15,6 +15,18 @@ when a run measures it at 1.5 s or more (seconds beside each id: that run, for r
 MODULES = ("tests/bucketing/test_zoo.py",)  # 13 tests, 64 s, and a 9.5 s module fixture
 
 TESTS = {
+  # session 19 (route.ragged_dot, the ragged_dot padding rule), -n 2 --durations
+  "tests/benchmarks/test_bench_moe_public.py::test_small_bench_buckets_the_public_moe_exactly": 7.0,
+  "tests/route/test_gmm_hopper.py::test_ragged_dot_under_vmap[mgpu backward]": 3.4,
+  "tests/route/test_gmm_hopper.py::test_ragged_dot_under_vmap[triton backward]": 3.6,
+  "tests/route/test_gmm_hopper.py::test_ragged_dot_in_a_bucketed_moe_is_exact_with_gradients[mgpu backward-auto]": 3.2,
+  "tests/route/test_gmm_hopper.py::test_ragged_dot_in_a_bucketed_moe_is_exact_with_gradients[triton backward-auto]": 2.8,
+  "tests/route/test_gmm_hopper.py::test_ragged_dot_in_a_bucketed_moe_is_exact_with_gradients[mgpu backward-trust]": 2.0,
+  "tests/route/test_gmm_hopper.py::test_ragged_dot_in_a_bucketed_moe_is_exact_with_gradients[triton backward-trust]": 2.2,
+  "tests/route/test_gmm_hopper.py::test_ragged_dot_never_asks_the_kernel_for_tiles_past_its_buffer[mgpu backward]": 2.1,
+  "tests/bucketing/test_padding.py::test_rule_random_sizes[moe_ragged_dot_grads]": 2.8,
+  "tests/bucketing/test_padding.py::test_rule_edges[moe_ragged_dot_grads]": 1.9,
+  "tests/route/test_once.py::test_an_exported_kernel_runs_under_vmap_also_of_a_jitted_caller": 1.5,
   "tests/benchmarks/test_bench_hit_path.py::test_bert_cases_time_dynjax_beside_aot_and_the_padding_pass_own_executable": 24.5,
   "tests/benchmarks/test_bench_moe_kernels.py::test_small_check_and_layer_parts_run_and_report": 14.7,
   "tests/benchmarks/test_probe_moe_profile.py::test_small_probe_runs_both_parts_and_reports": 22.4,

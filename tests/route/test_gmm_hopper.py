@@ -320,8 +320,8 @@ def test_a_kept_kernel_is_neither_built_nor_its_pallas_imported(tmp_path, monkey
       f"this jax ({jax.__version__}) has no Mosaic GPU Pallas (no module)")
 
 
-@pytest.mark.parametrize("sizes", [[0, 37, 16, 0, 5], [20, 0, 0, 0, 0], [3, 3, 3, 3, 3],
-                                   [30, 40, 0, 9, 1], [60, 60, 60, 60, 60]])  # more rows asked than M
+@pytest.mark.parametrize("sizes", [[0, 37, 16, 0, 5], [30, 40, 0, 9, 1],  # past M: cut
+                                   [60, 60, 60, 60, 60]])
 @pytest.mark.parametrize("kernel", ["hopper", "pallas"])
 def test_ragged_dot_is_lax_ragged_dot_on_the_kernels(stand_in, sizes, kernel):
   # Packed rows in consecutive groups (public MoE code's layout), through the tile layout and
