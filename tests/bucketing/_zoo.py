@@ -339,11 +339,7 @@ def build() -> list[Entry]:
     )
   )
 
-  calls = []
-  for b, t in BT_CALLS:
-    tok, lens = _tokens(rng, b, t)
-    calls.append(({"b": b, "t": t}, (tok, lens, rng.integers(0, 5, (b, t)).astype(np.int32))))
-  entries.append(
+  entries.append(  # the transformer tagger's calls, an MoE block in place of its FFN
     _linen_entry(
       "moe_tagger",
       MoETagger(),
