@@ -24,6 +24,7 @@ TESTS = {
   "tests/route/test_gmm_hopper.py::test_ragged_dot_in_a_bucketed_moe_is_exact_with_gradients[mgpu backward-trust]": 2.0,
   "tests/route/test_gmm_hopper.py::test_ragged_dot_in_a_bucketed_moe_is_exact_with_gradients[triton backward-trust]": 2.2,
   "tests/route/test_gmm_hopper.py::test_ragged_dot_never_asks_the_kernel_for_tiles_past_its_buffer[mgpu backward]": 2.1,
+  "tests/route/test_gmm_hopper.py::test_ragged_dot_never_asks_the_kernel_for_tiles_past_its_buffer[triton backward]": 1.8,
   "tests/bucketing/test_padding.py::test_rule_random_sizes[moe_ragged_dot_grads]": 2.8,
   "tests/bucketing/test_padding.py::test_rule_edges[moe_ragged_dot_grads]": 1.9,
   "tests/route/test_once.py::test_an_exported_kernel_runs_under_vmap_also_of_a_jitted_caller": 1.5,
