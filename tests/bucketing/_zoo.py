@@ -87,8 +87,11 @@ def _linen_models():
       pooled = jnp.sum(jnp.where(mask, h, 0.0), axis=1) / jnp.maximum(lengths, 1)[:, None]
       return nn.Dense(self.classes)(pooled)
 
+  from examples.moe_public import SparseMoEBlock
+
   class Block(nn.Module):
     heads: int = 4
+    moe: bool = False  # the FFN a Mixtral-style sparse block (lax.ragged_dot experts)
 
     @nn.compact
     def __call__(self, x, mask, kv=None, kv_mask=None):
@@ -101,12 +104,15 @@ def _linen_models():
           y, kv, mask=kv_mask
         )
       y = nn.LayerNorm()(x)
+      if self.moe:
+        return x + SparseMoEBlock(experts=4, k=2, hidden=48)(y)
       return x + nn.Dense(d)(nn.gelu(nn.Dense(2 * d)(y)))
 
   class TransformerTagger(nn.Module):
     d: int = 32
     tags: int = 5
     max_len: int = 32
+    moe: bool = False
 
     @nn.compact
     def __call__(self, tokens, lengths):
@@ -114,7 +120,7 @@ def _linen_models():
       pos = self.param("pos", nn.initializers.normal(0.02), (1, self.max_len, self.d))
       x = nn.Embed(VOCAB, self.d)(tokens) + pos[:, :t]
       valid = _length_mask(lengths, t)
-      x = Block()(x, nn.make_attention_mask(valid, valid))
+      x = Block(moe=self.moe)(x, nn.make_attention_mask(valid, valid))
       return nn.Dense(self.tags)(nn.LayerNorm()(x))
 
   class Seq2Seq(nn.Module):
@@ -154,26 +160,7 @@ def _linen_models():
       pooled = jnp.sum(jnp.where(mask, h, 0.0), axis=1) / jnp.maximum(l4, 1)[:, None]
       return nn.Dense(self.classes)(pooled)
 
-  from examples.moe_public import SparseMoEBlock
-
-  class MoETagger(nn.Module):
-    d: int = 32
-    tags: int = 5
-    max_len: int = 32
-
-    @nn.compact
-    def __call__(self, tokens, lengths):
-      t = tokens.shape[1]
-      pos = self.param("pos", nn.initializers.normal(0.02), (1, self.max_len, self.d))
-      x = nn.Embed(VOCAB, self.d)(tokens) + pos[:, :t]
-      valid = _length_mask(lengths, t)
-      y = nn.LayerNorm()(x)
-      x = x + nn.MultiHeadDotProductAttention(num_heads=4)(y, y, mask=nn.make_attention_mask(
-          valid, valid))
-      x = x + SparseMoEBlock(experts=4, k=2, hidden=48)(nn.LayerNorm()(x))
-      return nn.Dense(self.tags)(nn.LayerNorm()(x))
-
-  return BiLSTMClassifier, TransformerTagger, Seq2Seq, AudioConvNet, MoETagger
+  return BiLSTMClassifier, TransformerTagger, Seq2Seq, AudioConvNet
 
 
 def _graph_net():
@@ -302,7 +289,7 @@ def _audio_train(module):
 
 
 def build() -> list[Entry]:
-  BiLSTM, Tagger, Seq2Seq, AudioConvNet, MoETagger = _linen_models()
+  BiLSTM, Tagger, Seq2Seq, AudioConvNet = _linen_models()
   GraphNet = _graph_net()
   rng = np.random.default_rng(0)
   entries = []
@@ -342,7 +329,7 @@ def build() -> list[Entry]:
   entries.append(  # the transformer tagger's calls, an MoE block in place of its FFN
     _linen_entry(
       "moe_tagger",
-      MoETagger(),
+      Tagger(moe=True),
       calls[0][1][:2],
       _tagger_train,
       {"tokens": "b, t", "lengths": "b", "labels": "b, t"},
