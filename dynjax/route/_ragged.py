@@ -138,24 +138,84 @@ def _abstract(lhs, rhs, group_sizes, **_):
 
 
 def _jvp(primals, tangents, *, kernel, tiling):
-  # The kernel's forward; the tangent (hence the backward) is lax.ragged_dot's, linear in
-  # (lhs, rhs) and transposable by jax's own rules.
+  # The kernel's forward; the tangent a primitive linear in (dl, dr) whose transpose (the
+  # backward) is the kernel path's own vjp at each bucket's rows (route.gmm's custom_vjp: at
+  # a static row count it is free to run), lax.ragged_dot's at a symbolic one.
   lhs, rhs, sizes = primals
   dl, dr, _ = (ad.instantiate_zeros(t) for t in tangents)
   out = ragged_dot_p.bind(lhs, rhs, sizes, kernel=kernel, tiling=tiling)
-  tangent = jax.lax.ragged_dot(dl, rhs, sizes) + jax.lax.ragged_dot(lhs, dr, sizes)
-  return out, tangent
+  return out, ragged_dot_lin_p.bind(dl, dr, lhs, rhs, sizes, kernel=kernel, tiling=tiling)
+
+
+def _dot_at(lhs, rhs, sizes, kernel, tiling):
+  """The dot of ``lhs`` rows: the kernel path at a static row count, else lax.ragged_dot."""
+  if is_symbolic(lhs.shape[0]):
+    return jax.lax.ragged_dot(lhs, rhs, sizes)
+  return _on_kernel(lhs, rhs, sizes, kernel, tiling)
+
+
+# The tangent: dl @ rhs + lhs @ dr by groups, linear in (dl, dr).
+ragged_dot_lin_p = jex_core.Primitive("dynjax_ragged_dot_lin")
+
+
+def _lin_impl(dl, dr, lhs, rhs, sizes, *, kernel, tiling):
+  return (_dot_at(dl, rhs, sizes, kernel, tiling)
+          + _dot_at(lhs, dr.astype(lhs.dtype), sizes, kernel, tiling)).astype(dl.dtype)
+
+
+def _lin_transpose(ct, dl, dr, lhs, rhs, sizes, *, kernel, tiling):
+  if ad.is_undefined_primal(lhs) or ad.is_undefined_primal(rhs):  # pragma: no cover
+    raise NotImplementedError("dynjax_ragged_dot: the tangent is linear in (dl, dr) only")
+  if type(ct) is ad.Zero:
+    return [None, None, None, None, None]
+  ct_l, ct_r = ragged_dot_vjp_p.bind(lhs, rhs, sizes, ct, kernel=kernel, tiling=tiling)
+  return [ct_l if ad.is_undefined_primal(dl) else None,
+          ct_r if ad.is_undefined_primal(dr) else None, None, None, None]
+
+
+# The backward: (ct @ rhs^T by groups, lhs^T @ ct by groups), lowered at each bucket's rows.
+ragged_dot_vjp_p = jex_core.Primitive("dynjax_ragged_dot_vjp")
+ragged_dot_vjp_p.multiple_results = True
+
+
+def _vjp_impl(lhs, rhs, sizes, ct, *, kernel, tiling):
+  _, pull = jax.vjp(lambda a, b: _dot_at(a, b, sizes, kernel, tiling), lhs, rhs)
+  return list(pull(ct.astype(lhs.dtype)))
+
+
+def _vjp_abstract(lhs, rhs, sizes, ct, **_):
+  return [jp.shaped_array(lhs.shape, lhs.dtype), jp.shaped_array(rhs.shape, rhs.dtype)]
+
+
+def _vmap_all(fn, args, dims, n_out=1):
+  """``fn`` under jax.vmap with every operand batched (unbatched ones broadcast)."""
+  size = next(a.shape[d] for a, d in zip(args, dims, strict=True) if d is not None)
+  args = [jnp.broadcast_to(a, (size, *a.shape)) if d is None
+          else jnp.moveaxis(a, d, 0) for a, d in zip(args, dims, strict=True)]
+  return jax.vmap(fn)(*args), (0 if n_out == 1 else [0] * n_out)
+
+
+ragged_dot_lin_p.def_impl(_lin_impl)
+ragged_dot_lin_p.def_abstract_eval(
+    lambda dl, dr, lhs, rhs, sizes, **_: jp.shaped_array((dl.shape[0], rhs.shape[2]), dl.dtype))
+ad.primitive_transposes[ragged_dot_lin_p] = _lin_transpose
+mlir.register_lowering(ragged_dot_lin_p, mlir.lower_fun(_lin_impl, multiple_results=False))
+batching.primitive_batchers[ragged_dot_lin_p] = lambda args, dims, **kw: _vmap_all(
+    lambda dl, dr, lhs, rhs, s: jax.lax.ragged_dot(dl, rhs, s)
+    + jax.lax.ragged_dot(lhs, dr.astype(lhs.dtype), s), args, dims)
+ragged_dot_vjp_p.def_impl(_vjp_impl)
+ragged_dot_vjp_p.def_abstract_eval(_vjp_abstract)
+mlir.register_lowering(ragged_dot_vjp_p, mlir.lower_fun(_vjp_impl, multiple_results=True))
+batching.primitive_batchers[ragged_dot_vjp_p] = lambda args, dims, **kw: _vmap_all(
+    lambda lhs, rhs, s, ct: list(jax.vjp(lambda a, b: jax.lax.ragged_dot(a, b, s), lhs, rhs)[1](
+        ct.astype(lhs.dtype))), args, dims, n_out=2)
 
 
 def _batch(args, dims, *, kernel, tiling):
   # Under jax.vmap of a family trace: lax.ragged_dot's own batching (no kernel), every operand
   # batched (this jax's rule takes no other case).
   del kernel, tiling
-  size = next(a.shape[d] for a, d in zip(args, dims, strict=True)
-              if d is not None)
-  args = [jnp.broadcast_to(a, (size, *a.shape)) if d is None
-          else jnp.moveaxis(a, d, 0) for a, d in zip(args, dims, strict=True)]
-  return jax.vmap(jax.lax.ragged_dot)(*args), 0
+  return _vmap_all(jax.lax.ragged_dot, args, dims)
 
 
 ragged_dot_p.def_impl(_impl)
@@ -180,10 +240,42 @@ def _padding_rule(ctx, eqn, invals):
   return [PaddedValue(out)]
 
 
+def _lin_padding_rule(ctx, eqn, invals):
+  # The tangent: rows of dl and lhs are true prefixes, as the primal's.
+  from dynjax.bucketing._padding_core import PaddedValue, is_dynamic_dim, unsupported
+
+  la, ra = eqn.invars[2].aval, eqn.invars[3].aval
+  if any(is_dynamic_dim(d) for d in (*la.shape[1:], *ra.shape)):
+    raise unsupported(eqn, "a dynamic contracting, output or group axis")
+  return [PaddedValue(ragged_dot_lin_p.bind(*(pv.val for pv in invals), **eqn.params))]
+
+
+def _vjp_padding_rule(ctx, eqn, invals):
+  # The backward: ct_lhs by rows (a true prefix); ct_rhs contracts over the rows, so the padded
+  # rows of lhs and ct are masked with 0 (they lie past every group, but need not be finite).
+  from dynjax.bucketing._padding_core import (
+    PaddedValue,
+    identity_for,
+    is_dynamic_dim,
+    unsupported,
+  )
+
+  la, ra, _, ca = (v.aval for v in eqn.invars)
+  if any(is_dynamic_dim(d) for d in (*la.shape[1:], *ra.shape, *ca.shape[1:])):
+    raise unsupported(eqn, "a dynamic contracting, output or group axis")
+  lhs = ctx.mask(invals[0], la, [0], identity_for("sum", la.dtype), eqn, "lhs")
+  ct = ctx.mask(invals[3], ca, [0], identity_for("sum", ca.dtype), eqn, "cotangent")
+  ctx.note(eqn, "the backward of the grouped-GEMM kernel at the bucket's rows")
+  outs = ragged_dot_vjp_p.bind(lhs, invals[1].val, invals[2].val, ct, **eqn.params)
+  return [PaddedValue(o) for o in outs]
+
+
 def _register_padding_rule():
   from dynjax.bucketing._padding_core import register
 
   register(ragged_dot_p)(_padding_rule)
+  register(ragged_dot_lin_p)(_lin_padding_rule)
+  register(ragged_dot_vjp_p)(_vjp_padding_rule)
 
 
 _register_padding_rule()

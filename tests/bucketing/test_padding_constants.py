@@ -61,6 +61,17 @@ CASES = {
                                jnp.array([1, 1], jnp.int32), kernel="pallas"),
     _t3,
   ),
+  "dynjax_ragged_dot_vjp": (  # its backward (the gradient in the rows and the weights)
+    lambda x, w: jax.grad(lambda x, w: jnp.sum(jnp.sin(route.ragged_dot(
+        x, w, jnp.array([1, 1], jnp.int32), kernel="pallas"))), (0, 1))(x, w),
+    lambda t: [(t, 3), (2, 3, 3)],
+  ),
+  "dynjax_ragged_dot_lin": (  # its tangent (forward mode)
+    lambda x: jax.jvp(lambda x: route.ragged_dot(x, jnp.stack([jnp.diag(C3), jnp.eye(3)]),
+                                                 jnp.array([1, 1], jnp.int32), kernel="pallas"),
+                      (x,), (jnp.cos(x),)),
+    _t3,
+  ),
   "ragged_dot": (  # constant weights and group sizes; a ragged contraction of a full operand
     lambda x: (
       lax.ragged_dot(x, jnp.stack([jnp.diag(C3), jnp.eye(3)]), jnp.array([1, 1], jnp.int32)),

@@ -429,8 +429,9 @@ def test_ragged_dot_in_a_bucketed_moe_is_exact_with_gradients(stand_in, padding)
     np.testing.assert_allclose(v, v0, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(g, g0, rtol=1e-4, atol=1e-4)
   assert f.stats()["fallbacks"] == [] and len(f.stats()["per_bucket_calls"]) == 2
-  if padding == "auto":
+  if padding == "auto":  # the forward and the backward (a training step) at the bucket's rows
     assert "the grouped-GEMM kernel at the bucket's rows" in f.explain()
+    assert "the backward of the grouped-GEMM kernel at the bucket's rows" in f.explain()
 
 
 def test_ragged_dot_under_vmap(stand_in):
