@@ -10,8 +10,9 @@ Under ``dynjax.jit(padding="auto")`` the family is traced with a symbolic row co
 kernel (static shapes) can be built: there :func:`ragged_dot` binds ``dynjax_ragged_dot``, a
 primitive whose padding rule is ``ragged_dot_general``'s (the rows are a true prefix; nothing
 is masked) and whose lowering, at each bucket's padded shape, is :func:`ragged_dot` again.  Its
-derivative is ``lax.ragged_dot``'s (the forward runs on the kernel, the backward on XLA's ragged
-dots), so ``jax.grad`` inside the traced function works.
+tangent (``dynjax_ragged_dot_lin``, linear in the tangents) transposes to
+``dynjax_ragged_dot_vjp``, which each bucket lowers to ``jax.vjp`` of the kernel path, so
+``jax.grad`` inside the traced function runs its backward on the kernels too.
 """
 
 from __future__ import annotations
@@ -43,9 +44,9 @@ def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=Non
   kernel of :func:`gmm`, and gathered back; elsewhere (CPU, other dtypes or widths, a
   ``precision`` or ``preferred_element_type`` that the kernels do not take) it *is*
   ``lax.ragged_dot``.  With a symbolic row count (``dynjax.jit(padding="auto")``'s family
-  trace) it binds a primitive that each bucket lowers to the kernel.  Differentiable (the
-  backward is ``lax.ragged_dot``'s); the numerics are the kernels' (float32 accumulation,
-  outputs in ``lhs``'s dtype).  Under ``jax.vmap`` (also of a function jitted around it) the
+  trace) it binds a primitive that each bucket lowers to the kernel.  Differentiable, the
+  backward on the kernels too; the numerics are the kernels' (float32 accumulation, outputs
+  in ``lhs``'s dtype).  Under ``jax.vmap`` (also of a function jitted around it) the
   kernel runs once an element (``route._once``: a ``lax.map``), unbatched weights included,
   which ``lax.ragged_dot``'s own batching does not take.
 
@@ -128,9 +129,7 @@ ragged_dot_p = jex_core.Primitive("dynjax_ragged_dot")
 
 
 def _impl(lhs, rhs, group_sizes, *, kernel, tiling):
-  if is_symbolic(lhs.shape[0]):  # a symbolic lowering (jax.export): no kernel can be built
-    return jax.lax.ragged_dot(lhs, rhs, group_sizes)
-  return _on_kernel(lhs, rhs, group_sizes, kernel, tiling)
+  return _dot_at(lhs, rhs, group_sizes, kernel, tiling)
 
 
 def _abstract(lhs, rhs, group_sizes, **_):
@@ -148,7 +147,8 @@ def _jvp(primals, tangents, *, kernel, tiling):
 
 
 def _dot_at(lhs, rhs, sizes, kernel, tiling):
-  """The dot of ``lhs`` rows: the kernel path at a static row count, else lax.ragged_dot."""
+  """The dot of ``lhs`` rows: the kernel path at a static row count, else (a symbolic
+  lowering, as ``jax.export``'s: no kernel can be built) lax.ragged_dot."""
   if is_symbolic(lhs.shape[0]):
     return jax.lax.ragged_dot(lhs, rhs, sizes)
   return _on_kernel(lhs, rhs, sizes, kernel, tiling)
