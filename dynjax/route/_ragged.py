@@ -27,8 +27,16 @@ from jax.interpreters import ad, batching, mlir
 from dynjax import _jax_private as jp
 from dynjax._errors import RoutingError
 from dynjax._symbolic import is_symbolic
+from dynjax.bucketing._padding_core import (
+  PaddedValue,
+  identity_for,
+  is_dynamic_dim,
+  register,
+  unsupported,
+)
 from dynjax.route._gmm import Tiling, buffer_rows, resolve_backend, row_alignment
-from dynjax.route._grouped import _on_groups
+from dynjax.route._grouped import _on_groups, grouped_layout
+from dynjax.route._router import Routing
 
 KERNELS = ("hopper", "mgpu", "pallas")  # the gmm backends ragged_dot runs on (else lax's)
 
@@ -105,23 +113,21 @@ def _on_kernel(lhs, rhs, group_sizes, kernel: str, tiling: Tiling | None):
   cols = tiling.tn * (2 if backend == "hopper" else 1)
   if backend not in KERNELS or k % tiling.tk or n % cols:
     return jax.lax.ragged_dot(lhs, rhs, group_sizes)
-  a = row_alignment(tiling, backend)
-  rows = buffer_rows(m, g, tiling, backend)
   # Group sizes cut at M (rows past it do not exist: uncut, the kernel would walk tiles past
-  # its buffer), then each row's slot in the buffer: its group's tile-aligned base plus its
-  # rank in the group; rows past every group: none (their result is 0).
+  # its buffer); each row is routed to its group (g: past every group, no slot, result 0) at
+  # its rank there, and laid out as mode="grouped" lays out a routing.
   ends = jnp.minimum(jnp.cumsum(group_sizes.astype(jnp.int32)), m)
   sizes = ends - jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
-  tiles = (sizes + a - 1) // a
-  base = (jnp.cumsum(tiles) - tiles) * a
   r = jnp.arange(m, dtype=jnp.int32)
   grp = jnp.searchsorted(ends, r, side="right", method="compare_all").astype(jnp.int32)
   safe = jnp.minimum(grp, g - 1)
-  slot = jnp.where(grp < g, base[safe] + r - (ends[safe] - sizes[safe]), rows)
-  table = jnp.full((rows,), m, jnp.int32).at[slot].set(r, mode="drop")
-  xs = jnp.take(lhs, table, axis=0, mode="fill", fill_value=0)
-  ys = _on_groups(xs, rhs, sizes, m, tiling, backend, None)
-  return jnp.take(ys, slot, axis=0, mode="fill", fill_value=0)
+  routing = Routing(paths=grp[:, None], gates=jnp.zeros((m, 1), jnp.float32),
+                    positions=(r - (ends[safe] - sizes[safe]))[:, None], loads=sizes)
+  lay = grouped_layout(routing, g, row_alignment(tiling, backend),
+                       buffer_rows(m, g, tiling, backend))
+  xs = jnp.take(lhs, lay.table, axis=0, mode="fill", fill_value=0)
+  ys = _on_groups(xs, rhs, lay.group_sizes, m, tiling, backend, None)
+  return jnp.take(ys, lay.slots[:, 0], axis=0, mode="fill", fill_value=0)
 
 
 # -- a symbolic row count: one primitive, lowered at each bucket's shape -----------------------
@@ -225,57 +231,43 @@ batching.primitive_batchers[ragged_dot_p] = _batch
 mlir.register_lowering(ragged_dot_p, mlir.lower_fun(_impl, multiple_results=False))
 
 
+def _only_rows_dynamic(eqn, rows, weights) -> None:
+  """Refuses an equation of these primitives where a dim but the rows' (axis 0 of each of
+  ``rows``) is dynamic: of those arrays' other axes, or of the ``weights``."""
+  dims = [d for a in rows for d in a.shape[1:]] + list(weights.shape)
+  if any(is_dynamic_dim(d) for d in dims):
+    raise unsupported(eqn, "a dynamic contracting, output or group axis")
+
+
+@register(ragged_dot_p)
 def _padding_rule(ctx, eqn, invals):
   # The padding pass (dynjax.jit(padding="auto")): ragged rows are a true prefix (the group
   # sizes have no dynamic axis, so they are the true ones); nothing to mask.  Bound at the
   # bucket's padded shape, the primitive lowers to the kernel there.
-  from dynjax.bucketing._padding_core import PaddedValue, is_dynamic_dim, unsupported
-
   la, ra, _ = (v.aval for v in eqn.invars)
-  if any(is_dynamic_dim(d) for d in (*la.shape[1:], *ra.shape)):
-    raise unsupported(eqn, "a dynamic contracting, output or group axis")
+  _only_rows_dynamic(eqn, [la], ra)
   ctx.note(eqn, f"ragged rows along axis 0 ({la.shape[0]}): exact on the true prefix, "
            "nothing masked; the grouped-GEMM kernel at the bucket's rows")
   out = ragged_dot_p.bind(*(pv.val for pv in invals), **eqn.params)
   return [PaddedValue(out)]
 
 
+@register(ragged_dot_lin_p)
 def _lin_padding_rule(ctx, eqn, invals):
   # The tangent: rows of dl and lhs are true prefixes, as the primal's.
-  from dynjax.bucketing._padding_core import PaddedValue, is_dynamic_dim, unsupported
-
   la, ra = eqn.invars[2].aval, eqn.invars[3].aval
-  if any(is_dynamic_dim(d) for d in (*la.shape[1:], *ra.shape)):
-    raise unsupported(eqn, "a dynamic contracting, output or group axis")
+  _only_rows_dynamic(eqn, [la], ra)
   return [PaddedValue(ragged_dot_lin_p.bind(*(pv.val for pv in invals), **eqn.params))]
 
 
+@register(ragged_dot_vjp_p)
 def _vjp_padding_rule(ctx, eqn, invals):
   # The backward: ct_lhs by rows (a true prefix); ct_rhs contracts over the rows, so the padded
   # rows of lhs and ct are masked with 0 (they lie past every group, but need not be finite).
-  from dynjax.bucketing._padding_core import (
-    PaddedValue,
-    identity_for,
-    is_dynamic_dim,
-    unsupported,
-  )
-
   la, ra, _, ca = (v.aval for v in eqn.invars)
-  if any(is_dynamic_dim(d) for d in (*la.shape[1:], *ra.shape, *ca.shape[1:])):
-    raise unsupported(eqn, "a dynamic contracting, output or group axis")
+  _only_rows_dynamic(eqn, [la, ca], ra)
   lhs = ctx.mask(invals[0], la, [0], identity_for("sum", la.dtype), eqn, "lhs")
   ct = ctx.mask(invals[3], ca, [0], identity_for("sum", ca.dtype), eqn, "cotangent")
   ctx.note(eqn, "the backward of the grouped-GEMM kernel at the bucket's rows")
   outs = ragged_dot_vjp_p.bind(lhs, invals[1].val, invals[2].val, ct, **eqn.params)
   return [PaddedValue(o) for o in outs]
-
-
-def _register_padding_rule():
-  from dynjax.bucketing._padding_core import register
-
-  register(ragged_dot_p)(_padding_rule)
-  register(ragged_dot_lin_p)(_lin_padding_rule)
-  register(ragged_dot_vjp_p)(_vjp_padding_rule)
-
-
-_register_padding_rule()
