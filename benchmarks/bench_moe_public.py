@@ -34,24 +34,14 @@ import sys
 import time
 
 import jax
-import jax.monitoring
 import jax.numpy as jnp
 import numpy as np
 
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 
 from benchmarks._report import write_json  # noqa: E402
-from benchmarks.bench_moe_gmm import request_stream  # noqa: E402
-
-
-class _Compiles:
-  """XLA backend compiles seen through ``jax.monitoring`` (not through dynjax's counters)."""
-
-  count = 0
-
-  def __call__(self, event, duration, **_):
-    if event == "/jax/core/compile/backend_compile_duration":
-      self.count += 1
+from benchmarks._suite import CompileCounter  # noqa: E402
+from benchmarks.bench_moe_gmm import request_stream, time_stream  # noqa: E402
 
 
 def main(argv=None) -> dict:
@@ -76,8 +66,7 @@ def main(argv=None) -> dict:
   stream = request_stream(args.requests, 8, cfg["max_len"], cfg["vocab"], args.seed)
   tok0, len0 = stream[0]
   variables = jax.jit(model.init)(jax.random.key(0), jnp.asarray(tok0), jnp.asarray(len0))
-  counter = _Compiles()
-  jax.monitoring.register_event_duration_secs_listener(counter)
+  counter = CompileCounter.get()  # XLA's backend compiles, through jax.monitoring
   policy = dynjax.buckets.pow2(min=16, max=cfg["max_len"])
   lengths = sorted({tok.shape[1] for tok, _ in stream})
   out = {"jax": jax.__version__, "device": jax.devices()[0].device_kind,
@@ -103,17 +92,12 @@ def main(argv=None) -> dict:
                                   padding=padding)
   results = {}
   for mode, fn in fns.items():
-    before = counter.count
+    before = counter.compiles
     t0 = time.perf_counter()
     results[mode] = [np.asarray(fn(variables, tok, lens)) for tok, lens in stream]
     cold = time.perf_counter() - t0
-    compiles = counter.count - before
-    ts = []
-    for tok, lens in stream:
-      t1 = time.perf_counter()
-      np.asarray(fn(variables, tok, lens))
-      ts.append(time.perf_counter() - t1)
-    ts = np.asarray(ts) * 1e3
+    compiles = counter.compiles - before
+    ts = time_stream(fn, variables, stream)  # ms a request, numpy in and out
     rec = {"cold_s": cold, "compiles": compiles, "mean_ms": float(ts.mean()),
            "median_ms": float(np.median(ts))}
     if not mode.startswith("exact"):

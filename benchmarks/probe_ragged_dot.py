@@ -8,9 +8,9 @@ by expert, as public MoE code has them).  Medians of 50 calls, milliseconds.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -19,16 +19,11 @@ import numpy as np
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 
 from benchmarks._report import write_json  # noqa: E402
+from benchmarks.bench_moe_gmm import timeit  # noqa: E402
 
 
 def _median_ms(fn, *args, n=50) -> float:
-  jax.block_until_ready(fn(*args))
-  ts = []
-  for _ in range(n):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    ts.append(time.perf_counter() - t0)
-  return float(np.median(ts)) * 1e3
+  return timeit([functools.partial(fn, *args)], n)["median_ms"]
 
 
 def main(argv=None) -> dict:
