@@ -31,6 +31,7 @@ Example:
 from __future__ import annotations
 
 import ast
+import collections
 import dataclasses
 import functools
 import os
@@ -148,21 +149,45 @@ def node_types() -> tuple[str, ...]:
   return tuple(sorted(names))
 
 
+def _child_nodes(node: ast.AST, _fields: dict = {}) -> list[ast.AST]:  # noqa: B006 (a cache)
+  """``list(ast.iter_child_nodes(node))`` without its generators.  The corpus parse took
+  11.1-11.4 s on the 2-core box, 8.2-9.1 s with this and :func:`_qualnames`' walk over
+  statements only (identical corpus; ``ast.parse`` itself is ~3.4 s of it)."""
+  t = type(node)
+  fields = _fields.get(t)
+  if fields is None:
+    fields = _fields[t] = t._fields
+  out = []
+  for f in fields:
+    v = getattr(node, f, None)
+    if isinstance(v, ast.AST):
+      out.append(v)
+    elif isinstance(v, list):
+      out.extend(x for x in v if isinstance(x, ast.AST))
+  return out
+
+
 def _tree_of(fun: ast.AST, name: str, type_ids: dict[str, int]) -> Tree:
   types: list[int] = []
   children: list[list[int]] = []
   parent: list[int] = []
+  add_type, add_kids, add_parent = types.append, children.append, parent.append
+  type_id, n_types, child_nodes = type_ids.get, len(type_ids), _child_nodes
   stack = [(fun, -1)]
+  pop, push = stack.pop, stack.extend
+  i = 0
   while stack:  # iterative preorder: deep ASTs must not hit the recursion limit
-    node, par = stack.pop()
-    i = len(types)
-    types.append(type_ids.get(type(node).__name__, len(type_ids)))
-    children.append([])
-    parent.append(par)
+    node, par = pop()
+    add_type(type_id(type(node).__name__, n_types))
+    add_kids([])
+    add_parent(par)
     if par >= 0:
       children[par].append(i)
-    kids = list(ast.iter_child_nodes(node))
-    stack.extend((k, i) for k in reversed(kids))
+    kids = child_nodes(node)
+    if kids:
+      kids.reverse()
+      push([(k, i) for k in kids])
+    i += 1
   n = len(types)
   first = np.full(n, -1, np.int32)
   nxt = np.full(n, -1, np.int32)
@@ -176,19 +201,24 @@ def _tree_of(fun: ast.AST, name: str, type_ids: dict[str, int]) -> Tree:
               next_sibling=nxt, parent=np.asarray(parent, np.int32))
 
 
+# Nodes that can hold a class or function definition: expressions cannot (a lambda is not a
+# FunctionDef), so the walk skips them, in the same breadth-first order over what remains.
+_HOLDERS = (ast.stmt, ast.excepthandler, ast.match_case)
+
+
 def _qualnames(tree: ast.Module):
   """Yields (node, qualified name) for the module, classes and functions, in walk order."""
   yield tree, "<module>"
-  stack = [(tree, "")]
-  while stack:
-    node, prefix = stack.pop(0)
-    for child in ast.iter_child_nodes(node):
+  queue = collections.deque([(tree, "")])
+  while queue:
+    node, prefix = queue.popleft()
+    for child in _child_nodes(node):
       if isinstance(child, (ast.ClassDef, *_FUN_NODES)):
         q = f"{prefix}{child.name}"
         yield child, q
-        stack.append((child, q + "."))
-      else:
-        stack.append((child, prefix))
+        queue.append((child, q + "."))
+      elif isinstance(child, _HOLDERS):
+        queue.append((child, prefix))
 
 
 def stdlib_root() -> str:
