@@ -15,6 +15,7 @@ when a run measures it at 1.5 s or more (seconds beside each id: that run, for r
 MODULES = ("tests/bucketing/test_zoo.py",)  # 13 tests, 64 s, and a 9.5 s module fixture
 
 TESTS = {
+  "tests/benchmarks/test_probe_device_pad.py::test_probe_times_both_routes_and_restores_the_switches": 3.6,
   # session 20: measured at >= 1.5 s in a fast-tier run (-n auto, 2-core box, --durations)
   "tests/test_flax.py::test_nnx_model_matches_and_counts_calls[auto]": 6.01,
   "tests/examples/test_models.py::test_attention_impl_same_weights_same_result[xla]": 3.75,

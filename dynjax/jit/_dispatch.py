@@ -31,7 +31,7 @@ from dynjax._errors import (
   PaddingUnsupportedError,
 )
 from dynjax._padded import Padded
-from dynjax.jit import _args, _casts, _forward, _placement, _serving
+from dynjax.jit import _args, _casts, _devpad, _forward, _placement, _serving
 from dynjax.jit._args import (
   is_key,
   is_padded,
@@ -58,7 +58,7 @@ class Executor:
                "in_shapes", "tree", "dev_sizes", "out_slices", "out_shapes", "out_tree",
                "single", "sync", "device", "return_padded", "timed", "check", "ctx", "n", "lock",
                "padded_elems", "true_elems", "larger", "bucket_id", "out_dynamic", "top",
-               "plain_out", "casts", "fwd", "to_device", "numpy_out")
+               "plain_out", "casts", "fwd", "to_device", "numpy_out", "pad_sites", "cut_sites")
 
   def __init__(self, ctx, fam: Family, sizes, own, bkey, entry, shapes, device: bool,
                top: bool, dev_sizes, out_shapes, true_elems: int, all_leaves: bool):
@@ -74,12 +74,13 @@ class Executor:
     where = fam.top_pos if top else fam.spec_idx
     # Leaves to pad: (position in the call's values, true shape, bucket shape, prefix).  With
     # a Padded among them (``all_leaves``) every leaf with dims goes through pad_leaf.
+    padded = [(p, li) for p, li in zip(where, fam.spec_idx, strict=True)
+              if all_leaves or shapes[li] != entry.in_shapes[li]]
     self.pads = tuple(
         (p, shapes[li], entry.in_shapes[li], tuple(slice(0, n) for n in shapes[li]),
          math.prod(entry.in_shapes[li]) * fam.avals[li].dtype.itemsize
          >= _placement.POOL_MIN_BYTES)  # its host buffer is reused (sync calls only)
-        for p, li in zip(where, fam.spec_idx, strict=True)
-        if all_leaves or shapes[li] != entry.in_shapes[li])
+        for p, li in padded)
     self.shard = fam.shard
     # Parameters the executable takes cast (jit/_casts.py): their cached copies go in.
     self.casts = _casts.Applier(fam, entry.casts, top) if entry.casts else None
@@ -109,6 +110,20 @@ class Executor:
     self.sync = any(self.numpy_out)  # the call blocks for its numpy results
     # pinned host outputs (jit/_placement.py) of a device request go back to the device
     self.to_device = entry.host_out and not host
+    # Device arrays padded / outputs cut on the device once their shape has paid for it
+    # (jit/_devpad.py): one site per padded leaf and per cut output of a device request.
+    self.pad_sites = self.cut_sites = None
+    dev = (_devpad.exe_device(self.exe) if device and fam.shard is None and config.device_pad
+           else None)
+    if dev is not None and dev.platform in _devpad.PLATFORMS:
+      sites = ctx.devpads
+      self.pad_sites = tuple(
+          sites.site("pad", shapes[li], entry.in_shapes[li], fam.avals[li].dtype, dev)
+          for _, li in padded)
+      if not self.to_device and not opts.return_padded:
+        self.cut_sites = tuple(
+            None if sl is None else sites.site("cut", p, o, fam.out_avals[i].dtype, dev)
+            for sl, p, o, i in zip(self.out_slices, padded_out, out_shapes, kept, strict=True))
     self.timed = bool(fam.observers) or (opts.serving and self.sync)
     self.check = opts.check
     self.n = 0  # calls served, summed into the counters by stats()
@@ -127,7 +142,7 @@ class Executor:
       args = self.shard.pad(fam, vals, self.full_shapes, self.in_shapes, fam.mode == "trust")
     elif self.pads:
       args = list(vals)
-      for pos, shape, target, prefix, pooled in self.pads:
+      for k, (pos, shape, target, prefix, pooled) in enumerate(self.pads):
         x = vals[pos]
         if type(x) is np.ndarray:  # a zero-padded host buffer: see pad_leaf
           if pooled and self.sync:  # a large one, reused (_placement.HostBuffers)
@@ -137,6 +152,9 @@ class Executor:
             buf = np.zeros(target, x.dtype)
           buf[prefix] = x
           args[pos] = buf
+        elif self.pad_sites is not None and self.pad_sites[k] is not None and (
+            type(x) is not Padded):
+          args[pos] = self.pad_sites[k].run(x, pad_leaf, shape, target)
         else:
           args[pos] = pad_leaf(x, shape, target)
     else:
@@ -166,8 +184,12 @@ class Executor:
              for o, s, dyn in zip(outs, self.out_shapes, self.out_dynamic, strict=True)]
     else:  # (a sliced output goes through the host either way: one transfer)
       mv = _placement.to_device if self.to_device else None
-      res = [(o if mv is None else mv(o)) if sl is None else self._unpad_device(o, s)
-             for o, sl, s in zip(outs, self.out_slices, self.out_shapes, strict=True)]
+      cuts = self.cut_sites
+      res = [(o if mv is None else mv(o)) if sl is None
+             else self._unpad_device(o, s) if cuts is None or cuts[i] is None
+             else cuts[i].run(o, self._unpad_device, s)
+             for i, (o, sl, s) in enumerate(zip(outs, self.out_slices, self.out_shapes,
+                                                strict=True))]
     if self.timed:
       fam.record_time(self.bkey, time.perf_counter() - t0)
     if self.fwd is not None:
@@ -187,8 +209,9 @@ class Executor:
   def _unpad_device(self, o, shape):
     if self.shard is not None:
       return self.shard.unpad(o, shape)
-    # Unpadding on device would compile a slice per exact shape (~70 ms on H100); a host
-    # round trip costs a sync plus two copies instead (~0.1-0.3 ms on H100).
+    # The host route: a sync plus two copies (~0.1-0.3 ms on H100).  A shape that keeps coming
+    # back is cut on the device instead, once its trips pay for the slice's compile (~70 ms on
+    # H100): ``cut_sites``, jit/_devpad.py.
     return jax.device_put(np.asarray(o)[tuple(slice(0, n) for n in shape)])
 
 
@@ -206,6 +229,7 @@ class Dispatcher:
     self.policies = Policies(opts.buckets, lambda: opts.serving and _serving.on_gpu())
     self.cache = ExecutableCache(opts.max_executables, name=name, log=config.log_compiles)
     self.counters = Counters()
+    self.devpads = _devpad.Sites()  # device arrays padded / outputs cut on the device
     self.compiler = Compiler(self)
     self.fallbacks: list[str] = []
     self.families: dict = {}  # full key -> Family (the latest one, with dims="auto")

@@ -385,3 +385,21 @@ def test_two_processes_jax_distributed(tmp_path):
       assert r[mode]["buckets"] == {"b=8, t=16": 1, "b=8, t=8": 2}, r
     assert r["cut"] == {"shape": [8, 5], "local": [4, 5], "err": r["cut"]["err"],
                         "sharded": True} and r["cut"]["err"] < 1e-6, r
+
+
+def test_a_device_array_on_another_device_keeps_the_host_route(monkeypatch):
+  """jit/_devpad.py pads on the executable's own device only: an array committed to another
+  device goes through the host (as before), padded and moved in one trip, and buys nothing."""
+  from dynjax.jit import _devpad
+
+  monkeypatch.setattr(_devpad, "PLATFORMS", _devpad.PLATFORMS + ("cpu",))
+  monkeypatch.setattr(_devpad, "price", lambda: 0.0)
+  f = dynjax.jit(lambda x: jnp.cumsum(x, axis=0) * 2, dims={"x": "t, 3"})
+  for t in (5, 5, 6):
+    x = jax.device_put(np.arange(t * 3, dtype=np.float32).reshape(t, 3), jax.devices()[1])
+    np.testing.assert_array_equal(np.asarray(f(x)), np.cumsum(np.asarray(x), axis=0) * 2)
+  d = f.stats()["device_pads"]
+  assert d["programs"] == 2 and d["host_trips"] == 2  # the outputs' cuts, on device 0
+  x0 = jnp.arange(15, dtype=jnp.float32).reshape(5, 3)  # on the default device: padded there
+  np.testing.assert_array_equal(np.asarray(f(x0)), np.cumsum(np.asarray(x0), axis=0) * 2)
+  assert f.stats()["device_pads"]["programs"] == 3
