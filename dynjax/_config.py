@@ -9,7 +9,7 @@
 | DYNJAX_PROGRESS       | 0 / 1                  | progress bar in ``warmup`` (default 1 when stderr is a terminal) |
 | DYNJAX_TIER_UP_AFTER  | integer >= 0           | serving on GPU: full-option recompiles start after N calls since the last quick compile, or at the first 1-second gap in traffic (default 1000) |
 | DYNJAX_PRERUN         | 0 / 1                  | GPU: an executable built in the background (warmup, background compile, tier-up, a restart's loads) runs once on zeros before it serves (default 1) |
-| DYNJAX_DEVICE_PAD     | 0 / 1                  | GPU/TPU: device arrays of a shape that keeps coming back are padded (and outputs cut) on the device by a small program each, once their host round trips add up to its compile (default 1; ``jit/_devpad.py``) |
+| DYNJAX_DEVICE_PAD     | 0 / 1                  | device arrays of a shape that keeps coming back are padded (and outputs cut) on the device by a small program each, once their host round trips add up to its compile (default 1; ``jit/_devpad.py``) |
 | DYNJAX_KERNEL_CACHE   | a directory, or 0      | where ``dynjax.route``'s exported GPU kernels are kept across processes (default ``~/.cache/dynjax/kernels``; ``0`` off); read at each export by ``route._once`` |
 
 Nothing here changes compiled output, so none of it is part of the executable cache key.

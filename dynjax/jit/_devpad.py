@@ -3,27 +3,28 @@
 A device array whose shape is not its bucket's goes through the host: ``np.asarray`` (waits
 for it, copies it out), a zeroed host buffer, the copy back in with the call; a padded
 output of a device request comes back the same way.  That is a host sync and two copies a
-call (H100, jax 0.11.2: see ``benchmarks/probe_device_pad.py``), and the sync stops the host
-from queueing the next call while the device works.  On the device the same pad or cut is a
-tiny XLA program per (shape, bucket shape, dtype, device): one compile each, then an async
-call.
+call (H100, jax 0.11.2, ``benchmarks/probe_device_pad.py``: 0.25 ms for 0.6 kB, 2.5 ms for
+6 MB of bf16), and the sync stops the host from queueing the next call while the device
+works.  On the device the same pad or cut is a tiny XLA program per (shape, bucket shape,
+dtype, device): one compile each (57-82 ms on that H100), then an async call (0.09-0.11 ms).
 
 Which is cheaper depends on how often a shape comes back, which nobody knows in advance:
 ski rental.  Each site (an argument or output of one shape padded or cut to one bucket
-shape) times its host trips; once they add up to the price of one compile (the mean of this
-process's measured compiles of such programs; ``PRIOR_S`` until one is measured) it compiles
-its program and goes on on the device.  That never costs more than about twice the better
-choice in hindsight (the trip's copy into the executable is not in the timed part, so the
-rent is under-counted: at most ~3x).  A training loop that sees a few shapes many times
-pays a few compiles; a stream of shapes seen once or twice keeps the host route.
+shape) times its host trips, copies in and out included; once they add up to the price of
+one compile (the median of this process's measured compiles of such programs; ``PRIOR_S``
+until one is measured) it compiles its program and goes on on the device.  That never
+costs more than about twice the better choice in hindsight.  A training loop that sees a
+few shapes many times pays a few compiles; a stream of shapes seen once or twice keeps the
+host route.
 
-Only on accelerators (``PLATFORMS``): on CPU the "host" copy is a memcpy in the same memory,
-no cheaper on the device.  Only single-device arrays on the executable's own device, in
-device memory; a ``Padded``, a sharded family or a PRNG key keeps the host route.
-``DYNJAX_DEVICE_PAD=0`` turns it off.  ``stats()["device_pads"]`` counts sites, programs,
-their compile seconds, and the host trips with their seconds.
+On the CPU too: there the host route's copies are memcpys, and a pad program still costs
+less than a third of them (2-core box, jax 0.10.2: 3.1-3.3 vs 1.0-1.2 ms for 10-12 MB of
+float32, 0.13 vs 0.03 ms for 1 kB; compiles 56-64 ms, the process's first 248).  Only
+single-device arrays on the executable's own device, in device memory; a ``Padded``, a
+sharded family or a PRNG key keeps the host route.  ``DYNJAX_DEVICE_PAD=0`` turns it off.
+``stats()["device_pads"]`` counts sites, programs, their compile seconds, and the host trips
+with their seconds.
 """
-
 from __future__ import annotations
 
 import threading
@@ -35,21 +36,25 @@ from jax import lax
 
 from dynjax._config import config
 
-PLATFORMS = ("gpu", "cuda", "rocm", "tpu")
+PLATFORMS = ("cpu", "gpu", "cuda", "rocm", "tpu")  # where the route is measured or expected to pay
 # A pad program's compile before one is measured in this process (seconds).  H100, jax 0.11.2:
-# see probe_device_pad's "compile_ms"; the measured mean replaces it after the first compile.
-PRIOR_S = 0.05
+# 57-82 ms (probe_device_pad's "compile_ms"); the measured median replaces it.
+PRIOR_S = 0.08
 MAX_SITES = 4096  # sites per function; past it new shapes keep the host route
 MAX_PROGRAMS = 512  # programs per process; past it sites keep the host route
 
 _lock = threading.Lock()
-_compiled = {"n": 0, "seconds": 0.0}  # this process's pad/cut programs
+_compiled: list[float] = []  # seconds of each pad/cut program this process compiled
 
 
 def price() -> float:
-  """Seconds one pad/cut program costs to build: the measured mean, else ``PRIOR_S``."""
-  n = _compiled["n"]
-  return _compiled["seconds"] / n if n else PRIOR_S
+  """Seconds one pad/cut program costs to build: the median of this process's compiles (the
+  latest 64), else ``PRIOR_S``.  The median, not the mean: a process's first XLA compile
+  carries one-time costs (H100, jax 0.11.2: 364 ms for the first, then 57-82 ms)."""
+  if not _compiled:
+    return PRIOR_S
+  ordered = sorted(_compiled[-64:])
+  return ordered[len(ordered) // 2]
 
 
 def exe_device(exe):
@@ -120,6 +125,9 @@ class Site:
     jax.block_until_ready(x)  # not rent: the computation costs the wait either way
     t0 = time.perf_counter()
     out = host(x, *args)
+    if self.kind == "pad":  # the copy in, which the executable's call would make
+      out = jax.device_put(out, self.sharding)
+    jax.block_until_ready(out)
     self.rent(time.perf_counter() - t0)
     return out
 
@@ -130,7 +138,7 @@ class Site:
       o.trips += 1
       o.trip_seconds += seconds
       self.spent += seconds
-      buy = self.fn is None and self.spent >= price() and _compiled["n"] < MAX_PROGRAMS
+      buy = self.fn is None and self.spent >= price() and len(_compiled) < MAX_PROGRAMS
       if buy:
         self.spent = -np.inf  # one buyer
     if buy:
@@ -156,8 +164,7 @@ class Site:
     dt = time.perf_counter() - t0
     o = self.owner
     with o.lock, _lock:
-      _compiled["n"] += 1
-      _compiled["seconds"] += dt
+      _compiled.append(dt)
       o.programs += 1
       o.compile_seconds += dt
     self.fn = fn

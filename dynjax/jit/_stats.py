@@ -162,7 +162,7 @@ def stats_dict(d) -> dict:
       "cast_once": {"leaves": sum(len(f.casts) for f in fams.values()),
                     "conversions": sum(f.cast_memo.conversions for f in fams.values())},
       "host_outputs": sum(1 for f in fams.values() if f.host_out),
-      "device_pads": d.devpads.describe(),  # jit/_devpad.py (GPU/TPU device requests)
+      "device_pads": d.devpads.describe(),  # jit/_devpad.py (device requests)
       "waited_for_compile": counters.waits,
       "wait_seconds": counters.wait_seconds,
       "background": (None if sched is None else {
