@@ -57,17 +57,6 @@ def price() -> float:
   return ordered[len(ordered) // 2]
 
 
-def exe_device(exe):
-  """The one device an executable takes its inputs on, or None (unknown, or several)."""
-  exe = getattr(exe, "exe", exe)  # a stored executable before its first run (_store.FirstRun)
-  try:
-    shardings = jax.tree.leaves(exe.input_shardings)
-  except Exception:  # noqa: BLE001 - no metadata: the host route
-    return None
-  devices = {d for s in shardings for d in s.device_set}
-  return devices.pop() if len(devices) == 1 else None
-
-
 class Sites:
   """The pad/cut sites of one ``dynjax.jit`` function (``Dispatcher.devpads``)."""
 

@@ -113,8 +113,8 @@ class Executor:
     # Device arrays padded / outputs cut on the device once their shape has paid for it
     # (jit/_devpad.py): one site per padded leaf and per cut output of a device request.
     self.pad_sites = self.cut_sites = None
-    dev = (_devpad.exe_device(self.exe) if device and fam.shard is None and config.device_pad
-           else None)
+    dev = (_placement.exe_device(self.exe) if device and fam.shard is None
+           and config.device_pad else None)
     if dev is not None and dev.platform in _devpad.PLATFORMS:
       sites = ctx.devpads
       self.pad_sites = tuple(
@@ -165,7 +165,13 @@ class Executor:
       args = tree_unflatten(self.tree, args)
     if self.timed:
       t0 = time.perf_counter()
-    outs = self.exe(self.dev_sizes, *args) if self.dev_sizes is not None else self.exe(*args)
+    try:
+      outs = (self.exe(self.dev_sizes, *args) if self.dev_sizes is not None
+              else self.exe(*args))
+    except ValueError as e:  # (no cost on the way through: Python 3.11's zero-cost try)
+      if _placement.is_wrong_device(e):
+        raise _placement.wrong_device(fam, self.exe, vals) from e
+      raise
     if self.sync:  # a host request: numpy results, cut to the exact shapes (views)
       if self.single and self.plain_out:
         h = np.asarray(outs[0])

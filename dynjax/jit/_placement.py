@@ -29,6 +29,8 @@ import math
 import jax
 import numpy as np
 
+from dynjax._errors import ShardingError, format_list
+from dynjax._padded import Padded
 from dynjax.jit._args import is_key, on_device
 
 HOST_KIND = "pinned_host"
@@ -54,6 +56,54 @@ def default_device():
   if isinstance(d, jax.Device):
     return d
   return jax.devices(d if isinstance(d, str) else None)[0]
+
+
+def exe_device(exe):
+  """The one device an executable takes its inputs on, or None (unknown, or several)."""
+  exe = getattr(exe, "exe", exe)  # a stored executable before its first run (_store.FirstRun)
+  try:
+    shardings = jax.tree.leaves(exe.input_shardings)
+  except Exception:  # noqa: BLE001 - no metadata
+    return None
+  devices = {d for s in shardings for d in s.device_set}
+  return devices.pop() if len(devices) == 1 else None
+
+
+def is_wrong_device(e: BaseException) -> bool:
+  """jax's argument check refused an array placed elsewhere than the executable's inputs."""
+  return isinstance(e, ValueError) and "disagree with the shardings of arguments" in str(e)
+
+
+def wrong_device(fam, exe, vals) -> ShardingError:
+  """The error for a call whose arrays live on another device (or memory) than ``fam``'s
+  executables take them on: each such argument by path, where it is, and what to do."""
+  dev = exe_device(exe)
+  leaves = jax.tree_util.tree_leaves(vals, is_leaf=lambda x: type(x) is Padded)
+  paths = fam.leaf_paths if len(leaves) == len(fam.leaf_paths) else [
+      f"argument leaf {i}" for i in range(len(leaves))]
+  want = None if dev is None else jax.sharding.SingleDeviceSharding(dev)
+  bad = []
+  for path, x in zip(paths, leaves, strict=True):
+    x = x.buffer if type(x) is Padded else x
+    s = getattr(x, "sharding", None)
+    if isinstance(x, jax.Array) and s is not None and s != want:
+      where = ", ".join(sorted(str(d) for d in s.device_set))
+      kind = getattr(s, "memory_kind", None)
+      bad.append(f"{path}: on {where}" + (f" ({kind} memory)" if kind not in (None, "device")
+                                          else ""))
+  put = repr(dev)
+  if dev is not None and dev in jax.devices():
+    put = f"jax.devices()[{jax.devices().index(dev)}]"
+  return ShardingError(
+      f"{fam.name}: arguments are placed where this function's executables do not take them "
+      f"(they run on {dev}: jax's default device when the function compiled; dynjax.jit "
+      "compiles an unsharded function for one device):\n"
+      + format_list(bad or ["(jax did not say which)"])
+      + f"\nPut them there first (jax.device_put(x, {put})), or, for a replica per device, "
+      "make one dynjax.jit function per device and call it under `with "
+      "jax.default_device(d):` (its compiles then target d; compiles in background threads, "
+      "serving=True or warmup(background=True), do not see that context), or give the "
+      "function in_shardings.")
 
 
 @functools.cache

@@ -402,3 +402,25 @@ def test_a_device_array_on_another_device_keeps_the_host_route(monkeypatch):
   x0 = jnp.arange(15, dtype=jnp.float32).reshape(5, 3)  # on the default device: padded there
   np.testing.assert_array_equal(np.asarray(f(x0)), np.cumsum(np.asarray(x0), axis=0) * 2)
   assert f.stats()["device_pads"]["programs"] == 3
+
+
+def test_an_array_on_another_device_at_the_bucket_shape_gets_an_error_that_says_what_to_do():
+  """The executables of an unsharded function run on one device: an argument committed to
+  another one is named in a ShardingError (jax's own check said only "shardings disagree"),
+  and the advice it gives works."""
+  f = dynjax.jit(lambda x, w: x @ w, dims={"x": "t, 4", "w": None})
+  w0 = jnp.ones((4, 2))
+  f(np.ones((3, 4), np.float32), w0)
+  w1 = jax.device_put(w0, jax.devices()[1])
+  with pytest.raises(dynjax.ShardingError) as e:
+    f(np.ones((4, 4), np.float32), w1)
+  lines = str(e.value).split("\n")
+  assert lines[1] == f"  w: on {jax.devices()[1]}"  # only the misplaced argument, by name
+  assert "jax.device_put(x, jax.devices()[0])" in lines[2] and "jax.default_device" in lines[2]
+  w_back = jax.device_put(w1, jax.devices()[0])
+  np.testing.assert_array_equal(f(np.ones((4, 4), np.float32), w_back),
+                                np.full((4, 2), 4.0, np.float32))
+  g = dynjax.jit(lambda x, w: x @ w, dims={"x": "t, 4", "w": None})
+  with jax.default_device(jax.devices()[1]):  # a replica on device 1: its own function
+    y = g(jax.device_put(np.ones((3, 4), np.float32), jax.devices()[1]), w1)
+  assert y.devices() == {jax.devices()[1]}
