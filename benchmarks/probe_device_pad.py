@@ -59,16 +59,15 @@ def _moe(d, e, f, dtype, seed=0):
 def _wrapped(fn, d, on: bool, buckets):
   """A dynjax function with the device route on or off (the config is read per executor)."""
   import dynjax
-  from dynjax._config import config
+  from dynjax.jit import _devpad
 
-  config.device_pad = on
+  _devpad.config.device_pad = on
   return dynjax.jit(fn, dims={"x": f"t, {d}", "w1": None, "w2": None},
                     buckets={"t": buckets}, on_fallback="error")
 
 
 def _parts(shapes, dtype, n) -> list[dict]:
-  from dynjax.jit import _devpad
-  from dynjax.jit._dispatch import pad_leaf
+  from dynjax.jit import _devpad, _dispatch
 
   dev = jax.devices()[0]
   out = []
@@ -78,7 +77,7 @@ def _parts(shapes, dtype, n) -> list[dict]:
     for _ in range(n):
       jax.block_until_ready(x)
       t0 = time.perf_counter()
-      jax.block_until_ready(jax.device_put(pad_leaf(x, shape, target), dev))
+      jax.block_until_ready(jax.device_put(_dispatch.pad_leaf(x, shape, target), dev))
       ts.append(time.perf_counter() - t0)
     site = _devpad.Sites().site("pad", shape, target, dtype, dev)
     rec = {"shape": list(shape), "target": list(target), "dtype": np.dtype(dtype).name,
@@ -121,8 +120,9 @@ def main(argv=None) -> dict:
   ap.add_argument("--steps", type=int, default=None)
   ap.add_argument("--out", default=None)
   args = ap.parse_args(argv)
-  from dynjax._config import config
   from dynjax.jit import _devpad
+
+  config = _devpad.config
 
   gpu = jax.default_backend() != "cpu"
   saved = config.device_pad, _devpad.PLATFORMS, _devpad.price
