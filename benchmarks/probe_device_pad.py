@@ -13,6 +13,8 @@ Parts:
   once every route is warm.
 * ``infer``: the same block forward (an output with the rows' dim, cut back to the exact
   rows) on device inputs, per-call median.
+* ``sharded``: a data-parallel function over every local device (batch sharded, sequence
+  padded), per-call median.
 
   python benchmarks/probe_device_pad.py [--quick] [--out DIR]
 
@@ -94,6 +96,43 @@ def _parts(shapes, dtype, n) -> list[dict]:
         ts.append(time.perf_counter() - t0)
       rec["device_call_ms"] = float(np.median(ts) * 1e3)
     out.append(rec)
+  return out
+
+
+def _sharded(quick: bool, n: int) -> dict:
+  """A data-parallel function over every local device: arrays sharded along the batch (a
+  bucket size), their sequence axis padded; per-call median, host route vs device route."""
+  import dynjax
+  from dynjax.jit import _devpad
+
+  devices = jax.devices()
+  mesh = jax.sharding.Mesh(np.asarray(devices), ("data",))
+  data = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+  b, d, ts = (2 * len(devices), 16, (20, 27)) if quick else (8 * len(devices), 1024, (300, 400))
+
+  def fn(x):
+    return jnp.tanh(x) * 2
+
+  rng = np.random.default_rng(2)
+  xs = [jax.device_put(rng.normal(size=(b, t, d)).astype(np.float32), data) for t in ts]
+  want = [np.asarray(jax.jit(fn)(x)) for x in xs]
+  out = {"devices": len(devices), "shapes": [list(x.shape) for x in xs]}
+  for name, on in (("dynjax host route", False), ("dynjax device route", True)):
+    _devpad.config.device_pad = on
+    f = dynjax.jit(fn, dims={"x": f"b, t, {d}"}, in_shardings={"x": data},
+                   out_shardings=data)
+    for _ in range(3 if quick else 30):
+      for x in xs:
+        f(x)
+    ts_ = []
+    for i in range(n * len(xs)):
+      t0 = time.perf_counter()
+      y = jax.block_until_ready(f(xs[i % len(xs)]))
+      ts_.append(time.perf_counter() - t0)
+      if i < len(xs):
+        assert np.array_equal(np.asarray(y), want[i]), name
+    out[name] = {"median_ms": float(np.median(ts_) * 1e3),
+                 "device_pads": f.stats()["device_pads"]}
   return out
 
 
@@ -189,10 +228,12 @@ def _run(args, gpu) -> dict:
       res["infer"][name]["timed_host_trips"] = fn.stats()["device_pads"]["host_trips"] - trips
       res["infer"][name]["max_abs_diff"] = float(np.abs(
           np.asarray(y, np.float32) - np.asarray(ref(xs[-1], w1, w2), np.float32)).max())
-  for part in ("train", "infer"):
+  res["sharded"] = _sharded(args.quick, n)
+  for part in ("train", "infer", "sharded"):
     for k, v in res[part].items():
-      print(part, k, {a: b for a, b in v.items() if a != "device_pads"},
-            v.get("device_pads", ""), flush=True)
+      if isinstance(v, dict):
+        print(part, k, {a: b for a, b in v.items() if a != "device_pads"},
+              v.get("device_pads", ""), flush=True)
   if args.out:
     write_json(args.out, "probe_device_pad.json", res)
   return res

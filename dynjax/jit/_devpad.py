@@ -19,14 +19,18 @@ host route.
 
 On the CPU too: there the host route's copies are memcpys, and a pad program still costs
 less than a third of them (2-core box, jax 0.10.2: 3.1-3.3 vs 1.0-1.2 ms for 10-12 MB of
-float32, 0.13 vs 0.03 ms for 1 kB; compiles 56-64 ms, the process's first 248).  Only
-single-device arrays on the executable's own device, in device memory; a ``Padded``, a
-sharded family or a PRNG key keeps the host route.  ``DYNJAX_DEVICE_PAD=0`` turns it off.
+float32, 0.13 vs 0.03 ms for 1 kB; compiles 56-64 ms, the process's first 248).  A
+sharded function's fully addressable arrays too: the host route gathers the whole array and
+scatters it back, the program pads it in place (its result placed as the function wants).
+Only arrays on the executable's own device (or with the sharding a site was first met
+with), in device memory; a ``Padded``, a multi-process array or a PRNG key keeps the host
+route.  ``DYNJAX_DEVICE_PAD=0`` turns it off.
 ``stats()["device_pads"]`` counts sites, programs, their compile seconds, and the host trips
 with their seconds.
 """
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -36,6 +40,12 @@ from jax import lax
 
 from dynjax._config import config
 
+# A program that moves data between devices (the padded axis is sharded, or the array comes
+# sharded otherwise than the function takes it) is not kept: on 8 fake CPU devices such
+# programs dispatched back to back with the executable deadlocked in XLA's rendezvous
+# (collective-permute, "only 7 of 8 threads arrived"); the host route stays for them.
+COLLECTIVES = re.compile(r"\b(collective-permute|all-gather|all-reduce|all-to-all|"
+                         r"reduce-scatter|collective-broadcast)")
 PLATFORMS = ("cpu", "gpu", "cuda", "rocm", "tpu")  # where the route is measured or expected to pay
 # A pad program's compile before one is measured in this process (seconds).  H100, jax 0.11.2:
 # 57-82 ms (probe_device_pad's "compile_ms"); the measured median replaces it.
@@ -67,14 +77,20 @@ class Sites:
     self.compile_seconds = 0.0
     self.trips = 0
     self.trip_seconds = 0.0
+    self.refused = 0  # programs built but not kept: they move data between devices
 
-  def site(self, kind: str, shape, target, dtype, device):
-    """The site of (``kind`` "pad" or "cut", ``shape`` -> ``target``, dtype, device), or None
-    where the device route never applies."""
-    if (not config.device_pad or device is None or device.platform not in PLATFORMS
-        or tuple(shape) == tuple(target) or jax.dtypes.issubdtype(dtype, jax.dtypes.extended)):
+  def site(self, kind: str, shape, target, dtype, where, out=None):
+    """The site of (``kind`` "pad" or "cut", ``shape`` -> ``target``, dtype), for arrays
+    placed as ``where`` (a device, or the sharding of a sharded function's array) and results
+    placed as ``out`` (default: as ``where``), or None where the device route never applies."""
+    if isinstance(where, jax.Device):
+      where = jax.sharding.SingleDeviceSharding(where)
+    if (not config.device_pad or where is None or tuple(shape) == tuple(target)
+        or not any(d.platform in PLATFORMS for d in where.device_set)
+        or jax.dtypes.issubdtype(dtype, jax.dtypes.extended)):
       return None
-    key = (kind, tuple(shape), tuple(target), np.dtype(dtype), device)
+    key = (kind, tuple(shape), tuple(target), np.dtype(dtype), where,
+           where if out is None else out)
     with self.lock:
       s = self.sites.get(key)
       if s is None and len(self.sites) < MAX_SITES:
@@ -84,21 +100,22 @@ class Sites:
   def describe(self) -> dict:
     return {"sites": len(self.sites), "programs": self.programs,
             "compile_seconds": self.compile_seconds, "host_trips": self.trips,
-            "host_trip_seconds": self.trip_seconds}
+            "host_trip_seconds": self.trip_seconds, "refused": self.refused}
 
 
 class Site:
-  """One argument padded (or output cut) from one shape to another on one device."""
+  """One argument padded (or output cut) from one shape to another, placed one way."""
 
-  __slots__ = ("owner", "kind", "shape", "target", "dtype", "sharding", "spent", "fn")
+  __slots__ = ("owner", "kind", "shape", "target", "dtype", "sharding", "out", "spent", "fn")
 
-  def __init__(self, owner: Sites, kind, shape, target, dtype, device):
+  def __init__(self, owner: Sites, kind, shape, target, dtype, sharding, out):
     self.owner = owner
     self.kind = kind
     self.shape = shape
     self.target = target
     self.dtype = dtype
-    self.sharding = jax.sharding.SingleDeviceSharding(device)
+    self.sharding = sharding  # where the arrays it takes are
+    self.out = out  # where its results go
     self.spent = 0.0  # seconds of host trips so far
     self.fn = None  # the compiled program, once bought
 
@@ -114,8 +131,8 @@ class Site:
     jax.block_until_ready(x)  # not rent: the computation costs the wait either way
     t0 = time.perf_counter()
     out = host(x, *args)
-    if self.kind == "pad":  # the copy in, which the executable's call would make
-      out = jax.device_put(out, self.sharding)
+    if isinstance(out, np.ndarray):  # the copy in, which the executable's call would make
+      out = jax.device_put(out, self.out)
     jax.block_until_ready(out)
     self.rent(time.perf_counter() - t0)
     return out
@@ -147,7 +164,9 @@ class Site:
     aval = jax.ShapeDtypeStruct(shape, self.dtype, sharding=self.sharding)
     t0 = time.perf_counter()
     try:
-      fn = jax.jit(program).lower(aval).compile()
+      fn = jax.jit(program, out_shardings=self.out).lower(aval).compile()
+      moves = (len(self.sharding.device_set | self.out.device_set) > 1
+               and COLLECTIVES.search(fn.as_text() or "") is not None)
     except Exception:  # noqa: BLE001 - the host route stays; never fails a call
       return
     dt = time.perf_counter() - t0
@@ -156,5 +175,8 @@ class Site:
       _compiled.append(dt)
       o.programs += 1
       o.compile_seconds += dt
-    self.fn = fn
+      if moves:
+        o.refused += 1
+    if not moves:
+      self.fn = fn
 

@@ -214,7 +214,7 @@ class Executor:
 
   def _unpad_device(self, o, shape):
     if self.shard is not None:
-      return self.shard.unpad(o, shape)
+      return self.shard.unpad(o, shape, self.ctx.devpads)
     # The host route: a sync plus two copies (~0.1-0.3 ms on H100).  A shape that keeps coming
     # back is cut on the device instead, once its trips pay for the slice's compile (~70 ms on
     # H100): ``cut_sites``, jit/_devpad.py.

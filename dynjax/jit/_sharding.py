@@ -249,26 +249,44 @@ class FamilyShardings:
         if not x.is_fully_addressable:
           out.append(_pad_shards(x, target, sh, fam.leaf_paths[i]))
           continue
-        x = np.asarray(x)  # a fully addressable device array of a non-bucket shape
-      elif not isinstance(x, np.ndarray):
-        x = np.asarray(x)
-      if shape != target:
-        buf = np.zeros(target, x.dtype) if zero else np.empty(target, x.dtype)
-        if not zero:
-          _zero_tail(buf, shape)
-        buf[tuple(slice(0, n) for n in shape)] = x
-        x = buf
-      out.append(_put(x, sh))
+        # A fully addressable device array of a non-bucket shape: gathered, padded and
+        # scattered through the host, or padded in place once its shape has paid for a
+        # program (jit/_devpad.py).
+        site = fam.ctx.devpads.site("pad", shape, target, x.dtype, x.sharding, sh)
+        out.append(_host_pad(x, shape, target, sh, zero) if site is None else
+                   site.run(x, _host_pad, shape, target, sh, zero))
+        continue
+      out.append(_host_pad(x, shape, target, sh, zero))
     return out
 
   # -- outputs -----------------------------------------------------------------------------
-  def unpad(self, o, shape):
-    """The exact-shape prefix of a padded device output, still sharded where it divides."""
-    sl = tuple(slice(0, n) for n in shape)
-    if o.is_fully_addressable:
-      host = np.asarray(o)[sl]
-      return _put(host, _fit(o.sharding, shape))
-    return _unpad_shards(o, shape)
+  def unpad(self, o, shape, sites=None):
+    """The exact-shape prefix of a padded device output, still sharded where it divides:
+    through the host, or in place once the shape has paid for a program (``sites``, the
+    function's ``jit/_devpad.Sites``)."""
+    if not o.is_fully_addressable:
+      return _unpad_shards(o, shape)
+    fit = _fit(o.sharding, shape)
+    site = None if sites is None else sites.site("cut", o.shape, shape, o.dtype, o.sharding,
+                                                 fit)
+    return _host_cut(o, shape, fit) if site is None else site.run(o, _host_cut, shape, fit)
+
+
+def _host_pad(x, shape, target, sh, zero: bool):
+  """One leaf padded on the host and placed with ``sh``: each device receives only its own
+  shard (no gather onto one device)."""
+  x = x if isinstance(x, np.ndarray) else np.asarray(x)
+  if shape != target:
+    buf = np.zeros(target, x.dtype) if zero else np.empty(target, x.dtype)
+    if not zero:
+      _zero_tail(buf, shape)
+    buf[tuple(slice(0, n) for n in shape)] = x
+    x = buf
+  return _put(x, sh)
+
+
+def _host_cut(o, shape, fit):
+  return _put(np.asarray(o)[tuple(slice(0, n) for n in shape)], fit)
 
 
 def _may_alias_supported() -> bool:

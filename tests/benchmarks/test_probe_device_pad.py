@@ -23,3 +23,6 @@ def test_probe_times_both_routes_and_restores_the_switches(tmp_path):
   assert infer["dynjax device route"]["device_pads"]["programs"] == 6  # and the cuts
   assert res["train_grad_max_abs_diff"] < 1e-4
   assert infer["dynjax device route"]["max_abs_diff"] == 0.0
+  sh = res["sharded"]
+  assert sh["dynjax host route"]["device_pads"]["sites"] == 0
+  assert sh["dynjax device route"]["device_pads"]["programs"] == 4  # 2 pads, 2 cuts

@@ -424,3 +424,40 @@ def test_an_array_on_another_device_at_the_bucket_shape_gets_an_error_that_says_
   with jax.default_device(jax.devices()[1]):  # a replica on device 1: its own function
     y = g(jax.device_put(np.ones((3, 4), np.float32), jax.devices()[1]), w1)
   assert y.devices() == {jax.devices()[1]}
+
+
+def test_sharded_device_arrays_pad_and_cut_in_place_once_paid(mesh, padding, monkeypatch,
+                                                               compiles):
+  """jit/_devpad.py on a mesh: a sharded device array of a non-bucket shape is padded by a
+  program (in place, no gather through the host) once its trips pay, and the output cut the
+  same way; a pad that would move rows between devices (the sharded batch axis grows) keeps
+  the host route.  Results as jax.jit's throughout."""
+  from dynjax.jit import _devpad
+
+  monkeypatch.setattr(_devpad, "price", lambda: 0.0)
+  data = NamedSharding(mesh, P("data"))
+  fun = FUNS[padding]
+  f = dynjax.jit(lambda x, params: fun(params, x) * 1.0, dims={"x": "b, t, 16"},
+                 in_shardings={"x": data, "params": _tp(mesh)}, padding=padding)
+  params = _params()
+  ref = jax.jit(lambda x, params: fun(params, x) * 1.0)
+
+  def check(b, t):
+    x = jax.device_put(_x(b, t), data)
+    got, want = f(x, params), ref(x, params)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+
+  for b, t in [(4, 5), (4, 5), (4, 7), (4, 5), (4, 7)]:  # t grows: a local pad per shard
+    check(b, t)
+  d = f.stats()["device_pads"]
+  cuts = 0 if padding == "auto" else 2  # auto pools t away; trust's (b, t, 16) is cut
+  assert d["sites"] == d["programs"] == 2 + cuts and d["refused"] == 0
+  assert d["host_trips"] == 2 + cuts
+  before = compiles()
+  check(4, 7)
+  assert f.stats()["device_pads"]["host_trips"] == 2 + cuts and compiles() == before
+  for _ in range(2):  # b=6 -> 8 on a batch sharded over 2 devices: rows would move
+    check(6, 7)
+  d = f.stats()["device_pads"]
+  assert d["refused"] >= 1 and d["programs"] - d["refused"] == 2 + cuts
