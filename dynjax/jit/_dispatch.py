@@ -115,7 +115,7 @@ class Executor:
     self.pad_sites = self.cut_sites = None
     dev = (_placement.exe_device(self.exe) if device and fam.shard is None
            and config.device_pad else None)
-    if dev is not None and dev.platform in _devpad.PLATFORMS:
+    if dev is not None:
       sites = ctx.devpads
       self.pad_sites = tuple(
           sites.site("pad", shapes[li], entry.in_shapes[li], fam.avals[li].dtype, dev)
@@ -169,7 +169,7 @@ class Executor:
       outs = (self.exe(self.dev_sizes, *args) if self.dev_sizes is not None
               else self.exe(*args))
     except ValueError as e:  # (no cost on the way through: Python 3.11's zero-cost try)
-      if _placement.is_wrong_device(e):
+      if fam.shard is None and _placement.is_wrong_device(e):
         raise _placement.wrong_device(fam, self.exe, vals) from e
       raise
     if self.sync:  # a host request: numpy results, cut to the exact shapes (views)
@@ -188,7 +188,7 @@ class Executor:
         outs = [_placement.to_device(o) for o in outs]
       res = [Padded._of(o, s) if dyn else o
              for o, s, dyn in zip(outs, self.out_shapes, self.out_dynamic, strict=True)]
-    else:  # (a sliced output goes through the host either way: one transfer)
+    else:  # a sliced output: through the host, or cut on the device once paid (cut_sites)
       mv = _placement.to_device if self.to_device else None
       cuts = self.cut_sites
       res = [(o if mv is None else mv(o)) if sl is None

@@ -187,7 +187,8 @@ def combine(parts: list[dict]) -> dict:
       elif isinstance(v, dict):
         d = total.setdefault(k, {})
         for kk, vv in v.items():
-          d[kk] = d.get(kk, 0) + vv if isinstance(vv, int) else vv
+          d[kk] = (d.get(kk, 0) + vv if isinstance(vv, int | float)
+                   and not isinstance(vv, bool) else vv)  # seconds add up too
       elif isinstance(v, list):
         total.setdefault(k, []).extend(v)
   if parts:

@@ -146,3 +146,16 @@ def test_price_is_the_measured_median_once_a_program_is_built(monkeypatch):
   assert _devpad.price() == _devpad.PRIOR_S
   monkeypatch.setattr(_devpad, "_compiled", [0.36, 0.08, 0.06])  # a first compile's extra
   assert _devpad.price() == pytest.approx(0.08)
+
+
+def test_stats_of_several_functions_add_their_device_pads_seconds_too():
+  from dynjax.jit import _stats
+
+  one = {"calls": 2, "padded_fraction": 0.5,
+         "device_pads": {"programs": 1, "compile_seconds": 0.25, "host_trip_seconds": 0.5}}
+  two = {"calls": 2, "padded_fraction": 0.0,
+         "device_pads": {"programs": 2, "compile_seconds": 0.5, "host_trip_seconds": 0.25}}
+  total = _stats.combine([one, two])
+  assert total["device_pads"] == {"programs": 3, "compile_seconds": 0.75,
+                                  "host_trip_seconds": 0.75}
+  assert total["calls"] == 4 and total["padded_fraction"] == 0.25
