@@ -108,15 +108,19 @@ def _sharded(quick: bool, n: int) -> dict:
   devices = jax.devices()
   mesh = jax.sharding.Mesh(np.asarray(devices), ("data",))
   data = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
-  b, d, ts = (2 * len(devices), 16, (20, 27)) if quick else (8 * len(devices), 1024, (300, 400))
+  k = len(devices)
+  b, d, ts = (2 * k, 16, (20, 27)) if quick else (8 * k, 1024, (300, 400))
 
   def fn(x):
     return jnp.tanh(x) * 2
 
   rng = np.random.default_rng(2)
-  xs = [jax.device_put(rng.normal(size=(b, t, d)).astype(np.float32), data) for t in ts]
+  # the sequence grows (a pad within each shard); then the batch too (7 rows a device: the
+  # rows move between devices, where there are several)
+  shapes = [(b, t, d) for t in ts] + [(b - k, ts[-1], d)] * (k > 1)
+  xs = [jax.device_put(rng.normal(size=s).astype(np.float32), data) for s in shapes]
   want = [np.asarray(jax.jit(fn)(x)) for x in xs]
-  out = {"devices": len(devices), "shapes": [list(x.shape) for x in xs]}
+  out = {"devices": k, "shapes": [list(x.shape) for x in xs]}
   for name, on in (("dynjax host route", False), ("dynjax device route", True)):
     _devpad.config.device_pad = on
     f = dynjax.jit(fn, dims={"x": f"b, t, {d}"}, in_shardings={"x": data},
@@ -131,7 +135,8 @@ def _sharded(quick: bool, n: int) -> dict:
       ts_.append(time.perf_counter() - t0)
       if i < len(xs):
         assert np.array_equal(np.asarray(y), want[i]), name
-    out[name] = {"median_ms": float(np.median(ts_) * 1e3),
+    per_shape = [float(np.median(ts_[j::len(xs)]) * 1e3) for j in range(len(xs))]
+    out[name] = {"median_ms": float(np.median(ts_) * 1e3), "per_shape_median_ms": per_shape,
                  "device_pads": f.stats()["device_pads"]}
   return out
 

@@ -41,9 +41,11 @@ from jax import lax
 from dynjax._config import config
 
 # A program that moves data between devices (the padded axis is sharded, or the array comes
-# sharded otherwise than the function takes it) is not kept: on 8 fake CPU devices such
-# programs dispatched back to back with the executable deadlocked in XLA's rendezvous
-# (collective-permute, "only 7 of 8 threads arrived"); the host route stays for them.
+# sharded otherwise than the function takes it) is not kept on CPU devices: on 8 fake ones
+# such programs dispatched back to back with the executable deadlocked in XLA's CPU
+# rendezvous (collective-permute, "only 7 of 8 threads arrived"); the host route stays for
+# them.  GPUs run each device's programs in order on its stream: kept there (two H100s,
+# probe_device_pad's sharded part with a growing batch).
 COLLECTIVES = re.compile(r"\b(collective-permute|all-gather|all-reduce|all-to-all|"
                          r"reduce-scatter|collective-broadcast)")
 PLATFORMS = ("cpu", "gpu", "cuda", "rocm", "tpu")  # where the route is measured or expected to pay
@@ -77,7 +79,7 @@ class Sites:
     self.compile_seconds = 0.0
     self.trips = 0
     self.trip_seconds = 0.0
-    self.refused = 0  # programs built but not kept: they move data between devices
+    self.refused = 0  # programs built but not kept: they move data between CPU devices
 
   def site(self, kind: str, shape, target, dtype, where, out=None):
     """The site of (``kind`` "pad" or "cut", ``shape`` -> ``target``, dtype), for arrays
@@ -165,7 +167,8 @@ class Site:
     t0 = time.perf_counter()
     try:
       fn = jax.jit(program, out_shardings=self.out).lower(aval).compile()
-      moves = (len(self.sharding.device_set | self.out.device_set) > 1
+      devices = self.sharding.device_set | self.out.device_set
+      moves = (len(devices) > 1 and any(d.platform == "cpu" for d in devices)
                and COLLECTIVES.search(fn.as_text() or "") is not None)
     except Exception:  # noqa: BLE001 - the host route stays; never fails a call
       return
