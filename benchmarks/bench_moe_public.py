@@ -14,6 +14,8 @@ process, each over the same request stream (batch 8, log-normal lengths, numpy i
   trust   the same with ``padding="trust"`` (the function re-run at the bucket's sizes)
   +route  any of them with ``dynjax.route.ragged_dot`` in place of ``lax.ragged_dot`` (the
           grouped-GEMM kernels; on CPU it is ``lax.ragged_dot``), e.g. ``auto+route``
+  +kernels  auto or trust with the model as written and ``ragged_dot="kernels"`` (dynjax
+          rewrites its ``lax.ragged_dot`` to ``route.ragged_dot``), e.g. ``auto+kernels``
 
 Each mode: the cold pass (compiles included) and its XLA compiles (``jax.monitoring``), then
 the steady mean / median per request over a second pass; the largest difference of the
@@ -80,16 +82,18 @@ def main(argv=None) -> dict:
   routed = MoEClassifier(**cfg, dtype=dtype, dot=dynjax.route.ragged_dot)
   for mode in args.modes.split(","):
     padding, _, dot = mode.partition("+")
-    if padding not in ("exact", "auto", "trust") or dot not in ("", "route"):
+    if padding not in ("exact", "auto", "trust") or dot not in ("", "route", "kernels") or (
+        padding == "exact" and dot == "kernels"):
       raise SystemExit(f"--modes: unknown mode {mode!r}; use exact, auto, trust, each "
-                       "optionally +route")
-    m = routed if dot else model
+                       "optionally +route, or auto/trust+kernels")
+    m = routed if dot == "route" else model
     if padding == "exact":
       fns[mode] = jax.jit(m.apply)
     else:
       fns[mode] = dynjax.flax.jit(m, dims={"tokens": "b, t", "lengths": "b"},
                                   buckets={"t": policy, "b": dynjax.buckets.explicit([8])},
-                                  padding=padding)
+                                  padding=padding,
+                                  ragged_dot="kernels" if dot == "kernels" else None)
   results = {}
   for mode, fn in fns.items():
     before = counter.compiles

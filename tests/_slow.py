@@ -15,6 +15,8 @@ when a run measures it at 1.5 s or more (seconds beside each id: that run, for r
 MODULES = ("tests/bucketing/test_zoo.py",)  # 13 tests, 64 s, and a 9.5 s module fixture
 
 TESTS = {
+  "tests/benchmarks/test_bench_moe_public.py::test_the_kernels_mode_runs_the_model_as_written_with_the_rewrite": 4.7,
+  "tests/route/test_gmm_hopper.py::test_the_ragged_dot_option_runs_lax_ragged_dot_as_written_on_the_kernels[mgpu backward-auto]": 2.4,
   "tests/benchmarks/test_probe_device_pad.py::test_probe_times_both_routes_and_restores_the_switches": 3.6,
   # session 20: measured at >= 1.5 s in a fast-tier run (-n auto, 2-core box, --durations)
   "tests/test_flax.py::test_nnx_model_matches_and_counts_calls[auto]": 6.01,

@@ -60,6 +60,7 @@ def jit(
     attention: str | None = None,
     cast_once: bool = True,
     host_outputs: bool | None = None,
+    ragged_dot: str | None = None,
 ):
   """Compiles ``fun`` into a family of bucketed, padded XLA executables.
 
@@ -141,6 +142,13 @@ def jit(
       ``return_padded`` or PRNG-key outputs; a bucket whose outputs exceed 4 MiB keeps them
       on the device.  A device request to a function with host outputs gets them moved back
       to the device.  ``explain()`` says which and why; part of the ``cache_dir`` key.
+    ragged_dot: ``"kernels"``: every ``jax.lax.ragged_dot`` in the function as written (a
+      Mixture-of-Experts over tokens sorted by expert, and its gradient in the tokens) runs
+      as :func:`dynjax.route.ragged_dot`, on the grouped-GEMM kernels where they apply
+      (Hopper GPU, bf16/f16; ``lax.ragged_dot`` itself elsewhere), for code you cannot edit.
+      The weights' gradient and ragged dots inside ``scan``/``while``/``cond``/``remat``
+      bodies stay as written; ``explain()`` lists every site and why.  ``None`` (default):
+      as written.  Part of the ``cache_dir`` key.
 
   Returns:
     A :class:`Wrapped` function (or a decorator, when ``fun`` is omitted).
@@ -160,7 +168,8 @@ def jit(
                 async_compile=async_compile, in_shardings=in_shardings,
                 out_shardings=out_shardings, serving=serving, compile_workers=compile_workers,
                 compiler_options=compiler_options, on_fallback=on_fallback,
-                attention=attention, cast_once=cast_once, host_outputs=host_outputs)
+                attention=attention, cast_once=cast_once, host_outputs=host_outputs,
+                ragged_dot=ragged_dot)
   if fun is None:
     return lambda f: Wrapped(f, **kwargs)
   if not callable(fun):

@@ -36,11 +36,11 @@ from dynjax._errors import (
   needs_program,
   user_stacklevel,
 )
-from dynjax.bucketing import _attention, _auto
+from dynjax.bucketing import _auto
 from dynjax.bucketing._joint import JointPlan
 from dynjax.bucketing._padding import pad_jaxpr
 from dynjax.bucketing._policies import BucketPolicy
-from dynjax.jit import _args, _casts, _forward, _placement, _sharding
+from dynjax.jit import _args, _casts, _forward, _placement, _rewrites, _sharding
 from dynjax.jit._guards import (
   MAX_GUARDS,
   add_guard,
@@ -101,6 +101,8 @@ class Family:
     self.probe_plan = None  # (bucket, plan) of the padding pass's probe: its bucket reuses it
     self.attention_notes: tuple[str, ...] = ()  # attention=: sites rewritten or left, why
     self.attention_impl = None  # attention= of trust/exact executables (rewritten per shape)
+    self.ragged_notes: tuple[str, ...] = ()  # ragged_dot=: sites rewritten or left, why
+    self.ragged_per_shape = False  # ragged_dot= of trust/exact executables (per shape)
     self.program = None  # control.ProgramRunner of a "program" family
     self.converted: set = set()  # (leaf path, host dtype, traced dtype) canonicalised inputs
     self.mode = opts.padding
@@ -241,10 +243,7 @@ class Family:
       if reason is not None:
         self.fall_back(reason)
         return
-    if self.ctx.opts.attention is not None:  # auto: the symbolic jaxpr itself is rewritten
-      closed, self.attention_notes, ok = _attention.for_family(
-          closed, self.ctx.opts.attention, self.mode == "auto")
-      self.attention_impl = self.ctx.opts.attention if ok and self.mode != "auto" else None
+    closed = _rewrites.for_family(self, closed)  # attention=, ragged_dot= (auto: the jaxpr)
     self.jaxpr = closed
     out_leaves = list(out_shape)
     self.out_tree = self.flat_fun.out_tree
@@ -497,7 +496,7 @@ class Family:
     shard = (_placement.jit_kwargs(self, bkey) if self.shard is None
              else self.shard.jit_kwargs(self, bkey, self.mode == "auto"))
     if self.mode == "trust":
-      flat_fun = _attention.fun_at(flat_fun, avals, self.attention_impl, self.name)
+      flat_fun = _rewrites.fun_at(self, flat_fun, avals)
       def bucket_fun(*xs):
         leaves = _casts.upcast(as_leaves(xs), casts, dtypes)
         return _forward.drop(flat_fun(*leaves), fwd, leaves)
@@ -575,7 +574,7 @@ class Family:
       avals = [jax.ShapeDtypeStruct(np.shape(x), a.dtype, weak_type=a.weak_type)
                for x, a in zip(leaves, self.avals, strict=True)]
       kw = {} if self.shard is None else self.shard.exact_kwargs(self, avals)
-      fun = _attention.fun_at(self.flat_fun, avals, self.attention_impl, self.name)
+      fun = _rewrites.fun_at(self, self.flat_fun, avals)
       exe = jax.jit(fun, donate_argnums=self.donate_leaves(),
                     **kw).lower(*avals).compile()
       return exe if self.shard is None else _sharding.exact_call(exe, self, avals, self.shard)

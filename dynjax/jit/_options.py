@@ -54,13 +54,14 @@ class Options:
   attention: str | None = None  # rewrite attention to jax.nn.dot_product_attention
   cast_once: bool = True  # parameters the function only casts narrower: cast once (_casts)
   host_outputs: bool | None = None  # outputs in pinned host memory (_placement)
+  ragged_dot: str | None = None  # lax.ragged_dot rewritten to route.ragged_dot (route/_rewrite)
 
 
 def check(name: str, param_names: list[str], dyn_names: tuple[str, ...], *, dims, buckets,
           padding, overflow, static_argnames, donate_argnames, return_padded, constraints,
           max_executables, cache_dir, check, async_compile, in_shardings, out_shardings,
           serving, compile_workers, compiler_options, on_fallback,
-          attention=None, cast_once=True, host_outputs=None) -> Options:
+          attention=None, cast_once=True, host_outputs=None, ragged_dot=None) -> Options:
   """Validates every option of ``dynjax.jit(fun, ...)``; ``SpecError`` names what is wrong."""
   static = names(static_argnames, "static_argnames")
   donate = names(donate_argnames, "donate_argnames")
@@ -98,7 +99,8 @@ def check(name: str, param_names: list[str], dyn_names: tuple[str, ...], *, dims
       attention=_check_attention(attention, padding),
       cast_once=_check_bool(cast_once, "cast_once"),
       host_outputs=None if host_outputs is None else _check_bool(host_outputs, "host_outputs",
-                                                                 "True, False or None"))
+                                                                 "True, False or None"),
+      ragged_dot=_check_ragged_dot(ragged_dot))
 
 
 def _check_bool(value, what: str, legal: str = "True or False") -> bool:
@@ -239,6 +241,15 @@ def _check_attention(attention, padding) -> str | None:
                     "padding=\"exact\" the function runs as written (use jax.nn."
                     "dot_product_attention in it instead)")
   return attention
+
+
+def _check_ragged_dot(ragged_dot) -> str | None:
+  if ragged_dot not in (None, "kernels"):
+    raise SpecError(
+        f"ragged_dot={ragged_dot!r} is not valid; use None (default: jax.lax.ragged_dot runs "
+        "as written) or \"kernels\" (it runs as dynjax.route.ragged_dot: the grouped-GEMM "
+        "kernels where they apply, lax.ragged_dot elsewhere)")
+  return ragged_dot
 
 
 def default_workers() -> int:

@@ -259,6 +259,9 @@ def explain(d) -> str:
     if fam.attention_notes:
       lines.append(f"  attention={opts.attention!r}:")
       lines.extend(f"    {r}" for r in fam.attention_notes)
+    if fam.ragged_notes:
+      lines.append(f"  ragged_dot={opts.ragged_dot!r}:")
+      lines.extend(f"    {r}" for r in fam.ragged_notes)
     if fam.casts:
       lines.append("  cast once per array (cast_once=True; the executables take the copies):")
       lines.extend(f"    {r}" for r in _casts.describe(fam))

@@ -292,6 +292,7 @@ def family_parts(fam) -> dict:
       "donate": opts.donate_argnames,
       "compiler_options": opts.compiler_options,
       "attention": opts.attention,
+      "ragged_dot": opts.ragged_dot,
       "casts": sorted((i, str(d)) for i, d in fam.casts.items()),
       "host_outputs": fam.host_out,
       "versions": versions(),

@@ -25,6 +25,16 @@ def test_small_bench_buckets_the_public_moe_exactly(tmp_path):
     assert r["mean_ms"] > 0 and r["cold_s"] > 0
 
 
+def test_the_kernels_mode_runs_the_model_as_written_with_the_rewrite(tmp_path):
+  rep = bench_moe_public.main(["--small", "--requests", "3", "--modes", "exact,trust+kernels",
+                               "--out", str(tmp_path)])
+  r = rep["modes"]["trust+kernels"]
+  assert r["fallbacks"] == [] and r["compiles"] == len(rep["buckets"])
+  assert r["max_abs_diff_vs_exact"] < 1e-5
+  with pytest.raises(SystemExit, match="auto/trust\\+kernels"):
+    bench_moe_public.main(["--small", "--modes", "exact+kernels"])
+
+
 def test_probe_ragged_dot_reports_values_kernel_and_times(tmp_path):
   from benchmarks import probe_ragged_dot
 

@@ -457,3 +457,52 @@ def test_ragged_dot_under_vmap(stand_in):
   assert sym.shape[0] == 3 and sym.shape[2] == N_DIM
   out = _ragged._batch([x, w[0], s], (0, None, 0), kernel="hopper", tiling=TILING)[0]
   np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("padding", ["auto", "trust"])
+def test_the_ragged_dot_option_runs_lax_ragged_dot_as_written_on_the_kernels(
+    stand_in, padding, monkeypatch):
+  # The same public MoE, lax.ragged_dot as written, dynjax.jit(ragged_dot="kernels"): the
+  # forward and the gradient in the tokens run as route.ragged_dot (the kernel's stand-in),
+  # the gradient in the weights stays lax's; values and gradients equal jax.jit's.
+  import dynjax
+  from dynjax.route import _ragged, _rewrite
+
+  monkeypatch.setattr(_rewrite, "KERNEL", "hopper")
+  monkeypatch.setattr(_rewrite, "TILING", TILING)
+  seen = []
+  real = _ragged.ragged_dot
+  monkeypatch.setattr(_ragged, "ragged_dot",
+                      lambda *a, **kw: seen.append(kw["kernel"]) or real(*a, **kw))
+  w = jax.random.normal(jax.random.key(3), (E, K_DIM, N_DIM), jnp.float32) / 4
+  gate = jax.random.normal(jax.random.key(4), (K_DIM, E), jnp.float32)
+
+  def moe(x, w):
+    experts = jnp.argmax(x @ gate, axis=-1)
+    order = jnp.argsort(experts)
+    y = jax.lax.ragged_dot(x[order], w, jnp.bincount(experts, length=E))
+    return jnp.zeros_like(y).at[order].set(y)
+
+  def step(x, w):
+    return jax.value_and_grad(lambda x, w: jnp.sum(jnp.tanh(moe(x, w))), (0, 1))(x, w)
+
+  f = dynjax.jit(step, dims={"x": "t, 32", "w": None}, buckets={"t": [16, 64]},
+                 padding=padding, on_fallback="error", ragged_dot="kernels")
+  ref = jax.jit(step)
+  for t in (5, 16, 40):
+    x = jax.random.normal(jax.random.key(t), (t, K_DIM), jnp.float32)
+    # (the suite's "highest" matmul precision would leave every site to lax: a precision)
+    with jax.default_matmul_precision("default"):
+      v, g = f(x, w)
+    v0, g0 = ref(x, w)
+    np.testing.assert_allclose(v, v0, rtol=1e-5, atol=1e-5)
+    for a, b in zip(g, g0, strict=True):
+      np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+  assert seen and set(seen) == {"hopper"}
+  text = f.explain()
+  assert "ragged_dot='kernels':" in text
+  assert re.search(r"ragged_dot \(forward\) at .*: route\.ragged_dot", text)
+  assert re.search(r"ragged_dot \(gradient in lhs\) at .*: route\.ragged_dot", text)
+  assert "left as written: a ragged contraction (the gradient in the weights)" in text
+  if padding == "auto":  # the primitive's padding rule: the kernel at each bucket's rows
+    assert "the grouped-GEMM kernel at the bucket's rows" in text

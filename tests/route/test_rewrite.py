@@ -1,0 +1,78 @@
+"""``dynjax.jit(ragged_dot="kernels")`` (``route/_rewrite.py``) on the CPU, where
+``route.ragged_dot`` is ``lax.ragged_dot`` itself: the sites it finds and why it leaves the
+others, exactness in every padding mode, and a failing rewrite that changes nothing.  The
+kernels themselves (their stand-in) run under it in tests/route/test_gmm_hopper.py."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dynjax
+from dynjax.route import _rewrite
+
+E, K, N = 4, 8, 16
+W = jax.random.normal(jax.random.key(0), (E, K, N), jnp.float32)
+GATE = jax.random.normal(jax.random.key(1), (K, E), jnp.float32)
+
+
+def moe(x, w):
+  experts = jnp.argmax(x @ GATE, axis=-1)
+  order = jnp.argsort(experts)
+  y = jax.lax.ragged_dot(x[order], w, jnp.bincount(experts, length=E))
+  return jnp.zeros_like(y).at[order].set(y)
+
+
+def _x(t):
+  return jax.random.normal(jax.random.key(t), (t, K), jnp.float32)
+
+
+@pytest.mark.parametrize("padding", ["auto", "trust", "exact"])
+def test_exact_in_every_mode_and_explained(padding):
+  f = dynjax.jit(moe, dims={"x": "t, 8", "w": None}, padding=padding, on_fallback="error",
+                 ragged_dot="kernels")
+  for t in (3, 9, 9):
+    with jax.default_matmul_precision("default"):
+      got = f(_x(t), W)
+    np.testing.assert_allclose(got, jax.jit(moe)(_x(t), W), rtol=1e-6, atol=1e-6)
+  text = f.explain()
+  assert "ragged_dot='kernels':" in text and "ragged_dot (forward) at" in text
+
+
+def test_what_is_left_as_written_says_why():
+  def scanned(x, w):  # a layer stack under lax.scan: its body is not rewritten
+    def body(h, wl):
+      return moe(h, wl)[:, :K], None
+    return jax.lax.scan(body, x, jnp.stack([w, w]))[0]
+
+  f = dynjax.jit(scanned, dims={"x": "t, 8", "w": None}, ragged_dot="kernels")
+  np.testing.assert_allclose(f(_x(5), W), jax.jit(scanned)(_x(5), W), rtol=1e-6, atol=1e-6)
+  assert "ragged_dot inside scan at" in f.explain()
+  assert "bodies of scan/while/cond/remat are not rewritten" in f.explain()
+  g = dynjax.jit(moe, dims={"x": "t, 8", "w": None}, ragged_dot="kernels")
+  with jax.default_matmul_precision("highest"):
+    g(_x(5), W)
+  assert "left as written: precision=" in g.explain()
+  w16 = W.astype(jnp.bfloat16)  # mixed dtypes: lax.ragged_dot promotes, the kernels do not
+  m = dynjax.jit(moe, dims={"x": "t, 8", "w": None}, ragged_dot="kernels")
+  with jax.default_matmul_precision("default"):
+    np.testing.assert_allclose(m(_x(5), w16), jax.jit(moe)(_x(5), w16), rtol=1e-6, atol=1e-6)
+  assert "left as written: mixed dtypes float32 / bfloat16" in m.explain()
+
+
+def test_a_rewrite_that_fails_leaves_the_function_as_written(monkeypatch):
+  def broken(flat):
+    raise RuntimeError("matcher bug")
+
+  monkeypatch.setattr(_rewrite, "find", broken)
+  f = dynjax.jit(moe, dims={"x": "t, 8", "w": None}, ragged_dot="kernels")
+  np.testing.assert_allclose(f(_x(6), W), jax.jit(moe)(_x(6), W), rtol=1e-6, atol=1e-6)
+  assert "the ragged_dot rewrite failed (RuntimeError: matcher bug)" in f.explain()
+
+
+def test_bad_option_is_named_with_the_choices():
+  with pytest.raises(dynjax.SpecError, match=r"ragged_dot='yes' is not valid; use None .* "
+                                             r"or \"kernels\""):
+    dynjax.jit(moe, dims={"x": "t, 8", "w": None}, ragged_dot="yes")
