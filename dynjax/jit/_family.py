@@ -495,8 +495,8 @@ class Family:
       as_leaves = list
     shard = (_placement.jit_kwargs(self, bkey) if self.shard is None
              else self.shard.jit_kwargs(self, bkey, self.mode == "auto"))
-    if self.mode == "trust":
-      flat_fun = _rewrites.fun_at(self, flat_fun, avals)
+    if self.mode == "trust":  # (rewritten as the function sees its leaves: upcast ones too)
+      flat_fun = _rewrites.fun_at(self, flat_fun, self.padded_avals(bkey, {}) if casts else avals)
       def bucket_fun(*xs):
         leaves = _casts.upcast(as_leaves(xs), casts, dtypes)
         return _forward.drop(flat_fun(*leaves), fwd, leaves)

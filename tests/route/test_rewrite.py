@@ -76,3 +76,34 @@ def test_bad_option_is_named_with_the_choices():
   with pytest.raises(dynjax.SpecError, match=r"ragged_dot='yes' is not valid; use None .* "
                                              r"or \"kernels\""):
     dynjax.jit(moe, dims={"x": "t, 8", "w": None}, ragged_dot="yes")
+
+
+@pytest.mark.parametrize("padding", ["trust", "auto"])
+def test_with_weights_cast_once_the_rewrite_sees_the_function_s_own_dtypes(padding):
+  # float32 weights, bfloat16 compute: the executables take cast copies (cast_once) and
+  # hand the function its float32 leaves back; trust's per-shape rewrite traced the function
+  # at the cast dtypes (no astype left in its jaxpr) and failed on the float32 it got.
+  w = jax.random.normal(jax.random.key(2), (4, 256, 512), jnp.float32) / 16
+  gate = jax.random.normal(jax.random.key(3), (256, 4), jnp.float32)
+
+  pos = jax.random.normal(jax.random.key(4), (512, 256), jnp.float32)
+
+  def block(x, w, pos):
+    xb = x.astype(jnp.bfloat16) + pos.astype(jnp.bfloat16)[:x.shape[0]]  # (an add: one dtype)
+    experts = jnp.argmax(xb @ gate.astype(jnp.bfloat16), axis=-1)
+    order = jnp.argsort(experts)
+    y = jax.lax.ragged_dot(xb[order], w.astype(jnp.bfloat16), jnp.bincount(experts, length=4))
+    return jnp.zeros_like(y).at[order].set(y)
+
+  f = dynjax.jit(block, dims={"x": "t, 256", "w": None, "pos": None}, padding=padding,
+                 buckets={"t": dynjax.buckets.pow2(max=512)}, on_fallback="error",
+                 ragged_dot="kernels")
+  for t in (5, 7):
+    x = jax.random.normal(jax.random.key(t), (t, 256), jnp.float32)
+    with jax.default_matmul_precision("default"):
+      got = f(x, w, pos)
+    np.testing.assert_allclose(np.asarray(got, np.float32),
+                               np.asarray(jax.jit(block)(x, w, pos), np.float32), rtol=2e-2,
+                               atol=2e-2)
+  assert f.stats()["cast_once"]["leaves"] == 2  # the case this test is about
+  assert "ragged_dot (forward) at" in f.explain()
