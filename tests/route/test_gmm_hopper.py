@@ -467,6 +467,7 @@ def test_the_ragged_dot_option_runs_lax_ragged_dot_as_written_on_the_kernels(
   # the gradient in the weights stays lax's; values and gradients equal jax.jit's.
   import dynjax
   from dynjax.route import _ragged, _rewrite
+  from tests.route.test_rewrite import public_moe
 
   monkeypatch.setattr(_rewrite, "KERNEL", "hopper")
   monkeypatch.setattr(_rewrite, "TILING", TILING)
@@ -475,13 +476,7 @@ def test_the_ragged_dot_option_runs_lax_ragged_dot_as_written_on_the_kernels(
   monkeypatch.setattr(_ragged, "ragged_dot",
                       lambda *a, **kw: seen.append(kw["kernel"]) or real(*a, **kw))
   w = jax.random.normal(jax.random.key(3), (E, K_DIM, N_DIM), jnp.float32) / 4
-  gate = jax.random.normal(jax.random.key(4), (K_DIM, E), jnp.float32)
-
-  def moe(x, w):
-    experts = jnp.argmax(x @ gate, axis=-1)
-    order = jnp.argsort(experts)
-    y = jax.lax.ragged_dot(x[order], w, jnp.bincount(experts, length=E))
-    return jnp.zeros_like(y).at[order].set(y)
+  moe = public_moe(jax.random.normal(jax.random.key(4), (K_DIM, E), jnp.float32))
 
   def step(x, w):
     return jax.value_and_grad(lambda x, w: jnp.sum(jnp.tanh(moe(x, w))), (0, 1))(x, w)

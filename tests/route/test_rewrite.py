@@ -18,11 +18,21 @@ W = jax.random.normal(jax.random.key(0), (E, K, N), jnp.float32)
 GATE = jax.random.normal(jax.random.key(1), (K, E), jnp.float32)
 
 
-def moe(x, w):
-  experts = jnp.argmax(x @ GATE, axis=-1)
-  order = jnp.argsort(experts)
-  y = jax.lax.ragged_dot(x[order], w, jnp.bincount(experts, length=E))
-  return jnp.zeros_like(y).at[order].set(y)
+def public_moe(gate):
+  """The public idiom with ``lax.ragged_dot`` as written: a router ``gate [K, E]``, tokens
+  sorted by expert, one ragged dot, scattered back (also tests/route/test_gmm_hopper.py's)."""
+  experts_n = gate.shape[1]
+
+  def moe(x, w):
+    experts = jnp.argmax(x @ gate, axis=-1)
+    order = jnp.argsort(experts)
+    y = jax.lax.ragged_dot(x[order], w, jnp.bincount(experts, length=experts_n))
+    return jnp.zeros_like(y).at[order].set(y)
+
+  return moe
+
+
+moe = public_moe(GATE)
 
 
 def _x(t):
