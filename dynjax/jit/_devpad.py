@@ -6,7 +6,7 @@ output of a device request comes back the same way.  That is a host sync and two
 call (H100, jax 0.11.2, ``benchmarks/probe_device_pad.py``: 0.25 ms for 0.6 kB, 2.5 ms for
 6 MB of bf16), and the sync stops the host from queueing the next call while the device
 works.  On the device the same pad or cut is a tiny XLA program per (shape, bucket shape,
-dtype, device): one compile each (57-82 ms on that H100), then an async call (0.09-0.11 ms).
+dtype, device): one compile each (57-92 ms on that H100), then an async call (0.09-0.15 ms).
 
 Which is cheaper depends on how often a shape comes back, which nobody knows in advance:
 ski rental.  Each site (an argument or output of one shape padded or cut to one bucket
@@ -50,7 +50,7 @@ COLLECTIVES = re.compile(r"\b(collective-permute|all-gather|all-reduce|all-to-al
                          r"reduce-scatter|collective-broadcast)")
 PLATFORMS = ("cpu", "gpu", "cuda", "rocm", "tpu")  # where the route is measured or expected to pay
 # A pad program's compile before one is measured in this process (seconds).  H100, jax 0.11.2:
-# 57-82 ms (probe_device_pad's "compile_ms"); the measured median replaces it.
+# 57-92 ms (probe_device_pad's "compile_ms", five runs); the measured median replaces it.
 PRIOR_S = 0.08
 MAX_SITES = 4096  # sites per function; past it new shapes keep the host route
 MAX_PROGRAMS = 512  # programs per process; past it sites keep the host route
@@ -62,7 +62,7 @@ _compiled: list[float] = []  # seconds of each pad/cut program this process comp
 def price() -> float:
   """Seconds one pad/cut program costs to build: the median of this process's compiles (the
   latest 64), else ``PRIOR_S``.  The median, not the mean: a process's first XLA compile
-  carries one-time costs (H100, jax 0.11.2: 364 ms for the first, then 57-82 ms)."""
+  carries one-time costs (H100, jax 0.11.2: 146-464 ms for the first, then 57-92 ms)."""
   if not _compiled:
     return PRIOR_S
   ordered = sorted(_compiled[-64:])
