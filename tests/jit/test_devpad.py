@@ -17,7 +17,7 @@ from dynjax.jit import _devpad
 
 
 @pytest.fixture
-def on_cpu(monkeypatch):
+def priced(monkeypatch):
   """The device route at a price set by the test (``price[0]`` seconds)."""
   price = [0.0]
   monkeypatch.setattr(_devpad, "price", lambda: price[0])
@@ -42,7 +42,7 @@ def _request(rng, b, t):
 
 
 @pytest.mark.parametrize("padding", ["auto", "trust"])
-def test_device_requests_pad_and_cut_on_the_device_and_match_jax_jit(on_cpu, padding, compiles):
+def test_device_requests_pad_and_cut_on_the_device_and_match_jax_jit(priced, padding, compiles):
   rng = np.random.default_rng(0)
   w = jnp.asarray(rng.normal(size=(8, 8)), jnp.float32)
   f = dynjax.jit(step, dims=DIMS, padding=padding)
@@ -69,21 +69,21 @@ def test_device_requests_pad_and_cut_on_the_device_and_match_jax_jit(on_cpu, pad
   assert compiles() == before  # (jax.jit has these shapes too)
 
 
-def test_the_host_route_until_the_trips_add_up_to_the_price(on_cpu):
+def test_the_host_route_until_the_trips_add_up_to_the_price(priced):
   rng = np.random.default_rng(1)
   w = jnp.ones((8, 8), jnp.float32)
   f = dynjax.jit(step, dims=DIMS)
   x, lengths = _request(rng, 3, 5)
-  on_cpu[0] = 1e9  # never paid
+  priced[0] = 1e9  # never paid
   for _ in range(4):
     f(x, lengths, w)
   d = f.stats()["device_pads"]
   assert d["programs"] == 0 and d["host_trips"] == 4 * 3 and d["host_trip_seconds"] > 0
-  on_cpu[0] = 0.0
+  priced[0] = 0.0
   f(x, lengths, w)
   assert f.stats()["device_pads"]["programs"] == 3
   # One site: trips below the price rent, the one that reaches it buys.
-  on_cpu[0] = 1.0
+  priced[0] = 1.0
   site = _devpad.Sites().site("pad", (3, 5), (4, 8), np.float32, jax.devices()[0])
   site.rent(0.6)
   assert site.fn is None and site.owner.programs == 0
@@ -93,7 +93,7 @@ def test_the_host_route_until_the_trips_add_up_to_the_price(on_cpu):
   np.testing.assert_array_equal(np.asarray(out), np.pad(np.ones((3, 5)), ((0, 1), (0, 3))))
 
 
-def test_numpy_requests_padded_requests_and_return_padded_keep_their_routes(on_cpu):
+def test_numpy_requests_padded_requests_and_return_padded_keep_their_routes(priced):
   rng = np.random.default_rng(2)
   w = jnp.ones((8, 8), jnp.float32)
   x, lengths = _request(rng, 3, 5)
@@ -110,7 +110,7 @@ def test_numpy_requests_padded_requests_and_return_padded_keep_their_routes(on_c
       jax.jit(step)(jnp.asarray(hp.unpad()), lengths, w)[0]))
 
 
-def test_off_with_the_environment_switch_and_off_the_platforms(on_cpu, monkeypatch):
+def test_off_with_the_environment_switch_and_off_the_platforms(priced, monkeypatch):
   rng = np.random.default_rng(3)
   w = jnp.ones((8, 8), jnp.float32)
   x, lengths = _request(rng, 3, 5)
@@ -125,7 +125,7 @@ def test_off_with_the_environment_switch_and_off_the_platforms(on_cpu, monkeypat
   assert g.stats()["device_pads"]["sites"] == 0
 
 
-def test_a_program_that_fails_to_build_leaves_the_host_route(on_cpu, monkeypatch):
+def test_a_program_that_fails_to_build_leaves_the_host_route(priced, monkeypatch):
   def broken(*_, **__):
     raise RuntimeError("no pad today")
 
