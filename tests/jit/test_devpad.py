@@ -159,3 +159,19 @@ def test_stats_of_several_functions_add_their_device_pads_seconds_too():
   assert total["device_pads"] == {"programs": 3, "compile_seconds": 0.75,
                                   "host_trip_seconds": 0.75}
   assert total["calls"] == 4 and total["padded_fraction"] == 0.25
+
+
+def test_threads_racing_one_site_buy_one_program_and_get_right_results(priced):
+  import concurrent.futures
+
+  rng = np.random.default_rng(5)
+  w = jnp.asarray(rng.normal(size=(8, 8)), jnp.float32)
+  f = dynjax.jit(step, dims=DIMS)
+  ref = jax.jit(step)
+  reqs = [_request(rng, 3, 5) for _ in range(24)]
+  with concurrent.futures.ThreadPoolExecutor(4) as pool:
+    outs = list(pool.map(lambda r: f(*r, w)[0], reqs))
+  for (x, lengths), h in zip(reqs, outs, strict=True):
+    np.testing.assert_array_equal(np.asarray(h), np.asarray(ref(x, lengths, w)[0]))
+  d = f.stats()["device_pads"]
+  assert d["sites"] == d["programs"] == 3  # x, lengths, h: one buyer each
