@@ -143,11 +143,11 @@ def jit(
       on the device.  A device request to a function with host outputs gets them moved back
       to the device.  ``explain()`` says which and why; part of the ``cache_dir`` key.
     ragged_dot: ``"kernels"``: every ``jax.lax.ragged_dot`` in the function as written (a
-      Mixture-of-Experts over tokens sorted by expert, and its gradient in the tokens) runs
-      as :func:`dynjax.route.ragged_dot`, on the grouped-GEMM kernels where they apply
-      (Hopper GPU, bf16/f16; ``lax.ragged_dot`` itself elsewhere), for code you cannot edit.
-      The weights' gradient and ragged dots inside ``scan``/``while``/``cond``/``remat``
-      bodies stay as written; ``explain()`` lists every site and why.  ``None`` (default):
+      Mixture-of-Experts over tokens sorted by expert, and its gradients) runs as
+      :func:`dynjax.route.ragged_dot`, on the grouped-GEMM kernels where they apply (Hopper
+      GPU, bf16/f16; ``lax.ragged_dot`` itself elsewhere), for code you cannot edit.  Ragged
+      dots inside ``scan``/``while``/``cond``/``remat`` bodies, or with a ``precision``,
+      stay as written; ``explain()`` lists every site and why.  ``None`` (default):
       as written.  Part of the ``cache_dir`` key.
 
   Returns:

@@ -9,10 +9,13 @@ For a Mixture-of-Experts in a library you import (a MaxText-style block that cal
 
 * ``lax.ragged_dot``'s own: ``lhs [M, K]`` in consecutive groups along M, ``rhs [G, K, N]``;
 * its gradient in ``lhs`` (``jax.grad`` of the above traces it): ``dy [M, N]`` times
-  ``rhs [G, K, N]`` contracted on N, run as ``route.ragged_dot(dy, rhs^T)``.
+  ``rhs [G, K, N]`` contracted on N, run as ``route.ragged_dot(dy, rhs^T)``;
+* its gradient in ``rhs``: ``x [M, K]`` and ``dy [M, N]`` contracted over the ragged rows
+  into ``[G, K, N]``, run as ``route.ragged_dot``'s backward in its rhs (``jax.vjp`` at
+  zero weights: the forward it computes is unused and dropped).
 
-Everything else is left as written, each with an ``explain()`` line saying why: the gradient
-in the weights (a ragged contraction over M: no kernel here takes it), a ``group_offset``, a
+Everything else is left as written, each with an ``explain()`` line saying why: ragged
+contractions of another layout, a ``group_offset``, a
 ``precision`` (``jax_default_matmul_precision`` sets one too) or a wider
 ``preferred_element_type``, mixed dtypes, other dimension numbers, and ragged dots inside
 ``scan``/``while``/``cond``/``remat`` bodies (not flattened).  ``route.ragged_dot`` is ``lax.ragged_dot`` itself wherever no kernel runs
@@ -51,12 +54,15 @@ class Site:
   """One ``ragged_dot_general`` rewritten (``evaluate``'s match: an anchor, nothing else)."""
 
   anchor: Node
-  rhs_transposed: bool  # the gradient-in-lhs form: rhs contracted on its last axis
+  form: str  # "forward", "grad_lhs" (rhs contracted on its last axis), "grad_rhs"
   eliminated: frozenset = frozenset()
 
 
-def _form(eqn) -> tuple[bool | None, str]:
-  """(rhs transposed?, "") for a rewritable equation, else (None, why not)."""
+FORMS = {"forward": "forward", "grad_lhs": "gradient in lhs", "grad_rhs": "gradient in rhs"}
+
+
+def _form(eqn) -> tuple[str | None, str]:
+  """(form, "") for a rewritable equation, else (None, why not)."""
   p = eqn.params
   rdn = p["ragged_dot_dimension_numbers"]
   (lc, rc), (lb, rb) = rdn.dot_dimension_numbers
@@ -64,26 +70,42 @@ def _form(eqn) -> tuple[bool | None, str]:
   if p.get("group_offset") is not None or len(eqn.invars) > 3:
     return None, "a group_offset (a sharded ragged dot)"
   if any(d in lc for d in rdn.lhs_ragged_dimensions):
-    return None, "a ragged contraction (the gradient in the weights): no kernel takes it"
+    # The weights' gradient: x [M, K] and dy [M, N] contracted over the ragged rows into
+    # [G, K, N], which the kernels' backward computes (route.ragged_dot's vjp in rhs).
+    out = eqn.outvars[0].aval
+    if (tuple(lc), tuple(rc), tuple(rdn.lhs_ragged_dimensions)) != ((0,), (0,), (0,)) or (
+        lb or rb or rdn.rhs_group_dimensions or la.ndim != 2 or ra.ndim != 2
+        or out.ndim != 3):
+      return None, "a ragged contraction of another layout than the weights' gradient"
+    why = _numerics(p, la, ra)
+    return (None, why) if why else ("grad_rhs", "")
   if lb or rb or la.ndim != 2 or ra.ndim != 3:
     return None, f"batch axes or ranks lhs {la.ndim} / rhs {ra.ndim} (the kernels take 2 / 3)"
   if tuple(rdn.lhs_ragged_dimensions) != (0,) or tuple(rdn.rhs_group_dimensions) != (0,):
     return None, f"ragged dimensions {tuple(rdn.lhs_ragged_dimensions)} / groups " \
                  f"{tuple(rdn.rhs_group_dimensions)}"
+  why = _numerics(p, la, ra)
+  if why:
+    return None, why
+  if tuple(lc) == (1,) and tuple(rc) == (1,):
+    return "forward", ""
+  if tuple(lc) == (1,) and tuple(rc) == (2,):
+    return "grad_lhs", ""
+  return None, f"contracting dimensions {tuple(lc)} / {tuple(rc)}"
+
+
+def _numerics(p, la, ra) -> str:
+  """Why the kernels would not compute what the equation asks ("" where they would)."""
   prec = p.get("precision")  # (jax_default_matmul_precision sets one too)
   if prec is not None and any(q != jax.lax.Precision.DEFAULT for q in (
       prec if isinstance(prec, tuple) else (prec,))):
-    return None, f"precision={prec} (the kernels compute at the default precision)"
+    return f"precision={prec} (the kernels compute at the default precision)"
   pet = p.get("preferred_element_type")
   if pet is not None and jnp.dtype(pet) != la.dtype:
-    return None, f"preferred_element_type={jnp.dtype(pet).name} (the kernels give lhs's dtype)"
+    return f"preferred_element_type={jnp.dtype(pet).name} (the kernels give lhs's dtype)"
   if la.dtype != ra.dtype:
-    return None, f"mixed dtypes {la.dtype} / {ra.dtype}"
-  if tuple(lc) == (1,) and tuple(rc) == (1,):
-    return False, ""
-  if tuple(lc) == (1,) and tuple(rc) == (2,):
-    return True, ""
-  return None, f"contracting dimensions {tuple(lc)} / {tuple(rc)}"
+    return f"mixed dtypes {la.dtype} / {ra.dtype}"
+  return ""
 
 
 def _nested(eqn) -> bool:
@@ -108,13 +130,12 @@ def find(flat: Flat) -> tuple[list[Site], list[str]]:
         notes.append(f"ragged_dot inside {n.eqn.primitive.name} at {source_of(n.eqn)}: left "
                      "as written (bodies of scan/while/cond/remat are not rewritten)")
       continue
-    transposed, why = _form(n.eqn)
-    if transposed is None:
+    form, why = _form(n.eqn)
+    if form is None:
       notes.append(f"ragged_dot at {source_of(n.eqn)}: left as written: {why}")
       continue
-    sites.append(Site(n, transposed))
-    what = "gradient in lhs" if transposed else "forward"
-    notes.append(f"ragged_dot ({what}) at {source_of(n.eqn)}: route.ragged_dot")
+    sites.append(Site(n, form))
+    notes.append(f"ragged_dot ({FORMS[form]}) at {source_of(n.eqn)}: route.ragged_dot")
   return sites, notes
 
 
@@ -122,7 +143,12 @@ def _emit(site: Site, read):
   from dynjax.route._ragged import ragged_dot
 
   lhs, rhs, sizes = (read(r) for r in site.anchor.ins[:3])
-  if site.rhs_transposed:
+  if site.form == "grad_rhs":  # x^T dy by groups: route.ragged_dot's backward in its rhs
+    shape = site.anchor.eqn.outvars[0].aval.shape
+    _, pull = jax.vjp(lambda w: ragged_dot(lhs, w, sizes, kernel=KERNEL, tiling=TILING),
+                      jnp.zeros(shape, lhs.dtype))
+    return pull(rhs.astype(lhs.dtype))[0]
+  if site.form == "grad_lhs":
     rhs = jnp.swapaxes(rhs, 1, 2)
   return ragged_dot(lhs, rhs, sizes, kernel=KERNEL, tiling=TILING)
 
