@@ -3,7 +3,7 @@
 # same model with lax.ragged_dot and with route.ragged_dot (bench_moe_public, one process),
 # then a training step (value and grads) under padding="auto": lax / rewritten / route.
 source benchmarks/_gpu_head.sh
-python3 benchmarks/bench_moe_public.py --modes auto,auto+route,auto+kernels,trust,trust+kernels \
+[ "${TRAIN_ONLY:-0}" = 1 ] || python3 benchmarks/bench_moe_public.py --modes auto,auto+route,auto+kernels,trust,trust+kernels \
   --out "$OUT" 2>&1 | tee "$OUT/bench_moe_public_kernels.log"
 python3 - <<'PY' 2>&1 | tee "$OUT/ragged_rewrite_train.log"
 import time, numpy as np, jax, jax.numpy as jnp, dynjax
