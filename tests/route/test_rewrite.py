@@ -112,8 +112,9 @@ def test_with_weights_cast_once_the_rewrite_sees_the_function_s_own_dtypes(paddi
     x = jax.random.normal(jax.random.key(t), (t, 256), jnp.float32)
     with jax.default_matmul_precision("default"):
       got = f(x, w, pos)
+    # (bitwise equal on jax 0.10.2 and 0.11.2 CPU; two bf16 ulps of room for other XLAs)
     np.testing.assert_allclose(np.asarray(got, np.float32),
-                               np.asarray(jax.jit(block)(x, w, pos), np.float32), rtol=2e-2,
-                               atol=2e-2)
+                               np.asarray(jax.jit(block)(x, w, pos), np.float32), rtol=8e-3,
+                               atol=1e-6)
   assert f.stats()["cast_once"]["leaves"] == 2  # the case this test is about
   assert "ragged_dot (forward) at" in f.explain()
