@@ -23,6 +23,17 @@ def summarize_source(eqn) -> str:
     return "<unknown source>"
 
 
+def exclude_from_user_frames(path: str) -> None:
+  """Source lines of equations skip frames in ``path`` (a dynjax module that binds on the
+  user's behalf), as they skip jax's own: ``explain()`` names the user's line."""
+  try:
+    from jax._src import source_info_util
+
+    source_info_util.register_exclusion(path)
+  except Exception:  # pragma: no cover - private API moved: lose source lines, not results
+    pass
+
+
 def enable_persistent_cache(cache_dir: str) -> None:
   """Points JAX's persistent compilation cache at ``cache_dir`` and persists everything.
 

@@ -18,6 +18,13 @@ TESTS = {
   "tests/benchmarks/test_bench_moe_public.py::test_the_kernels_mode_runs_the_model_as_written_with_the_rewrite": 4.7,
   "tests/route/test_gmm_hopper.py::test_the_ragged_dot_option_runs_lax_ragged_dot_as_written_on_the_kernels[mgpu backward-auto]": 2.4,
   "tests/benchmarks/test_probe_device_pad.py::test_probe_times_both_routes_and_restores_the_switches": 3.6,
+  # session 21: jax.lax.associative_scan over a dynamic axis (measured alone, 2-core box)
+  "tests/bucketing/test_scan.py::test_property_any_length_in_any_bucket_is_jax": 5.5,
+  "tests/bucketing/test_scan.py::test_a_scan_along_a_longer_axis_and_an_integer_leaf": 5.5,
+  "tests/bucketing/test_scan.py::test_an_lru_vmapped_over_a_dynamic_batch_trains_exactly": 5.0,
+  "tests/bucketing/test_scan.py::test_a_linen_lru_model_under_dynjax_flax_is_padded_exactly": 4.8,
+  "tests/bucketing/test_scan.py::test_forward_and_gradients_hold_with_nan_and_inf_in_the_padding[nan-False]": 3.1,
+  "tests/bucketing/test_scan.py::test_forward_and_gradients_hold_with_nan_and_inf_in_the_padding[nan-True]": 3.0,
   # session 20: measured at >= 1.5 s in a fast-tier run (-n auto, 2-core box, --durations)
   "tests/test_flax.py::test_nnx_model_matches_and_counts_calls[auto]": 6.01,
   "tests/examples/test_models.py::test_attention_impl_same_weights_same_result[xla]": 3.75,

@@ -36,7 +36,7 @@ from dynjax._errors import (
   needs_program,
   user_stacklevel,
 )
-from dynjax.bucketing import _auto
+from dynjax.bucketing import _auto, _scan
 from dynjax.bucketing._joint import JointPlan
 from dynjax.bucketing._padding import pad_jaxpr
 from dynjax.bucketing._policies import BucketPolicy
@@ -218,7 +218,7 @@ class Family:
     for attempt in range(MAX_GUARDS + 1):
       sym = _symbolic.symbolic_avals(self.sig, self.avals)
       try:
-        with _jax_private.undecided_equalities() as equalities:
+        with _jax_private.undecided_equalities() as equalities, _scan.tracing():
           closed, out_shape = jax.make_jaxpr(self.flat_fun, return_shape=True)(*sym)
         break
       except Exception as e:  # noqa: BLE001 - any trace failure means: run exact
@@ -227,6 +227,8 @@ class Family:
           return
         if self.mode == "exact":
           return
+        if _scan.is_refusal(e) and _scan.install():
+          continue  # jax.lax.associative_scan over a dynamic axis: now a dynjax primitive
         if attempt < MAX_GUARDS and add_guard(self, e):
           continue  # re-trace under one more inferred guard
         # A function that fails at the call's own shapes too has a bug of its own (a bad

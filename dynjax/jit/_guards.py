@@ -32,8 +32,10 @@ _FLIP = {"<": ">", "<=": ">=", ">": "<", ">=": "<="}
 # the advice appended to the fallback reason.
 TRACE_FAILURE_HINTS = (
     ("associative scan over axis of non-constant size",
-     "jax.lax.associative_scan needs a static length along its axis; a jax.lax.scan over that "
-     "axis traces with a dynamic length and is bucketed"),
+     "jax.lax.associative_scan needs a static length along its axis: dynjax binds it as a "
+     "bucketed primitive unless fn has effects (jax.debug.print, callbacks) or the function "
+     "is reached other than by a module's name (a default argument, a closure cell); a "
+     "jax.lax.scan over that axis traces with a dynamic length and is bucketed too"),
     ("used in a context that requires a constant",
      "the function uses a dynamic size where JAX needs a constant (int(), range(), or an op "
      "whose lowering depends on the length, such as jnp.searchsorted into a dynamic-length "
