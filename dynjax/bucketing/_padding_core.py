@@ -267,6 +267,9 @@ class Context:
     # cannot pad here and goes on with a placeholder, so one error can name all of them.
     # ``None``: raise at the first.
     self.problems = problems
+    # Rule-to-rule memos within one trace (keyed by equation operands and the trace state):
+    # the associative scan's forward leaves its backward's residuals here (bucketing/_scan).
+    self.stash: dict[Any, Any] = {}
     self._true_cache: dict[Any, Any] = {}
     self._padded: dict[int, tuple] = {}  # id(dim) -> (dim, padded size)
     size_max = size_max or {}
