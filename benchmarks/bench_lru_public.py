@@ -19,7 +19,10 @@ over the same stream (batch 8, log-normal lengths, numpy in and out):
 Each mode: the cold pass (compiles included) and its XLA compiles (``jax.monitoring``), then
 the steady mean / median per request over a second pass; the largest difference of the outputs
 (the loss and every gradient leaf for the training modes) from the exact mode's, and dynjax's
-fallbacks (must be none).  Writes DIR/bench_lru_public.json.
+fallbacks (must be none).  ``--at T,...``: then each exact length ``T`` alone, batch 8, every
+row ``T`` long: the forward and the training step under ``jax.jit`` at ``T`` and under dynjax at
+``T``'s bucket, taking turns (medians): the cost of the bucket's padding plus dynjax's scan.
+Writes DIR/bench_lru_public.json.
 """
 
 from __future__ import annotations
@@ -53,6 +56,8 @@ def main(argv=None) -> dict:
   ap.add_argument("--requests", type=int, default=60)
   ap.add_argument("--modes", default=",".join(MODES))
   ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--at", default="", help="exact lengths timed alone (comma-separated)")
+  ap.add_argument("--iters", type=int, default=50)
   args = ap.parse_args(argv)
   import dynjax
   import dynjax.flax
@@ -140,7 +145,39 @@ def main(argv=None) -> dict:
              if "max_abs_diff_vs_exact" in rec else "")
           + (f"  fallbacks {len(rec['fallbacks'])}" if "fallbacks" in rec else ""), flush=True)
     write_json(args.out, "bench_lru_public.json", out)
+  if args.at:
+    out["at"] = at_lengths(args, model, variables, step, dims, buckets)
+    write_json(args.out, "bench_lru_public.json", out)
   return out
+
+
+def at_lengths(args, model, variables, step, dims, buckets) -> dict:
+  """Forward and training step at single lengths: jax.jit at T vs dynjax at T's bucket."""
+  import dynjax
+  import dynjax.flax
+
+  fns = {"fwd exact": jax.jit(model.apply),
+         "fwd auto": dynjax.flax.jit(model, dims=dims, buckets=buckets),
+         "step exact": jax.jit(step),
+         "step auto": dynjax.jit(step, dims={**dims, "target": "b"}, buckets=buckets)}
+  rng = np.random.default_rng(args.seed + 2)
+  rec = {}
+  for t in (int(s) for s in args.at.split(",")):
+    tok = rng.integers(1, model.vocab, (8, t)).astype(np.int32)
+    args_by = {"fwd": (variables, tok, np.full(8, t, np.int32)),
+               "step": (variables, tok, np.full(8, t, np.int32), np.zeros(8, np.int32))}
+    for name, f in fns.items():
+      jax.block_until_ready(f(*args_by[name.split()[0]]))
+    ts = {name: [] for name in fns}
+    for _ in range(args.iters):
+      for name, f in fns.items():
+        t1 = time.perf_counter()
+        jax.block_until_ready(f(*args_by[name.split()[0]]))
+        ts[name].append(time.perf_counter() - t1)
+    rec[str(t)] = {name: float(np.median(v)) * 1e3 for name, v in ts.items()}
+    print(f"  T={t} (bucket {buckets['t'].bucket(t)}): " + "  ".join(
+        f"{k} {v:.3f}" for k, v in rec[str(t)].items()) + " ms", flush=True)
+  return rec
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ TESTS = {
   "tests/bucketing/test_scan.py::test_a_scan_along_a_longer_axis_and_an_integer_leaf": 5.5,
   "tests/bucketing/test_scan.py::test_an_lru_vmapped_over_a_dynamic_batch_trains_exactly": 5.0,
   "tests/bucketing/test_scan.py::test_a_linen_lru_model_under_dynjax_flax_is_padded_exactly": 4.8,
+  "tests/benchmarks/test_bench_lru_public.py::test_small_bench_buckets_the_public_lru_and_its_training_step": 18.4,
   "tests/bucketing/test_scan.py::test_forward_and_gradients_hold_with_nan_and_inf_in_the_padding[nan-False]": 3.1,
   "tests/bucketing/test_scan.py::test_forward_and_gradients_hold_with_nan_and_inf_in_the_padding[nan-True]": 3.0,
   # session 20: measured at >= 1.5 s in a fast-tier run (-n auto, 2-core box, --durations)
