@@ -162,9 +162,9 @@ def _inexact(x) -> bool:
 
 
 # -- the scan at a static length ------------------------------------------------------------
-# ``ev(jaxpr, consts, a, b) -> outs`` evaluates the combine body over one element: plainly
-# (the primitives' own lowering) or through the padding pass's interpreter (an element may
-# hold other dynamic dims).
+# ``ev(jaxpr, consts, a, b) -> outs`` evaluates the combine body on whole arrays (its length
+# variable bound to theirs): plainly (the primitives' own lowering) or through the padding
+# pass's interpreter (the elements may hold other dynamic dims).
 
 
 def _body_ctx(ctx: Context | None, length: int) -> Context:
@@ -292,8 +292,11 @@ def _tangents(p, fwd, consts, elems, tangents):
 def _cotangents(p, fwd, consts, elems, cts):
   """The cotangents of the inexact operands, ``cts`` those of the live inexact outputs."""
   g, primals = _restricted(p, fwd, consts, elems, p["live"])
+  out_fl = _floats(p, [*consts, *elems])[1]
+  dtypes = [elems[i].dtype for i, keep in zip(out_fl, p["live"] or [True] * len(out_fl),
+                                               strict=True) if keep]
   _, pull = jax.vjp(g, *primals)
-  return list(pull([c.astype(x.dtype) for c, x in zip(cts, g(*primals), strict=True)]))
+  return list(pull([c.astype(d) for c, d in zip(cts, dtypes, strict=True)]))
 
 
 def _n_tangents(p, ops) -> int:

@@ -13,6 +13,7 @@ from jax import lax
 
 from dynjax import _jax_private as jp
 from dynjax import route
+from dynjax.bucketing import _scan
 from dynjax.bucketing._padding_core import RULES
 from tests.bucketing._harness import Case
 
@@ -70,6 +71,20 @@ CASES = {
     lambda x: jax.jvp(lambda x: route.ragged_dot(x, jnp.stack([jnp.diag(C3), jnp.eye(3)]),
                                                  jnp.array([1, 1], jnp.int32), kernel="pallas"),
                       (x,), (jnp.cos(x),)),
+    _t3,
+  ),
+  "dynjax_associative_scan": (  # lax.associative_scan over t: fn closes over constants
+    lambda x: lax.associative_scan(lambda a, b: a * C3 + b + 1.0, x),
+    _t3,
+  ),
+  "dynjax_associative_scan_lin": (  # its tangent (forward mode), reversed
+    lambda x: jax.jvp(lambda x: lax.associative_scan(lambda a, b: a * J3 + b, x, reverse=True),
+                      (x,), (jnp.ones_like(x),)),
+    _t3,
+  ),
+  "dynjax_associative_scan_vjp": (  # its backward, a weak-typed literal and a constant leaf
+    lambda x: jax.grad(lambda x: jnp.sum(lax.associative_scan(
+        lambda a, b: (a[0] * b[0], a[1] * 0.5 + b[1]), (x, jnp.ones_like(x) * C3))[1] * x))(x),
     _t3,
   ),
   "ragged_dot": (  # constant weights and group sizes; a ragged contraction of a full operand
@@ -227,7 +242,9 @@ _BUILT: dict[str, Case] = {}
 def _case(name: str) -> Case:
   if name not in _BUILT:
     fun, shapes = CASES[name]
-    _BUILT[name] = Case(fun, shapes, dims=("t",), constraints=("t <= 8",))
+    _scan.install()  # lax.associative_scan over t binds dynjax's primitive while tracing
+    with _scan.tracing():
+      _BUILT[name] = Case(fun, shapes, dims=("t",), constraints=("t <= 8",))
   return _BUILT[name]
 
 
