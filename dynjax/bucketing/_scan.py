@@ -91,7 +91,7 @@ def install() -> bool:
         continue  # jax's own uses stay JAX's (static lengths); dynjax holds _ORIGINAL
       try:
         names = [k for k, v in vars(mod).items() if v is _ORIGINAL]
-      except TypeError:  # a module object without a __dict__
+      except Exception:  # noqa: BLE001 - a module object without a plain __dict__
         continue
       for k in names:
         setattr(mod, k, associative_scan)
