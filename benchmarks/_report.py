@@ -1,4 +1,5 @@
-"""Writing a benchmark's JSON report (the one helper every script's ``--out`` goes through)."""
+"""Writing a benchmark's JSON report (the one helper every script's ``--out`` goes through), and
+the summary line of a mode served over a request stream."""
 
 from __future__ import annotations
 
@@ -16,3 +17,13 @@ def write_json(out_dir: str | None, name: str, data, **dump_kw) -> str | None:
   with open(path, "w") as fh:
     json.dump(data, fh, **{"indent": 1, **dump_kw})
   return path
+
+
+def mode_line(mode: str, rec: dict, width: int = 6) -> str:
+  """One mode of a served stream: cold pass, compiles, steady mean / median, and where the
+  record has them the largest difference from the exact mode and the fallbacks."""
+  return (f"  {mode:{width}s} cold {rec['cold_s']:7.2f} s  compiles {rec['compiles']:3d}  "
+          f"steady mean {rec['mean_ms']:8.3f} ms  p50 {rec['median_ms']:8.3f}"
+          + (f"  max |diff| vs exact {rec['max_abs_diff_vs_exact']:.2e}"
+             if "max_abs_diff_vs_exact" in rec else "")
+          + (f"  fallbacks {len(rec['fallbacks'])}" if "fallbacks" in rec else ""))

@@ -38,7 +38,7 @@ import numpy as np
 
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 
-from benchmarks._report import write_json  # noqa: E402
+from benchmarks._report import mode_line, write_json  # noqa: E402
 from benchmarks._suite import CompileCounter  # noqa: E402
 from benchmarks.bench_moe_gmm import request_stream, time_stream  # noqa: E402
 
@@ -139,11 +139,7 @@ def main(argv=None) -> dict:
           np.abs(a - b).max() for ra, rb in zip(results[mode], results[ref], strict=True)
           for a, b in zip(ra, rb, strict=True)))
     out["modes"][mode] = rec
-    print(f"  {mode:11s} cold {cold:7.2f} s  compiles {compiles:3d}  steady mean "
-          f"{rec['mean_ms']:8.3f} ms  p50 {rec['median_ms']:8.3f}"
-          + (f"  max |diff| vs exact {rec['max_abs_diff_vs_exact']:.2e}"
-             if "max_abs_diff_vs_exact" in rec else "")
-          + (f"  fallbacks {len(rec['fallbacks'])}" if "fallbacks" in rec else ""), flush=True)
+    print(mode_line(mode, rec, 11), flush=True)
     write_json(args.out, "bench_lru_public.json", out)
   if args.at:
     out["at"] = at_lengths(args, model, variables, step, dims, buckets)

@@ -41,7 +41,7 @@ import numpy as np
 
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 
-from benchmarks._report import write_json  # noqa: E402
+from benchmarks._report import mode_line, write_json  # noqa: E402
 from benchmarks._suite import CompileCounter  # noqa: E402
 from benchmarks.bench_moe_gmm import request_stream, time_stream  # noqa: E402
 
@@ -114,11 +114,7 @@ def main(argv=None) -> dict:
           np.abs(a.astype(np.float32) - b.astype(np.float32)).max()
           for a, b in zip(results[mode], results["exact"], strict=True)))
     out["modes"][mode] = rec
-    print(f"  {mode:6s} cold {cold:7.2f} s  compiles {compiles:3d}  steady mean "
-          f"{rec['mean_ms']:8.3f} ms  p50 {rec['median_ms']:8.3f}"
-          + (f"  max |diff| vs exact {rec['max_abs_diff_vs_exact']:.2e}"
-             if "max_abs_diff_vs_exact" in rec else "")
-          + (f"  fallbacks {len(rec['fallbacks'])}" if "fallbacks" in rec else ""), flush=True)
+    print(mode_line(mode, rec, 6), flush=True)
     write_json(args.out, "bench_moe_public.json", out)
   return out
 
