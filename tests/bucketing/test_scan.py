@@ -298,3 +298,21 @@ def test_a_linen_lru_model_under_dynjax_flax_is_padded_exactly():
     lengths = rng.integers(1, t + 1, b).astype(np.int32)
     _close(f(variables, tok, lengths), exact(variables, tok, lengths), rtol=1e-5, atol=1e-6)
   assert f.stats()["fallbacks"] == [] and f.stats()["exact_calls"] == 0
+
+
+def test_under_jax_checkpoint_the_backward_scans_forward_again_and_stays_exact():
+  # nn.remat / jax.checkpoint: the forward is recomputed in the backward, so the backward
+  # finds no linearization left by the forward and computes its own (explain() says which).
+  def layer(w, x):
+    a, b = jax.nn.sigmoid(x @ w), x @ w
+    return lax.associative_scan(lambda p, q: (p[0] * q[0], q[0] * p[1] + q[1]), (a, b))[1]
+
+  def loss(w, x):
+    return jnp.sum(jnp.tanh(jax.checkpoint(layer)(w, x)))
+
+  w = jnp.asarray(np.random.default_rng(5).standard_normal((4, 4)) / 2, jnp.float32)
+  f = dynjax.jit(jax.value_and_grad(loss), dims={"x": "t, 4"}, on_fallback="error")
+  for t in (3, 9):
+    x = np.random.default_rng(t).standard_normal((t, 4)).astype(np.float32)
+    _close(f(w, x), jax.jit(jax.value_and_grad(loss))(w, x), rtol=1e-5, atol=1e-6)
+  assert "its backward at the padded length (the forward again)" in f.explain()
