@@ -266,10 +266,10 @@ def _floats(p, ops):
           [i for i, x in enumerate(elems) if _inexact(x)])
 
 
-def _restricted(p, fwd, consts, elems, live=None):
+def _restricted(p, fwd, consts, elems, live=None, aux=False):
   """``g(*inexact operands) -> inexact outputs`` of ``fwd(consts, elems)`` (jax.jvp/vjp
-  differentiate floats only; ``live``: of those outputs, the ones kept) and the inexact
-  operands."""
+  differentiate floats only; ``live``: of those outputs, the ones kept; ``aux``: ``g``
+  returns all outputs beside them, for ``has_aux``) and the inexact operands."""
   ops = [*consts, *elems]
   fl, out_fl = _floats(p, ops)
   if live is not None:
@@ -280,7 +280,8 @@ def _restricted(p, fwd, consts, elems, live=None):
     for i, x in zip(fl, floats, strict=True):
       full[i] = x
     outs = fwd(*_split(p, full))
-    return [outs[i] for i in out_fl]
+    kept = [outs[i] for i in out_fl]
+    return (kept, outs) if aux else kept
 
   return g, [ops[i] for i in fl]
 
@@ -355,8 +356,7 @@ def _jvp(primals, tangents, **p):
   # The primal marked: its padding rule leaves the backward's residuals (_scan_rule).
   p = {**p, "differentiated": True}
   outs = scan_p.bind(*primals, **p)
-  fl = [i for i, x in enumerate(primals) if _inexact(x)]
-  tans = [ad.instantiate_zeros(tangents[i]) for i in fl]
+  tans = [ad.instantiate_zeros(tangents[i]) for i in _floats(p, primals)[0]]
   touts = iter(lin_p.bind(*tans, *primals, **p))
   _, elems = _split(p, primals)
   return outs, [next(touts) if _inexact(x) else ad.Zero(_aval(x).to_tangent_aval())
@@ -478,17 +478,7 @@ def _scan_rule(ctx, eqn, invals):
   # for vjp_p's rule to transpose, so that the backward does not scan forward again (an LRU
   # training step on CPU: 1.40x jax.jit's time at the bucket's shape when it did).
   fwd, _ = _prefix_scan(ctx, eqn, invals, ev)
-  ops = [*consts, *elems]
-  fl, out_fl = _floats(p, ops)
-
-  def g(*floats):
-    full = list(ops)
-    for i, x in zip(fl, floats, strict=True):
-      full[i] = x
-    outs = fwd(*_split(p, full))
-    return [outs[i] for i in out_fl], outs
-
-  primals = [ops[i] for i in fl]
+  g, primals = _restricted(p, fwd, consts, elems, aux=True)
   _, linear, outs = jax.linearize(g, *primals, has_aux=True)
   # Kept with the trace it belongs to: a jaxpr interpreted again in another trace (a loop
   # body) must not use this one's values.
