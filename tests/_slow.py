@@ -20,6 +20,9 @@ TESTS = {
   "tests/benchmarks/test_probe_device_pad.py::test_probe_times_both_routes_and_restores_the_switches": 3.6,
   # session 21: jax.lax.associative_scan over a dynamic axis (measured alone, 2-core box)
   "tests/bucketing/test_scan.py::test_property_any_length_in_any_bucket_is_jax": 5.5,
+  # session 22: an fn that reads along the scan axis (value + gradient, 4 buckets)
+  "tests/bucketing/test_scan.py::test_an_fn_that_reads_along_the_scan_axis_is_still_jax[False]": 4.3,
+  "tests/bucketing/test_scan.py::test_an_fn_that_reads_along_the_scan_axis_is_still_jax[True]": 4.5,
   "tests/bucketing/test_scan.py::test_a_scan_along_a_longer_axis_and_an_integer_leaf": 5.5,
   "tests/bucketing/test_scan.py::test_an_lru_vmapped_over_a_dynamic_batch_trains_exactly": 5.0,
   "tests/bucketing/test_scan.py::test_a_linen_lru_model_under_dynjax_flax_is_padded_exactly": 4.8,

@@ -18,6 +18,10 @@ recursion (:func:`_blelloch`, operation for operation) at the padded length:
   (and may be inf/NaN: it never reaches the prefix);
 * ``reverse=True``: the valid prefix is reversed in place (index ``T-1-i``), scanned forward,
   and put back;
+* each combine runs through the padding pass with its length variable's true size the
+  number of pairs JAX's recursion combines there at the true length: an ``fn`` that reads
+  along the axis (a mean over it, against JAX's contract) reads what JAX's would, or falls
+  back where the pass has no rule; an elementwise ``fn`` never reads the size (no cost);
 * the tangent (``dynjax_associative_scan_lin``, linear in the tangents) likewise;
 * the backward (``dynjax_associative_scan_vjp``): a cotangent of 0 times a partial derivative
   taken at garbage is NaN, so under ``jax.grad`` the forward (marked ``differentiated``) runs
@@ -168,17 +172,18 @@ def _inexact(x) -> bool:
 # pass's interpreter (the elements may hold other dynamic dims).
 
 
-def _body_ctx(ctx: Context | None, length: int) -> Context:
-  """``ctx`` (or none) with the body's length variable bound to ``length``."""
+def _body_ctx(ctx: Context | None, length: int, true=None) -> Context:
+  """``ctx`` (or none) with the body's length variable bound to ``length`` (the arrays'),
+  its true size ``true`` (a traced int32: the combine's valid pairs) or ``length``."""
   sizes = dict(ctx.sizes_env) if ctx is not None else {}
   buckets = dict(ctx.bucket_env) if ctx is not None else {}
-  sizes[LENGTH] = length
+  sizes[LENGTH] = length if true is None else true
   buckets[LENGTH] = length
   return Context(sizes, buckets, None)
 
 
 def _plain(p):
-  def ev(jaxpr, consts, a, b):
+  def ev(jaxpr, consts, a, b, true=None):
     c = _body_ctx(None, int(a[0].shape[p["axis"]]))
     return [pv.val for pv in interpret(c, jaxpr, [], [PaddedValue(x) for x in (*consts, *a, *b)])]
 
@@ -186,14 +191,15 @@ def _plain(p):
 
 
 def _combiner(p, ev, consts):
-  """``combine(a, b, b_valid)``: the body on whole arrays.  ``b_valid`` (a boolean a
-  position along the scan axis, or None): where False, ``b`` holds padding only, the scan's
-  identity, and ``a`` is the result (``fn``'s value there is discarded: its inputs must be
-  finite, :func:`_sanitized`)."""
+  """``combine(a, b, b_valid, true)``: the body on whole arrays, ``true`` of their pairs
+  valid (a traced int32, or None: all).  ``b_valid`` (a boolean a position along the scan
+  axis, or None): where False, ``b`` holds padding only, the scan's identity, and ``a`` is
+  the result (``fn``'s value there is discarded: its inputs must be finite,
+  :func:`_sanitized`)."""
   axis = p["axis"]
 
-  def combine(a, b, b_valid):
-    r = ev(p["jaxpr"], consts, a, b)
+  def combine(a, b, b_valid, true):
+    r = ev(p["jaxpr"], consts, a, b, true)
     if b_valid is None:
       return r
     return [jnp.where(b_valid.reshape((1,) * axis + (-1,) + (1,) * (x.ndim - axis - 1)), u, x)
@@ -213,43 +219,57 @@ def _interleave(a, b, axis):
   return op(lax.pad(a, jnp.zeros((), a.dtype), a_pad), lax.pad(b, jnp.zeros((), b.dtype), b_pad))
 
 
-def _blelloch(combine, elems, axis, t=None):
+def _blelloch(combine, elems, axis, t=None, identity=False):
   """JAX's ``associative_scan`` along ``axis``, operation for operation (so its results are
-  JAX's), each combine told whether its right operands start before position ``t`` (None:
-  no padding): a range that starts at or past ``t`` holds only padding, the identity.  At a
-  level whose elements cover ``step`` positions, element ``k`` starts at ``k * step``."""
+  JAX's), at the elements' length; ``t`` their true length (a traced int32, or None: all).
+
+  Each combine is told how many of its pairs JAX's recursion at length ``t`` has (``fn``
+  sees arrays of that length there: an ``fn`` that reads along the axis, against JAX's
+  contract, has its reads masked by the padding pass as JAX's would stop), and with
+  ``identity`` whether each right operand starts before position ``t``: a range that starts
+  at or past ``t`` holds only padding, the identity.  At a level whose elements cover
+  ``step`` positions, element ``k`` starts at ``k * step``; a level of ``m`` true elements
+  has ``m // 2`` pairs to reduce and ``(m - 1) // 2`` to combine back."""
 
   def starts_before(first, count, step):
-    if t is None:
+    if t is None or not identity:
       return None
     return first + step * jnp.arange(count, dtype=jnp.int32) < t
+
+  def pairs(k):
+    # Under ``identity`` (differentiated) a combine of no valid pair still reads one: its
+    # results are discarded, but a mean over none (0 / 0) would make their cotangents NaN.
+    return jnp.maximum(k, 1) if identity else k
 
   def sl(x, start, stop=None, stride=1):
     return lax.slice_in_dim(x, start, stop, stride, axis)
 
-  def scan(elems, step):
+  def scan(elems, step, m):
     n = elems[0].shape[axis]
     if n < 2:
       return elems
+    half = None if m is None else m // 2
     reduced = combine([sl(x, 0, -1, 2) for x in elems], [sl(x, 1, None, 2) for x in elems],
-                      starts_before(step, n // 2, 2 * step))
-    odd = scan(reduced, 2 * step)
+                      starts_before(step, n // 2, 2 * step), None if m is None else pairs(half))
+    odd = scan(reduced, 2 * step, half)
     rights = [sl(x, 2, None, 2) for x in elems]
     lefts = [sl(x, 0, -1) for x in odd] if n % 2 == 0 else odd
-    even = combine(lefts, rights, starts_before(2 * step, rights[0].shape[axis], 2 * step))
+    even = combine(lefts, rights, starts_before(2 * step, rights[0].shape[axis], 2 * step),
+                   None if m is None else pairs(jnp.maximum(m - 1, 0) // 2))
     even = [lax.concatenate([sl(x, 0, 1), r], axis) for x, r in zip(elems, even, strict=True)]
     return [_interleave(e, o, axis) for e, o in zip(even, odd, strict=True)]
 
-  return scan(list(elems), 1)
+  return scan(list(elems), 1, t)
 
 
-def _scan(p, ev, consts, elems, reverse, t=None):
-  """``associative_scan`` of ``elems`` at their static length; ``t`` (the true length) makes
-  positions from ``t`` on the identity (their entries must be finite: :func:`_sanitized`)."""
+def _scan(p, ev, consts, elems, reverse, t=None, identity=False):
+  """``associative_scan`` of ``elems`` at their static length, ``t`` of it true (None: all);
+  with ``identity`` positions from ``t`` on are the identity (their entries must be finite:
+  :func:`_sanitized`)."""
   axis = p["axis"]
   if reverse:
     elems = [lax.rev(x, (axis,)) for x in elems]
-  out = _blelloch(_combiner(p, ev, consts), elems, axis, t)
+  out = _blelloch(_combiner(p, ev, consts), elems, axis, t, identity)
   return [lax.rev(x, (axis,)) for x in out] if reverse else out
 
 
@@ -410,9 +430,9 @@ def _padded_ev(ctx: Context, const_pvs, axis: int):
   """The combine body through the padding pass (an element may hold other dynamic dims); the
   consts it is given keep what is known of the padding of ``const_pvs``."""
 
-  def ev(jaxpr, consts, a, b):
+  def ev(jaxpr, consts, a, b, true=None):
     cs = [PaddedValue(x, pv.fill, pv.axis_fill) for x, pv in zip(consts, const_pvs, strict=True)]
-    c = _body_ctx(ctx, int(a[0].shape[axis]))
+    c = _body_ctx(ctx, int(a[0].shape[axis]), true)
     return [pv.val for pv in interpret(c, jaxpr, [], [*cs, *(PaddedValue(x) for x in (*a, *b))])]
 
   return ev
@@ -452,7 +472,7 @@ def _prefix_scan(ctx: Context, eqn, invals, ev):
 
   def fwd(consts, elems):
     elems = fix([_sanitized(ctx, a, x, v) for a, x, v in zip(avals, elems, valid, strict=True)])
-    return fix(_scan(p, ev, consts, elems, False, t))
+    return fix(_scan(p, ev, consts, elems, False, t, identity=True))
 
   return fwd, valid
 
@@ -473,7 +493,8 @@ def _scan_rule(ctx, eqn, invals):
   if not p["differentiated"]:
     fix = _in_place(ctx, p, aval)
     _describe(ctx, eqn, aval, "JAX's scan at the padded length, exact on the true prefix")
-    return [PaddedValue(x) for x in fix(_scan(p, ev, consts, fix(elems), False))]
+    t = ctx.true_dim(aval.shape[p["axis"]])
+    return [PaddedValue(x) for x in fix(_scan(p, ev, consts, fix(elems), False, t))]
   # Under jax.grad: linearized here (the forward once, its residuals kept), the linear map left
   # for vjp_p's rule to transpose, so that the backward does not scan forward again (an LRU
   # training step on CPU: 1.40x jax.jit's time at the bucket's shape when it did).
@@ -503,7 +524,8 @@ def _lin_rule(ctx, eqn, invals):
   tans = [fix([pv.val])[0] if i >= c else pv.val for pv, i in zip(invals[:k], fl, strict=True)]
   ev = _padded_ev(ctx, invals[k:k + c], p["axis"])
   _describe(ctx, eqn, aval, "its tangent at the padded length, exact on the true prefix")
-  out = _tangents(p, lambda cs, es: _scan(p, ev, cs, es, False), consts, fix(elems), tans)
+  t = ctx.true_dim(aval.shape[p["axis"]])
+  out = _tangents(p, lambda cs, es: _scan(p, ev, cs, es, False, t), consts, fix(elems), tans)
   return [PaddedValue(x) for x in fix(out)]
 
 
