@@ -390,3 +390,38 @@ def mosaic_gpu_runtime() -> str | None:
     why = f"Mosaic GPU's compiled bindings did not import ({type(e).__name__}: {e})"
   _MOSAIC_RUNTIME.append(why)
   return why
+
+
+def searchsorted_hook():
+  """``(module, name)`` of the function ``jnp.searchsorted`` (and ``jnp.digitize``,
+  ``jnp.histogram``, ``jnp.isin``, ``Array.searchsorted``) calls to search: jax >= 0.10's
+  ``hijax.searchsorted_via_expand``, looked up by module attribute at each call; None where
+  it is not there (then ``bucketing/_search`` installs nothing and such a search falls back
+  exact, as before)."""
+  try:
+    from jax._src.numpy import hijax
+  except Exception:  # pragma: no cover - private API moved
+    return None
+  return (hijax, "searchsorted_via_expand") if callable(
+      getattr(hijax, "searchsorted_via_expand", None)) else None
+
+
+def promote_dtypes_inexact(*args):
+  """``jnp``'s promotion of ``args`` to one inexact dtype, weak types kept (what
+  ``jnp.interp`` applies to ``x`` and ``xp``)."""
+  from jax._src.numpy import util
+
+  return util.promote_dtypes_inexact(*args)
+
+
+def sort_comparators():
+  """``(lt, le)``: JAX's sort-order comparators (``lax._sort_lt_comparator`` and
+  ``_sort_le_comparator``, what ``jnp.searchsorted`` compares with: one total-order compare
+  for floats), or None where they moved (``bucketing/_search`` then builds them from public
+  operations, ~2x the ops)."""
+  try:
+    from jax._src.lax import lax as lax_internal
+
+    return lax_internal._sort_lt_comparator, lax_internal._sort_le_comparator
+  except Exception:  # pragma: no cover - private API moved
+    return None

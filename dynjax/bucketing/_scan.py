@@ -40,10 +40,7 @@ the gradient of the gradient.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import sys
-import threading
 
 import jax
 import jax.numpy as jnp
@@ -59,25 +56,15 @@ from dynjax.bucketing._padding_core import (
   is_dynamic_dim,
   register,
 )
+from dynjax.bucketing._rebind import family_tracing, family_tracing_active, rebind_globals
 
 _ORIGINAL = lax.associative_scan  # JAX's function, before install()
-_LOCAL = threading.local()
-_LOCK = threading.Lock()
 FAILURE = "associative scan over axis of non-constant size"  # JAX's refusal (a substring)
 LENGTH = "dynjax_scan_n"  # the combine body's length along the scan axis (a dim variable)
 jp.exclude_from_user_frames(__file__)  # explain() names the user's line, not this module's
 
 
-@contextlib.contextmanager
-def tracing():
-  """While a family traces (this thread): ``associative_scan`` over a symbolic axis binds
-  the primitive (once :func:`install` has run)."""
-  previous = getattr(_LOCAL, "on", False)
-  _LOCAL.on = True
-  try:
-    yield
-  finally:
-    _LOCAL.on = previous
+tracing = family_tracing  # while a family traces (this thread): the scan binds the primitive
 
 
 def is_refusal(e: BaseException) -> bool:
@@ -89,25 +76,13 @@ def install() -> bool:
   outside jax itself, to :func:`associative_scan`.  True when it rebound anything (a trace
   that failed may then succeed), False when nothing was left to rebind.  Runs only after a
   refusal: 3-5 ms over ~1,000 modules (CPU box, flax and hypothesis imported)."""
-  changed = False
-  with _LOCK:
-    for name, mod in list(sys.modules.items()):
-      if mod is None or (name.split(".")[0] in ("jax", "jaxlib", "dynjax") and mod is not lax):
-        continue  # jax's own uses stay JAX's (static lengths); dynjax holds _ORIGINAL
-      try:
-        names = [k for k, v in vars(mod).items() if v is _ORIGINAL]
-      except Exception:  # noqa: BLE001 - a module object without a plain __dict__
-        continue
-      for k in names:
-        setattr(mod, k, associative_scan)
-        changed = True
-  return changed
+  return rebind_globals(_ORIGINAL, associative_scan, (lax,))
 
 
 def associative_scan(fn, elems, reverse=False, axis=0):
   """``jax.lax.associative_scan``; inside a dynjax family's trace, over a symbolic axis, the
   ``dynjax_associative_scan`` primitive (module docstring)."""
-  if not getattr(_LOCAL, "on", False) or not callable(fn):
+  if not family_tracing_active() or not callable(fn):
     return _ORIGINAL(fn, elems, reverse=reverse, axis=axis)
   flat, tree = jax.tree_util.tree_flatten(elems)
   if not flat or not all(hasattr(x, "shape") for x in flat) or not flat[0].ndim:

@@ -36,7 +36,7 @@ from dynjax._errors import (
   needs_program,
   user_stacklevel,
 )
-from dynjax.bucketing import _auto, _scan
+from dynjax.bucketing import _auto, _scan, _search
 from dynjax.bucketing._joint import JointPlan
 from dynjax.bucketing._padding import pad_jaxpr
 from dynjax.bucketing._policies import BucketPolicy
@@ -229,6 +229,8 @@ class Family:
           return
         if _scan.is_refusal(e) and _scan.install():
           continue  # jax.lax.associative_scan over a dynamic axis: now a dynjax primitive
+        if _search.is_refusal(e) and _search.install():
+          continue  # jnp.searchsorted into a dynamic-length array: likewise
         if attempt < MAX_GUARDS and add_guard(self, e):
           continue  # re-trace under one more inferred guard
         # A function that fails at the call's own shapes too has a bug of its own (a bad

@@ -13,7 +13,7 @@ from jax import lax
 
 from dynjax import _jax_private as jp
 from dynjax import route
-from dynjax.bucketing import _scan
+from dynjax.bucketing import _scan, _search
 from dynjax.bucketing._padding_core import RULES
 from tests.bucketing._harness import Case
 
@@ -85,6 +85,11 @@ CASES = {
   "dynjax_associative_scan_vjp": (  # its backward, a weak-typed literal and a constant leaf
     lambda x: jax.grad(lambda x: jnp.sum(lax.associative_scan(
         lambda a, b: (a[0] * b[0], a[1] * 0.5 + b[1]), (x, jnp.ones_like(x) * C3))[1] * x))(x),
+    _t3,
+  ),
+  "dynjax_searchsorted": (  # constant queries into a column of x (t long), two methods
+    lambda x: (jnp.searchsorted(jnp.sort(x[:, 0]), C3),
+               jnp.searchsorted(x[:, 1], 0.5, side="right", method="compare_all")),
     _t3,
   ),
   "ragged_dot": (  # constant weights and group sizes; a ragged contraction of a full operand
@@ -243,6 +248,7 @@ def _case(name: str) -> Case:
   if name not in _BUILT:
     fun, shapes = CASES[name]
     _scan.install()  # lax.associative_scan over t binds dynjax's primitive while tracing
+    _search.install()  # so does jnp.searchsorted into a t-long array
     with _scan.tracing():
       _BUILT[name] = Case(fun, shapes, dims=("t",), constraints=("t <= 8",))
   return _BUILT[name]

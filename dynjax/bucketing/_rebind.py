@@ -1,0 +1,54 @@
+"""JAX functions that refuse a symbolic size and that dynjax rebinds while a family traces.
+
+``_scan`` (``jax.lax.associative_scan``) and ``_search`` (``jnp.searchsorted``, ``jnp.interp``)
+each install a wrapper after the first trace JAX refuses; the wrapper binds dynjax's
+primitive (or runs a symbolic-size copy of JAX's code) inside :func:`family_tracing` only,
+and is JAX's function everywhere else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+
+_FAMILY = threading.local()
+_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def family_tracing():
+  """While a family traces its function (this thread): the rebound functions bind dynjax's
+  primitives; outside, they are JAX's."""
+  previous = getattr(_FAMILY, "on", False)
+  _FAMILY.on = True
+  try:
+    yield
+  finally:
+    _FAMILY.on = previous
+
+
+def family_tracing_active() -> bool:
+  return getattr(_FAMILY, "on", False)
+
+
+def rebind_globals(original, wrapper, public_modules=()) -> bool:
+  """Every module global bound to ``original`` outside jax, jaxlib and dynjax (``from
+  jax.lax import associative_scan``), and the same name in ``public_modules`` (jax's public
+  module that exports it), rebound to ``wrapper``.  True when it rebound anything.  Jax's
+  own uses stay JAX's (static sizes).  3-5 ms over ~1,000 modules (CPU box, flax and
+  hypothesis imported): run it after a refusal, not on every trace."""
+  changed = False
+  with _LOCK:
+    for name, mod in list(sys.modules.items()):
+      if mod is None or (name.split(".")[0] in ("jax", "jaxlib", "dynjax")
+                         and not any(mod is m for m in public_modules)):
+        continue
+      try:
+        names = [k for k, v in vars(mod).items() if v is original]
+      except Exception:  # noqa: BLE001 - a module object without a plain __dict__
+        continue
+      for k in names:
+        setattr(mod, k, wrapper)
+        changed = True
+  return changed
