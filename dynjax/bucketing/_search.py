@@ -161,10 +161,18 @@ def _abstract(sorted_arr, query, *, side, method, dtype, batch_dims):
 
 
 def _batch(args, dims, **p):
-  size = next(a.shape[d] for a, d in zip(args, dims, strict=True) if d is not None)
-  args = [jnp.broadcast_to(a, (size, *a.shape)) if d is None else jnp.moveaxis(a, d, 0)
-          for a, d in zip(args, dims, strict=True)]
-  return search_p.bind(*args, **{**p, "batch_dims": p["batch_dims"] + 1}), 0
+  sorted_arr, query = args
+  ds, dq = dims
+  if ds is None:
+    # One sorted array for the whole batch (``jnp.interp`` vmapped over channels): the
+    # batch axis is one more query axis, after the search's own batch axes; no copy of it.
+    k = p["batch_dims"]
+    return search_p.bind(sorted_arr, jnp.moveaxis(query, dq, k), **p), k
+  size = sorted_arr.shape[ds]
+  sorted_arr = jnp.moveaxis(sorted_arr, ds, 0)
+  query = jnp.broadcast_to(query, (size, *query.shape)) if dq is None else jnp.moveaxis(
+      query, dq, 0)
+  return search_p.bind(sorted_arr, query, **{**p, "batch_dims": p["batch_dims"] + 1}), 0
 
 
 search_p.def_impl(_impl)

@@ -45,6 +45,14 @@ TRACE_FAILURE_HINTS = (
 )
 
 
+TRACE_FAILURE_HINTS += (
+    ("Cannot divide evenly the sizes of shapes",
+     "JAX cannot prove the reshape's divisibility: a length padded to a multiple of k as "
+     "t + (-t % k) (jnp.pad(x, (0, -t % k))) is not known to divide by k, but one padded to "
+     "-(-t // k) * k is: write the padding that way and the reshape traces"),
+)
+
+
 def trace_failure_hint(e: BaseException) -> str:
   """``"; <advice>"`` for a symbolic-tracing failure :data:`TRACE_FAILURE_HINTS` knows, else
   ``""`` (appended to the fallback reason)."""

@@ -91,7 +91,10 @@ def test_under_vmap_and_with_a_dynamic_batch_of_queries():
   def shared(a, v):  # one array, a batch of queries vmapped
     return jax.vmap(lambda q: jnp.searchsorted(jnp.sort(a[0]), q, method="sort"))(v)
 
-  for g in (fn, shared):
+  def queries_shared(a, v):  # a batch of arrays, one set of queries
+    return jax.vmap(lambda r: jnp.searchsorted(jnp.sort(r), v[0], side="right"))(a)
+
+  for g in (fn, shared, queries_shared):
     case = _case(g, lambda b, n: [(3, n), (3, b)], dtypes=[jnp.int32, jnp.int32])
     for true, bucket in (((2, 5), (4, 8)), ((6, 1), (8, 2)), ((5, 16), (8, 16))):
       case.check(true, bucket)

@@ -366,3 +366,22 @@ def test_a_size_needed_as_a_constant_gets_advice_and_unknown_failures_get_none()
                     r"function uses a dynamic size where JAX needs a constant"):
     _assert_same(f(_x(5)), _x(5) * 5)
   assert trace_failure_hint(ValueError("something else")) == ""
+
+
+def test_a_reshape_after_padding_to_a_multiple_gets_advice_that_works():
+  def modded(x):  # pad t to a multiple of 8 as t + (-t % 8): JAX cannot prove 8 divides it
+    x = jnp.pad(x, ((0, -x.shape[0] % 8), (0, 0)))
+    return x.reshape(-1, 8, x.shape[1]).sum(axis=1)
+
+  def advised(x):  # the advice: -(-t // 8) * 8
+    t = x.shape[0]
+    x = jnp.pad(x, ((0, -(-t // 8) * 8 - t), (0, 0)))
+    return x.reshape(-1, 8, x.shape[1]).sum(axis=1)
+
+  x = np.random.default_rng(0).normal(size=(21, 3)).astype(np.float32)
+  f = dynjax.jit(modded, dims={"x": "t, 3"})
+  with pytest.warns(UserWarning, match=r"Cannot divide evenly.*padded to -\(-t // k\) \* k"):
+    _assert_same(f(x), jax.jit(modded)(x))
+  g = dynjax.jit(advised, dims={"x": "t, 3"}, on_fallback="error")
+  for t in (3, 16, 21):
+    np.testing.assert_allclose(g(x[:t]), jax.jit(advised)(x[:t]), rtol=1e-6, atol=1e-6)
