@@ -425,3 +425,10 @@ def sort_comparators():
     return lax_internal._sort_lt_comparator, lax_internal._sort_le_comparator
   except Exception:  # pragma: no cover - private API moved
     return None
+
+
+def promote_dtypes(*args):
+  """``jnp``'s promotion of ``args`` to one dtype, weak types kept."""
+  from jax._src.numpy import util
+
+  return util.promote_dtypes(*args)

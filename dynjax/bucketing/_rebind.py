@@ -1,7 +1,9 @@
 """JAX functions that refuse a symbolic size and that dynjax rebinds while a family traces.
 
-``_scan`` (``jax.lax.associative_scan``) and ``_search`` (``jnp.searchsorted``, ``jnp.interp``)
-each install a wrapper after the first trace JAX refuses; the wrapper binds dynjax's
+``_scan`` (``jax.lax.associative_scan``), ``_search`` (JAX's search behind ``jnp.searchsorted``)
+and ``_jnp`` (``jnp.interp``, ``convolve``, ``correlate``) each :func:`register` how to
+recognise JAX's refusal and how to install a wrapper; a family that meets a refusal installs
+the matching wrapper and traces again (:func:`after_refusal`).  The wrapper binds dynjax's
 primitive (or runs a symbolic-size copy of JAX's code) inside :func:`family_tracing` only,
 and is JAX's function everywhere else.
 """
@@ -14,6 +16,17 @@ import threading
 
 _FAMILY = threading.local()
 _LOCK = threading.Lock()
+_REBINDERS: list = []  # (is_refusal(e) -> bool, install() -> bool)
+
+
+def register(is_refusal, install) -> None:
+  _REBINDERS.append((is_refusal, install))
+
+
+def after_refusal(e: BaseException) -> bool:
+  """Whether ``e`` is a refusal a registered wrapper answers and installing it changed
+  something (then a trace that failed may succeed: trace again)."""
+  return any(is_refusal(e) and install() for is_refusal, install in _REBINDERS)
 
 
 @contextlib.contextmanager

@@ -56,7 +56,14 @@ from dynjax.bucketing._padding_core import (
   is_dynamic_dim,
   register,
 )
-from dynjax.bucketing._rebind import family_tracing, family_tracing_active, rebind_globals
+from dynjax.bucketing._rebind import (
+  family_tracing,
+  family_tracing_active,
+  rebind_globals,
+)
+from dynjax.bucketing._rebind import (
+  register as register_rebinder,
+)
 
 _ORIGINAL = lax.associative_scan  # JAX's function, before install()
 FAILURE = "associative scan over axis of non-constant size"  # JAX's refusal (a substring)
@@ -77,6 +84,9 @@ def install() -> bool:
   that failed may then succeed), False when nothing was left to rebind.  Runs only after a
   refusal: 3-5 ms over ~1,000 modules (CPU box, flax and hypothesis imported)."""
   return rebind_globals(_ORIGINAL, associative_scan, (lax,))
+
+
+register_rebinder(is_refusal, install)
 
 
 def associative_scan(fn, elems, reverse=False, axis=0):

@@ -26,14 +26,13 @@ for a sorted array; an unsorted one still gets JAX's, method by method):
 ``install()`` makes JAX's search function (one private attribute, ``_jax_private.
 searchsorted_hook``) this wrapper; outside a family's trace, or at a static length, it is
 JAX's.  A family installs it on the first trace that JAX refuses there, then traces again.
-Not covered (the family falls back as before): ``jnp.interp`` (it takes ``len()`` of the
-array, which JAX refuses for a symbolic length on its own), a sorted array of more than one
-dimension passed to the search directly.
+``jnp.interp`` also takes ``len()`` of the array: ``_jnp`` runs a copy of it.  Not covered
+(the family falls back as before): a sorted array of more than one dimension passed to the
+search directly.
 """
 
 from __future__ import annotations
 
-import functools
 import traceback
 
 import jax
@@ -45,7 +44,8 @@ from jax.interpreters import ad, batching, mlir
 
 from dynjax import _jax_private as jp
 from dynjax.bucketing._padding_core import PaddedValue, register
-from dynjax.bucketing._rebind import family_tracing_active, rebind_globals
+from dynjax.bucketing._rebind import family_tracing_active
+from dynjax.bucketing._rebind import register as register_rebinder
 
 _HOOK = jp.searchsorted_hook()
 _ORIGINAL = getattr(*_HOOK) if _HOOK else None  # JAX's function, before install()
@@ -53,29 +53,26 @@ METHODS = ("scan", "scan_unrolled", "sort", "compare_all")
 jp.exclude_from_user_frames(__file__)
 
 
-_INTERP = jnp.interp  # JAX's, before install()
-
-
 def is_refusal(e: BaseException) -> bool:
-  """Whether ``e`` is JAX refusing a symbolic length in its search (``... requires a
-  constant``) or in ``jnp.interp`` (``len()`` of the array: ``'_DimExpr' object cannot be
-  interpreted as an integer``): its traceback passes through the function."""
-  text = str(e)
-  if "requires a constant" not in text and "cannot be interpreted as an integer" not in text:
+  """Whether ``e`` is JAX's search refusing a symbolic length (``... requires a constant``;
+  its traceback passes through the search)."""
+  if _ORIGINAL is None or "requires a constant" not in str(e):
     return False
   names = {f.name for f in traceback.extract_tb(e.__traceback__)}
-  return bool(names & {"searchsorted", "searchsorted_via_expand", "_interp", "interp"})
+  return bool(names & {"searchsorted", "searchsorted_via_expand"})
 
 
 def install() -> bool:
-  """Rebinds JAX's search function to :func:`searchsorted_via_expand` and ``jnp.interp``
-  (and module globals bound to it) to :func:`interp`.  True when it rebound anything (a
-  trace that failed may then succeed), False when nothing was left to rebind."""
-  changed = rebind_globals(_INTERP, interp, (jnp,))
-  if _HOOK is not None and getattr(*_HOOK) is not searchsorted_via_expand:
-    setattr(*_HOOK, searchsorted_via_expand)
-    changed = True
-  return changed
+  """Rebinds JAX's search function to :func:`searchsorted_via_expand`.  True when it rebound
+  it (a trace that failed may then succeed), False when it was already (or cannot be: that
+  JAX has no such function)."""
+  if _HOOK is None or getattr(*_HOOK) is searchsorted_via_expand:
+    return False
+  setattr(*_HOOK, searchsorted_via_expand)
+  return True
+
+
+register_rebinder(is_refusal, install)
 
 
 def searchsorted_via_expand(sorted_arr, query, /, *, side="left", dimension=0, batch_dims=0,
@@ -97,54 +94,6 @@ def searchsorted_via_expand(sorted_arr, query, /, *, side="left", dimension=0, b
 if _ORIGINAL is not None:
   searchsorted_via_expand.__wrapped__ = _ORIGINAL
   searchsorted_via_expand.__name__ = _ORIGINAL.__name__
-
-
-def interp(x, xp, fp, left=None, right=None, period=None):
-  """``jnp.interp``; inside a dynjax family's trace, with ``xp`` of symbolic length, JAX's
-  code (``lax_numpy._interp``, operation for operation) with ``xp.shape[0]`` for its
-  ``len(xp)``, which JAX refuses for a symbolic length."""
-  if not (family_tracing_active() and jnp.ndim(xp) == 1 and hasattr(xp, "shape")
-          and jp.is_dim_expr(xp.shape[0])):
-    return _INTERP(x, xp, fp, left=left, right=right, period=period)
-  x, xp, fp = jnp.asarray(x), jnp.asarray(xp), jnp.asarray(fp)
-  if xp.shape != fp.shape or xp.ndim != 1:
-    raise ValueError("xp and fp must be one-dimensional arrays of equal size")
-  x_arr, xp_arr = jp.promote_dtypes_inexact(x, xp)
-  (fp_arr,) = jp.promote_dtypes_inexact(fp)
-  for name, side in (("left", left), ("right", right)):
-    if isinstance(side, str) and side != "extrapolate":
-      raise ValueError(f"the only valid string value of `{name}` is 'extrapolate', but got: "
-                       f"{side!r}")
-  if jnp.issubdtype(x_arr.dtype, jnp.complexfloating):
-    raise ValueError("jnp.interp: complex x values not supported.")
-  if period is not None:
-    if np.ndim(period) != 0:
-      raise ValueError(f"period must be a scalar; got {period}")
-    period = jnp.abs(period)
-    x_arr = x_arr % period
-    xp_arr = xp_arr % period
-    xp_arr, fp_arr = lax.sort_key_val(xp_arr, fp_arr)
-    xp_arr = jnp.concatenate([xp_arr[-1:] - period, xp_arr, xp_arr[:1] + period])
-    fp_arr = jnp.concatenate([fp_arr[-1:], fp_arr, fp_arr[:1]])
-  i = jnp.clip(jnp.searchsorted(xp_arr, x_arr, side="right"), 1, xp_arr.shape[0] - 1)
-  df = fp_arr[i] - fp_arr[i - 1]
-  dx = xp_arr[i] - xp_arr[i - 1]
-  delta = x_arr - xp_arr[i - 1]
-  epsilon = np.spacing(np.finfo(xp_arr.dtype).eps)
-  dx0 = lax.abs(dx) <= epsilon  # Prevent NaN gradients when `dx` is small.
-  f = jnp.where(dx0, fp_arr[i - 1], fp_arr[i - 1] + (delta / jnp.where(dx0, 1, dx)) * df)
-  if not isinstance(left, str):
-    left_arr = fp_arr[0] if left is None else left
-    if period is None:
-      f = jnp.where(x_arr < xp_arr[0], left_arr, f)
-  if not isinstance(right, str):
-    right_arr = fp_arr[-1] if right is None else right
-    if period is None:
-      f = jnp.where(x_arr > xp_arr[-1], right_arr, f)
-  return f
-
-
-functools.update_wrapper(interp, _INTERP)  # help() shows JAX's documentation
 
 
 # -- the primitive: sorted (*B, n), query (*B, *Q) -> (*B, *Q), one search per batch index ----

@@ -36,7 +36,7 @@ from dynjax._errors import (
   needs_program,
   user_stacklevel,
 )
-from dynjax.bucketing import _auto, _scan, _search
+from dynjax.bucketing import _auto, _jnp, _rebind, _scan, _search  # noqa: F401 - rebinders
 from dynjax.bucketing._joint import JointPlan
 from dynjax.bucketing._padding import pad_jaxpr
 from dynjax.bucketing._policies import BucketPolicy
@@ -218,7 +218,7 @@ class Family:
     for attempt in range(MAX_GUARDS + 1):
       sym = _symbolic.symbolic_avals(self.sig, self.avals)
       try:
-        with _jax_private.undecided_equalities() as equalities, _scan.tracing():
+        with _jax_private.undecided_equalities() as equalities, _rebind.family_tracing():
           closed, out_shape = jax.make_jaxpr(self.flat_fun, return_shape=True)(*sym)
         break
       except Exception as e:  # noqa: BLE001 - any trace failure means: run exact
@@ -227,10 +227,8 @@ class Family:
           return
         if self.mode == "exact":
           return
-        if _scan.is_refusal(e) and _scan.install():
-          continue  # jax.lax.associative_scan over a dynamic axis: now a dynjax primitive
-        if _search.is_refusal(e) and _search.install():
-          continue  # jnp.searchsorted into a dynamic-length array: likewise
+        if _rebind.after_refusal(e):
+          continue  # associative_scan, searchsorted, interp, convolve: now dynjax's (_rebind)
         if attempt < MAX_GUARDS and add_guard(self, e):
           continue  # re-trace under one more inferred guard
         # A function that fails at the call's own shapes too has a bug of its own (a bad

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import dynjax
-from dynjax.bucketing import _rebind, _search
+from dynjax.bucketing import _jnp, _rebind, _search
 from tests.bucketing._harness import Case
 
 _METHODS = ["scan", "scan_unrolled", "sort", "compare_all"]
@@ -57,6 +57,7 @@ def test_searchsorted_is_bucketed_and_jax_for_any_contents(method, side, compile
 
 def _case(fun, shapes, dims=("b", "n"), **kw):
   _search.install()
+  _jnp.install()
   with _rebind.family_tracing():
     return Case(fun, shapes, dims, **kw)
 
@@ -102,8 +103,8 @@ def test_under_vmap_and_with_a_dynamic_batch_of_queries():
 
 def test_jax_outside_a_family_and_bad_inputs_raise_as_jax_raises():
   np.testing.assert_array_equal(jnp.searchsorted(jnp.arange(5.0), 2.5), 3)
-  _search.install()
-  assert jnp.interp is _search.interp and jnp.interp.__doc__  # JAX's documentation
+  _jnp.install()
+  assert jnp.interp is _jnp.interp and jnp.interp.__doc__  # JAX's documentation
   np.testing.assert_allclose(jnp.interp(0.5, jnp.arange(3.0), jnp.arange(3.0) * 2), 1.0)
 
   def two_d(a, v):  # JAX's own error: a should be 1-dimensional

@@ -1,0 +1,160 @@
+"""``jnp`` functions whose JAX code takes ``len()`` of an array: symbolic-length copies.
+
+``jnp.interp`` (``len(xp)``), ``jnp.convolve`` and ``jnp.correlate`` (``len(x) < len(y)``, to
+put the longer input first) call Python's ``len()``, which JAX refuses for a symbolic length
+(``TypeError: '_DimExpr' object cannot be interpreted as an integer``), so a family traced
+with ``padding="auto"`` fell back to one compile per shape for resampling an irregular
+series or smoothing a variable-length signal.  After the first such refusal, ``install()``
+rebinds them (``jnp.<name>`` and module globals bound to JAX's function) to wrappers that,
+while a family traces and an input has a symbolic length, run JAX's code operation for
+operation with ``x.shape[0]`` for ``len(x)``; everywhere else they are JAX's functions.  A
+comparison of lengths the trace cannot decide (``t < 3`` for a 3-tap kernel) becomes a
+guard like any other (``t >= 3``; shorter signals run exact).  The padding pass then pads
+what they compute (the search: ``_search``; the convolution: its ``conv_general_dilated``
+rule).
+"""
+
+from __future__ import annotations
+
+import functools
+import traceback
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from dynjax import _jax_private as jp
+from dynjax.bucketing._rebind import family_tracing_active, rebind_globals
+from dynjax.bucketing._rebind import register as register_rebinder
+
+_ORIGINALS = {"interp": jnp.interp, "convolve": jnp.convolve, "correlate": jnp.correlate}
+FAILURE = "cannot be interpreted as an integer"  # len() of a symbolic size
+jp.exclude_from_user_frames(__file__)
+
+
+def _symbolic_length(*xs) -> bool:
+  return family_tracing_active() and any(
+      jnp.ndim(x) == 1 and jp.is_dim_expr(np.shape(x)[0]) for x in xs if hasattr(x, "shape"))
+
+
+def is_refusal(e: BaseException) -> bool:
+  if not isinstance(e, TypeError) or FAILURE not in str(e):
+    return False
+  names = {f.name for f in traceback.extract_tb(e.__traceback__)}
+  return bool(names & {"_interp", "_conv"})
+
+
+def install() -> bool:
+  changed = False
+  for name, original in _ORIGINALS.items():
+    changed |= rebind_globals(original, globals()[name], (jnp,))
+  return changed
+
+
+register_rebinder(is_refusal, install)
+
+
+def interp(x, xp, fp, left=None, right=None, period=None):
+  """``jnp.interp``; inside a dynjax family's trace, with ``xp`` of symbolic length, JAX's
+  code (``lax_numpy._interp``, operation for operation) with ``xp.shape[0]`` for its
+  ``len(xp)``, which JAX refuses for a symbolic length."""
+  if not (family_tracing_active() and jnp.ndim(xp) == 1 and hasattr(xp, "shape")
+          and jp.is_dim_expr(xp.shape[0])):
+    return _ORIGINALS["interp"](x, xp, fp, left=left, right=right, period=period)
+  x, xp, fp = jnp.asarray(x), jnp.asarray(xp), jnp.asarray(fp)
+  if xp.shape != fp.shape or xp.ndim != 1:
+    raise ValueError("xp and fp must be one-dimensional arrays of equal size")
+  x_arr, xp_arr = jp.promote_dtypes_inexact(x, xp)
+  (fp_arr,) = jp.promote_dtypes_inexact(fp)
+  for name, side in (("left", left), ("right", right)):
+    if isinstance(side, str) and side != "extrapolate":
+      raise ValueError(f"the only valid string value of `{name}` is 'extrapolate', but got: "
+                       f"{side!r}")
+  if jnp.issubdtype(x_arr.dtype, jnp.complexfloating):
+    raise ValueError("jnp.interp: complex x values not supported.")
+  if period is not None:
+    if np.ndim(period) != 0:
+      raise ValueError(f"period must be a scalar; got {period}")
+    period = jnp.abs(period)
+    x_arr = x_arr % period
+    xp_arr = xp_arr % period
+    xp_arr, fp_arr = lax.sort_key_val(xp_arr, fp_arr)
+    xp_arr = jnp.concatenate([xp_arr[-1:] - period, xp_arr, xp_arr[:1] + period])
+    fp_arr = jnp.concatenate([fp_arr[-1:], fp_arr, fp_arr[:1]])
+  i = jnp.clip(jnp.searchsorted(xp_arr, x_arr, side="right"), 1, xp_arr.shape[0] - 1)
+  df = fp_arr[i] - fp_arr[i - 1]
+  dx = xp_arr[i] - xp_arr[i - 1]
+  delta = x_arr - xp_arr[i - 1]
+  epsilon = np.spacing(np.finfo(xp_arr.dtype).eps)
+  dx0 = lax.abs(dx) <= epsilon  # Prevent NaN gradients when `dx` is small.
+  f = jnp.where(dx0, fp_arr[i - 1], fp_arr[i - 1] + (delta / jnp.where(dx0, 1, dx)) * df)
+  if not isinstance(left, str):
+    left_arr = fp_arr[0] if left is None else left
+    if period is None:
+      f = jnp.where(x_arr < xp_arr[0], left_arr, f)
+  if not isinstance(right, str):
+    right_arr = fp_arr[-1] if right is None else right
+    if period is None:
+      f = jnp.where(x_arr > xp_arr[-1], right_arr, f)
+  return f
+
+
+functools.update_wrapper(interp, _ORIGINALS["interp"])  # help() shows JAX's documentation
+
+
+def _conv(x, y, mode, op, precision, preferred_element_type):
+  """JAX's ``lax_numpy._conv``, operation for operation, with ``x.shape[0]`` for ``len(x)``."""
+  if np.ndim(x) != 1 or np.ndim(y) != 1:
+    raise ValueError(f"{op}() only support 1-dimensional inputs.")
+  if preferred_element_type is None:
+    x, y = jp.promote_dtypes_inexact(x, y)
+  else:
+    x, y = jp.promote_dtypes(x, y)
+  if x.shape[0] == 0 or y.shape[0] == 0:
+    raise ValueError(f"{op}: inputs cannot be empty, got shapes {x.shape} and {y.shape}.")
+  out_order = slice(None)
+  if op == "correlate":
+    y = jnp.conj(y)
+    if x.shape[0] < y.shape[0]:
+      x, y = y, x
+      out_order = slice(None, None, -1)
+  elif op == "convolve":
+    if x.shape[0] < y.shape[0]:
+      x, y = y, x
+    y = jnp.flip(y)
+  if mode == "valid":
+    padding = [(0, 0)]
+  elif mode == "same":
+    padding = [(y.shape[0] // 2, y.shape[0] - y.shape[0] // 2 - 1)]
+  elif mode == "full":
+    padding = [(y.shape[0] - 1, y.shape[0] - 1)]
+  else:
+    raise ValueError("mode must be one of ['full', 'same', 'valid']")
+  result = lax.conv_general_dilated(x[None, None, :], y[None, None, :], (1,), padding,
+                                    precision=precision,
+                                    preferred_element_type=preferred_element_type)
+  return result[0, 0, out_order]
+
+
+def convolve(a, v, mode="full", *, precision=None, preferred_element_type=None):
+  """``jnp.convolve``; inside a dynjax family's trace, with an input of symbolic length,
+  JAX's code with ``x.shape[0]`` for ``len(x)`` (module docstring)."""
+  if not _symbolic_length(a, v):
+    return _ORIGINALS["convolve"](a, v, mode=mode, precision=precision,
+                                  preferred_element_type=preferred_element_type)
+  return _conv(jnp.asarray(a), jnp.asarray(v), mode, "convolve", precision,
+               preferred_element_type)
+
+
+def correlate(a, v, mode="valid", *, precision=None, preferred_element_type=None):
+  """``jnp.correlate``; inside a dynjax family's trace, with an input of symbolic length,
+  JAX's code with ``x.shape[0]`` for ``len(x)`` (module docstring)."""
+  if not _symbolic_length(a, v):
+    return _ORIGINALS["correlate"](a, v, mode=mode, precision=precision,
+                                   preferred_element_type=preferred_element_type)
+  return _conv(jnp.asarray(a), jnp.asarray(v), mode, "correlate", precision,
+               preferred_element_type)
+
+
+for _name in ("convolve", "correlate"):
+  functools.update_wrapper(globals()[_name], _ORIGINALS[_name])

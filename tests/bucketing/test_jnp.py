@@ -1,0 +1,66 @@
+"""``jnp.convolve`` and ``jnp.correlate`` of a dynamic-length signal (``dynjax/bucketing/
+_jnp.py``; ``jnp.interp``'s copy is tested in ``test_search.py``): JAX's code takes ``len()``
+of its inputs, which it refuses for a symbolic length, so these ran one compile per shape."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dynjax
+from dynjax.bucketing import _jnp, _rebind
+from tests.bucketing._harness import Case
+
+KERNEL = np.array([0.25, 0.5, -0.75], np.float32)
+
+
+def _case(fun, shapes, **kw):
+  _jnp.install()
+  with _rebind.family_tracing():
+    return Case(fun, shapes, ("b", "t"), constraints=("t >= 4",), **kw)
+
+
+def test_every_mode_of_both_with_garbage_in_the_padding_and_gradients():
+  def fns(x, k):
+    out = []
+    for mode in ("full", "same", "valid"):
+      out += [jnp.convolve(x, KERNEL, mode=mode), jnp.correlate(x, k, mode=mode),
+              jnp.convolve(k, x, mode=mode)]  # the signal second: swapped as JAX swaps (t > 3)
+    moving_average = jnp.convolve(x, jnp.ones(3) / 3, mode="valid")
+    grads = jax.grad(lambda x, k: jnp.sum(jnp.sin(jnp.convolve(x, k, mode="same"))),
+                     argnums=(0, 1))(x, k)
+    return out, moving_average, grads
+
+  case = _case(fns, lambda b, t: [(t,), (3,)], rtol=1e-5, atol=1e-5)
+  for true, bucket in (((1, 4), (1, 4)), ((1, 5), (1, 8)), ((1, 16), (1, 16)),
+                       ((1, 9), (1, 32))):
+    case.check(true, bucket, garbage="mixed")
+
+
+def test_a_signal_shorter_than_the_kernel_runs_exact_under_a_guard(compiles):
+  def smooth(x):
+    return jnp.convolve(x, jnp.ones(5, np.float32) / 5, mode="same")
+
+  f = dynjax.jit(smooth, dims={"x": "t"}, buckets={"t": [8, 16]})
+  rng = np.random.default_rng(0)
+  for t in (5, 7, 12, 16):
+    x = rng.normal(size=t).astype(np.float32)
+    np.testing.assert_allclose(f(x), jax.jit(smooth)(x), rtol=1e-6, atol=1e-6)
+  assert f.stats()["fallbacks"] == [] and "t >= 5" in f.explain()
+  x = rng.normal(size=3).astype(np.float32)
+  want = jax.jit(smooth)(x)
+  before = compiles()
+  with pytest.warns(UserWarning, match="t >= 5"):
+    np.testing.assert_allclose(f(x), want, rtol=1e-6, atol=1e-6)
+  assert compiles() - before == 1  # exact at t = 3
+
+
+def test_outside_a_family_they_are_jax_and_bad_inputs_raise_as_jax_raises():
+  _jnp.install()
+  assert jnp.convolve is _jnp.convolve and jnp.correlate.__doc__
+  np.testing.assert_allclose(jnp.convolve(jnp.arange(4.0), jnp.ones(2)), [0, 1, 3, 5, 3])
+  f = dynjax.jit(lambda x: jnp.convolve(x, KERNEL, mode="wide"), dims={"x": "t"})
+  with pytest.raises(ValueError, match=r"mode must be one of \['full', 'same', 'valid'\]"):
+    f(np.ones(6, np.float32))
