@@ -25,6 +25,7 @@ TESTS = {
   # session 22: jnp.searchsorted / interp / digitize into a dynamic-length array
   "tests/bucketing/test_search.py::test_with_garbage_in_the_padding_the_public_idioms_hold": 6.9,
   "tests/bucketing/test_search.py::test_property_any_length_any_contents_is_jax": 3.4,
+  "tests/bucketing/test_search.py::test_under_x64_the_indices_are_int32_as_jax_jit_gives_them": 4.0,
   "tests/benchmarks/test_bench_search.py::test_small_bench_buckets_the_irregular_series_model": 4.7,
   # session 22: an fn that reads along the scan axis (value + gradient, 4 buckets)
   "tests/bucketing/test_scan.py::test_an_fn_that_reads_along_the_scan_axis_is_still_jax[False]": 4.3,

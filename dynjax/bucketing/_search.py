@@ -86,8 +86,13 @@ def searchsorted_via_expand(sorted_arr, query, /, *, side="left", dimension=0, b
           "left", "right") or method not in METHODS or sorted_arr.dtype != query.dtype
       or not jnp.issubdtype(np.dtype(dtype), np.integer)):
     return _ORIGINAL(sorted_arr, query, **kw)  # JAX's answer, or its error
+  dtype = np.dtype(dtype)
+  if dtype == np.dtype(np.int64):
+    # jnp.searchsorted's dtype for a symbolic length is the default int (int64 under x64);
+    # at any true length below 2**31 JAX's is int32: the family's must be the same.
+    dtype = np.dtype(np.int32)
   out = search_p.bind(jnp.asarray(sorted_arr)[None], jnp.asarray(query)[None], side=side,
-                      method=method, dtype=np.dtype(dtype), batch_dims=1)
+                      method=method, dtype=dtype, batch_dims=1)
   return out[0]
 
 

@@ -159,3 +159,28 @@ def test_property_any_length_any_contents_is_jax(n, m, side, method, sort, seed)
   v = np.concatenate([rng.integers(-5, 6, size=m), [np.iinfo(np.int32).max,
                                                      np.iinfo(np.int32).min]]).astype(np.int32)
   np.testing.assert_array_equal(np.asarray(f(a, v)), np.asarray(want(a, v)))
+
+
+def test_under_x64_the_indices_are_int32_as_jax_jit_gives_them():
+  # jnp.searchsorted's dtype for a symbolic length is the default int (int64 under x64); JAX's
+  # at a true length is int32.  A process of its own: x64 is process-wide.
+  import os
+  import subprocess
+  import sys
+  import textwrap
+
+  code = textwrap.dedent("""
+    import jax, jax.numpy as jnp, numpy as np, dynjax
+    a, v = np.sort(np.random.rand(7)), np.random.rand(3)
+    for f in (lambda a, v: jnp.searchsorted(a, v), lambda a, v: jnp.digitize(v, a)):
+      g = dynjax.jit(f, dims={"a": "n", "v": "m"}, on_fallback="error")
+      got, want = g(a, v), jax.jit(f)(a, v)
+      assert got.dtype == want.dtype == np.int32, (got.dtype, want.dtype)
+      np.testing.assert_array_equal(got, want)
+    print("ok")
+  """)
+  env = {**os.environ, "JAX_ENABLE_X64": "1", "JAX_PLATFORMS": "cpu"}
+  out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.dirname(
+                           os.path.abspath(__file__)))))
+  assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
