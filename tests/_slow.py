@@ -21,7 +21,8 @@ TESTS = {
   # session 21: jax.lax.associative_scan over a dynamic axis (measured alone, 2-core box)
   "tests/bucketing/test_scan.py::test_property_any_length_in_any_bucket_is_jax": 5.5,
   # session 22: 75 public idioms over a dynamic axis (one test, ~16 s alone)
-  "tests/trials/test_idioms.py::test_public_idioms_are_exact_and_bucketed_or_fall_back_for_the_known_reason": 16.2,
+  "tests/trials/test_idioms.py::test_public_idioms_are_exact_and_bucketed_or_fall_back_for_the_known_reason": 17.9,
+  "tests/trials/test_idioms.py::test_the_same_idioms_with_x64_on": 34.2,
   # session 22: jnp.searchsorted / interp / digitize into a dynamic-length array
   "tests/bucketing/test_search.py::test_with_garbage_in_the_padding_the_public_idioms_hold": 6.9,
   "tests/bucketing/test_search.py::test_property_any_length_any_contents_is_jax": 3.4,

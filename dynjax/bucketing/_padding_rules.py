@@ -888,7 +888,8 @@ def _dynamic_slice_rule(ctx, eqn, invals):
   if len(invals) > 1 + aval.ndim:
     raise unsupported(eqn, "dynamic_slice with dynamic-shape operands")
   dyn = [a for a in range(aval.ndim) if is_dynamic_dim(aval.shape[a]) or is_dynamic_dim(sizes[a])]
-  st = [jnp.int32(0) if a in dyn else starts[a] for a in range(aval.ndim)]
+  st = [jnp.int32(0) if a in dyn else jnp.asarray(starts[a]).astype(jnp.int32)
+        for a in range(aval.ndim)]  # one index dtype (x64 starts are int64)
   sz = [x.shape[a] if a in dyn else int(sizes[a]) for a in range(aval.ndim)]
   x = lax.dynamic_slice(x, st, sz)
   for a in dyn:
