@@ -11,6 +11,7 @@ import sys
 import threading
 
 import jax
+import numpy as np
 
 
 def summarize_source(eqn) -> str:
@@ -103,10 +104,17 @@ def eval_dim_expr(expr, env: dict):
 
   if core.is_constant_dim(expr):
     return int(expr)
+  # JAX evaluates ``min(t, 2)`` as ``lax.min(t, 2)``, its constants in the default int dtype
+  # (int64 under x64): traced sizes are evaluated in that dtype and the result returned in
+  # theirs (mixing int32 and int64 made rules crash into a fallback under x64).
+  default = jax.dtypes.canonicalize_dtype(np.int64)
+  traced = [v.dtype for v in env.values() if hasattr(v, "dtype") and v.dtype != default]
+  if traced:
+    env = {k: v.astype(default) if hasattr(v, "dtype") else v for k, v in env.items()}
   value = expr._evaluate(env)
   if core.is_constant_dim(value) and not hasattr(value, "aval"):
     return int(value)
-  return value
+  return value.astype(traced[0]) if traced and hasattr(value, "astype") else value
 
 
 def dim_expr_vars(expr) -> set[str]:
