@@ -23,6 +23,8 @@ TESTS = {
   # session 22: 75 public idioms over a dynamic axis (one test, ~16 s alone)
   "tests/trials/test_idioms.py::test_public_idioms_are_exact_and_bucketed_or_fall_back_for_the_known_reason": 17.9,
   "tests/trials/test_idioms.py::test_the_same_idioms_with_x64_on": 34.2,
+  # session 22: random programs of everyday ops, padded vs exact (60 hypothesis examples)
+  "tests/bucketing/test_fuzz.py::test_random_programs_are_exact_on_the_true_prefix": 12.0,
   # session 22: jnp.searchsorted / interp / digitize into a dynamic-length array
   "tests/bucketing/test_search.py::test_with_garbage_in_the_padding_the_public_idioms_hold": 6.9,
   "tests/bucketing/test_search.py::test_property_any_length_any_contents_is_jax": 3.4,
