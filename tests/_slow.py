@@ -25,6 +25,10 @@ TESTS = {
   "tests/trials/test_idioms.py::test_the_same_idioms_with_x64_on": 34.2,
   # session 22: random programs of everyday ops, padded vs exact (60 hypothesis examples)
   "tests/bucketing/test_fuzz.py::test_random_programs_are_exact_on_the_true_prefix": 12.0,
+  "tests/bucketing/test_fuzz.py::test_random_programs_have_exact_gradients": 10.8,
+  "tests/bucketing/test_scan.py::test_gradients_of_cumulative_ops_scan_with_it_and_are_bucketed[cumlogsumexp]": 2.2,
+  "tests/bucketing/test_scan.py::test_gradients_of_cumulative_ops_scan_with_it_and_are_bucketed[cumprod]": 1.6,
+  "tests/bucketing/test_scan.py::test_gradients_of_cumulative_ops_scan_with_it_and_are_bucketed[cummax]": 1.5,
   # session 22: jnp.searchsorted / interp / digitize into a dynamic-length array
   "tests/bucketing/test_search.py::test_with_garbage_in_the_padding_the_public_idioms_hold": 6.9,
   "tests/bucketing/test_search.py::test_property_any_length_any_contents_is_jax": 3.4,

@@ -345,3 +345,20 @@ def test_under_jax_checkpoint_the_backward_scans_forward_again_and_stays_exact()
     x = np.random.default_rng(t).standard_normal((t, 4)).astype(np.float32)
     _close(f(w, x), jax.jit(jax.value_and_grad(loss))(w, x), rtol=1e-5, atol=1e-6)
   assert "its backward at the padded length (the forward again)" in f.explain()
+
+
+@pytest.mark.parametrize("name", ["cumprod", "cummax", "cummin_reverse", "cumlogsumexp"])
+def test_gradients_of_cumulative_ops_scan_with_it_and_are_bucketed(name):
+  # JAX differentiates cumprod / cummax / cummin / cumlogsumexp with associative_scan (inside
+  # jax: _cumulative_jvp_rule), so their gradients over a dynamic axis fell back until the
+  # module that defines it was rebound too (session 22).
+  op = {"cumprod": lambda x: jnp.cumprod(x, axis=1),
+        "cummax": lambda x: lax.cummax(x, axis=1),
+        "cummin_reverse": lambda x: lax.cummin(x, axis=1, reverse=True),
+        "cumlogsumexp": lambda x: lax.cumlogsumexp(x, axis=1)}[name]
+  fn = jax.grad(lambda x: jnp.sum(jnp.sin(op(x))))
+  f = dynjax.jit(fn, dims={"x": "b, t"}, buckets={"t": [8, 16]}, on_fallback="error")
+  for t in (3, 8, 13):
+    x = np.random.default_rng(t).uniform(0.5, 1.5, (2, t)).astype(np.float32)
+    _close(f(x), jax.jit(fn)(x))
+  assert f.stats()["fallbacks"] == []
