@@ -27,3 +27,23 @@ def mode_line(mode: str, rec: dict, width: int = 6) -> str:
           + (f"  max |diff| vs exact {rec['max_abs_diff_vs_exact']:.2e}"
              if "max_abs_diff_vs_exact" in rec else "")
           + (f"  fallbacks {len(rec['fallbacks'])}" if "fallbacks" in rec else ""))
+
+
+def turn_medians(fns: dict, args_of, iters: int) -> dict:
+  """Median milliseconds of each of ``fns`` (name -> function), called on ``args_of(name)``,
+  each warmed once, then ``iters`` turns in which every function runs once (phases of the
+  host land on all alike)."""
+  import time
+
+  import jax
+  import numpy as np
+
+  for name, f in fns.items():
+    jax.block_until_ready(f(*args_of(name)))
+  ts = {name: [] for name in fns}
+  for _ in range(iters):
+    for name, f in fns.items():
+      t1 = time.perf_counter()
+      jax.block_until_ready(f(*args_of(name)))
+      ts[name].append(time.perf_counter() - t1)
+  return {name: float(np.median(v)) * 1e3 for name, v in ts.items()}

@@ -38,7 +38,7 @@ import numpy as np
 
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 
-from benchmarks._report import mode_line, write_json  # noqa: E402
+from benchmarks._report import mode_line, turn_medians, write_json  # noqa: E402
 from benchmarks._suite import CompileCounter  # noqa: E402
 from benchmarks.bench_moe_gmm import request_stream, time_stream  # noqa: E402
 
@@ -162,15 +162,7 @@ def at_lengths(args, model, variables, step, dims, buckets) -> dict:
     tok = rng.integers(1, model.vocab, (8, t)).astype(np.int32)
     args_by = {"fwd": (variables, tok, np.full(8, t, np.int32)),
                "step": (variables, tok, np.full(8, t, np.int32), np.zeros(8, np.int32))}
-    for name, f in fns.items():
-      jax.block_until_ready(f(*args_by[name.split()[0]]))
-    ts = {name: [] for name in fns}
-    for _ in range(args.iters):
-      for name, f in fns.items():
-        t1 = time.perf_counter()
-        jax.block_until_ready(f(*args_by[name.split()[0]]))
-        ts[name].append(time.perf_counter() - t1)
-    rec[str(t)] = {name: float(np.median(v)) * 1e3 for name, v in ts.items()}
+    rec[str(t)] = turn_medians(fns, lambda name, a=args_by: a[name.split()[0]], args.iters)
     print(f"  T={t} (bucket {buckets['t'].bucket(t)}): " + "  ".join(
         f"{k} {v:.3f}" for k, v in rec[str(t)].items()) + " ms", flush=True)
   return rec

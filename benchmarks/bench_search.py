@@ -34,7 +34,7 @@ import numpy as np
 
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 
-from benchmarks._report import mode_line, write_json  # noqa: E402
+from benchmarks._report import mode_line, turn_medians, write_json  # noqa: E402
 from benchmarks._suite import CompileCounter  # noqa: E402
 
 MODES = ("exact", "auto")
@@ -123,15 +123,7 @@ def at_counts(args, model, variables, dims, policy, channels) -> dict:
     queries = rng.uniform(0, 1, n).astype(np.float32)
     inputs = {"fwd": (variables, times, values), "scan": (times, queries),
               "sort": (times, queries)}
-    for name, f in fns.items():
-      jax.block_until_ready(f(*inputs[name.split()[0]]))
-    ts = {name: [] for name in fns}
-    for _ in range(args.iters):
-      for name, f in fns.items():
-        t1 = time.perf_counter()
-        jax.block_until_ready(f(*inputs[name.split()[0]]))
-        ts[name].append(time.perf_counter() - t1)
-    rec[str(n)] = {name: float(np.median(v)) * 1e3 for name, v in ts.items()}
+    rec[str(n)] = turn_medians(fns, lambda name, a=inputs: a[name.split()[0]], args.iters)
     print(f"  N={n} (bucket {policy.bucket(n)}): " + "  ".join(
         f"{k} {v:.3f}" for k, v in rec[str(n)].items()) + " ms", flush=True)
   return rec

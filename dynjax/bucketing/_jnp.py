@@ -136,25 +136,18 @@ def _conv(x, y, mode, op, precision, preferred_element_type):
   return result[0, 0, out_order]
 
 
-def convolve(a, v, mode="full", *, precision=None, preferred_element_type=None):
-  """``jnp.convolve``; inside a dynjax family's trace, with an input of symbolic length,
-  JAX's code with ``x.shape[0]`` for ``len(x)`` (module docstring)."""
-  if not _symbolic_length(a, v):
-    return _ORIGINALS["convolve"](a, v, mode=mode, precision=precision,
-                                  preferred_element_type=preferred_element_type)
-  return _conv(jnp.asarray(a), jnp.asarray(v), mode, "convolve", precision,
-               preferred_element_type)
+def _conv_wrapper(op: str, default_mode: str):
+  """``jnp.<op>``; inside a dynjax family's trace, with an input of symbolic length, JAX's
+  code with ``x.shape[0]`` for ``len(x)`` (module docstring)."""
+
+  def wrapper(a, v, mode=default_mode, *, precision=None, preferred_element_type=None):
+    if not _symbolic_length(a, v):
+      return _ORIGINALS[op](a, v, mode=mode, precision=precision,
+                            preferred_element_type=preferred_element_type)
+    return _conv(jnp.asarray(a), jnp.asarray(v), mode, op, precision, preferred_element_type)
+
+  return functools.update_wrapper(wrapper, _ORIGINALS[op])  # help() shows JAX's documentation
 
 
-def correlate(a, v, mode="valid", *, precision=None, preferred_element_type=None):
-  """``jnp.correlate``; inside a dynjax family's trace, with an input of symbolic length,
-  JAX's code with ``x.shape[0]`` for ``len(x)`` (module docstring)."""
-  if not _symbolic_length(a, v):
-    return _ORIGINALS["correlate"](a, v, mode=mode, precision=precision,
-                                   preferred_element_type=preferred_element_type)
-  return _conv(jnp.asarray(a), jnp.asarray(v), mode, "correlate", precision,
-               preferred_element_type)
-
-
-for _name in ("convolve", "correlate"):
-  functools.update_wrapper(globals()[_name], _ORIGINALS[_name])
+convolve = _conv_wrapper("convolve", "full")
+correlate = _conv_wrapper("correlate", "valid")
