@@ -38,10 +38,10 @@ TRACE_FAILURE_HINTS = (
      "jax.lax.scan over that axis traces with a dynamic length and is bucketed too"),
     ("used in a context that requires a constant",
      "the function uses a dynamic size where JAX needs a constant (int(), range(), a NumPy "
-     "array of that size, or an op whose lowering depends on the length; jnp.searchsorted, "
-     "digitize, isin and interp into a dynamic-length array are bucketed): give that axis an "
-     "integer in dims if it never varies, or compute that part with ops that accept a "
-     "symbolic size"),
+     "array of that size, jax.random.choice(key, n) with n a length (pass jnp.arange(n)), or "
+     "an op whose lowering depends on the length; jnp.searchsorted, digitize, isin and interp "
+     "into a dynamic-length array are bucketed): give that axis an integer in dims if it never "
+     "varies, or compute that part with ops that accept a symbolic size"),
 )
 
 

@@ -17,6 +17,7 @@ FALLS_BACK = {
   "random_choice": "permutation",  # choice(replace=False) permutes
   "lstsq": "svd",  # pinv's SVD: no exact rule (singular vectors' signs)
   "array_split_time": "unsupported operand",  # array_split's sizes by Python arithmetic
+  "choice_of_n": "requires a constant",  # choice(key, n): int(n); choice(key, jnp.arange(n)) works
 }
 
 IDIOMS = {}
@@ -216,3 +217,21 @@ def scatter_max(x):
 @idiom({"x": "t, 4"}, lambda t: [(t, 4)])
 def head_slice(x):  # dims min(t, 3): JAX evaluates them with constants of the default int
   return x[:3] * 2, x[:3].sum(0)
+@idiom({"x": "t, 4"}, lambda t: [(t, 4)])
+def categorical_t(x): return jax.random.categorical(jax.random.key(0), x.T, axis=-1)
+@idiom({"x": "t, 4"}, lambda t: [(t, 4)])
+def gumbel_topk(x):
+  return lax.top_k(x[:, 0] + jax.random.gumbel(jax.random.key(2), x[:, 0].shape), 2)[1]
+@idiom({"x": "t, 4"}, lambda t: [(t, 4)])
+def choice_weighted(x):  # cumsum + searchsorted into the t-long cumulative weights
+  return jax.random.choice(jax.random.key(1), jnp.arange(x.shape[0]), (5,),
+                           p=jax.nn.softmax(x[:, 0]))
+@idiom({"x": "t, 4"}, lambda t: [(t, 4)])
+def choice_weighted_no_replace(x):
+  return jax.random.choice(jax.random.key(1), x, (2,), replace=False, p=jax.nn.softmax(x[:, 0]))
+@idiom({"x": "t, 4"}, lambda t: [(t, 4)])
+def choice_of_n(x):  # a = the length as a number: JAX takes int() of it
+  return jax.random.choice(jax.random.key(1), x.shape[0], (5,), p=jax.nn.softmax(x[:, 0]))
+@idiom({"x": "t, 4"}, lambda t: [(t, 4)])
+def nucleus_cutoff(x):  # top-p sampling's cutoff over t candidates
+  return jnp.searchsorted(jnp.cumsum(jax.nn.softmax(x[:, 0])), 0.7)
