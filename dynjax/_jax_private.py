@@ -440,3 +440,18 @@ def promote_dtypes(*args):
   from jax._src.numpy import util
 
   return util.promote_dtypes(*args)
+
+
+def shuffle_hook():
+  """``(module, name)`` of the function ``jax.random.permutation`` (and ``choice`` without
+  replacement) shuffles with: ``jax._src.random``'s ``_shuffle``, looked up by module
+  attribute at each call; None where it is not there (then ``bucketing/_jnp`` installs
+  nothing and a shuffle over a dynamic axis falls back exact, as before)."""
+  try:
+    from jax._src.random import core as random_core
+  except Exception:  # pragma: no cover - private API moved
+    try:
+      from jax._src import random as random_core
+    except Exception:
+      return None
+  return (random_core, "_shuffle") if callable(getattr(random_core, "_shuffle", None)) else None

@@ -1,4 +1,4 @@
-"""``jnp`` functions whose JAX code takes ``len()`` of an array: symbolic-length copies.
+"""JAX functions whose code needs a static length: symbolic-length copies.
 
 ``jnp.interp`` (``len(xp)``), ``jnp.convolve`` and ``jnp.correlate`` (``len(x) < len(y)``, to
 put the longer input first) call Python's ``len()``, which JAX refuses for a symbolic length
@@ -12,13 +12,22 @@ comparison of lengths the trace cannot decide (``t < 3`` for a 3-tap kernel) bec
 guard like any other (``t >= 3``; shorter signals run exact).  The padding pass then pads
 what they compute (the search: ``_search``; the convolution: its ``conv_general_dilated``
 rule).
+
+``jax.random.permutation`` (and ``choice`` without replacement) shuffle with JAX's
+``_shuffle``, which refuses a symbolic size because its number of sorting rounds depends on
+it (``ceil(3 log(size) / log(2**32 - 1))``: 1 up to 1,625 elements, 2 up to ~2.6 million).
+:func:`shuffle` is the same rounds of JAX's (split the key, 32 random bits per element, a
+stable sort by them), counted from the true size on the device by the thresholds of JAX's own
+formula and run by a ``while_loop``: the same keys, bits and sorts as JAX at the true size.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import traceback
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -37,7 +46,14 @@ def _symbolic_length(*xs) -> bool:
       jnp.ndim(x) == 1 and jp.is_dim_expr(np.shape(x)[0]) for x in xs if hasattr(x, "shape"))
 
 
+_SHUFFLE_HOOK = jp.shuffle_hook()
+_SHUFFLE = getattr(*_SHUFFLE_HOOK) if _SHUFFLE_HOOK else None  # JAX's, before install()
+SHUFFLE_FAILURE = "shape polymorphism for `permutation` or `shuffle`"
+
+
 def is_refusal(e: BaseException) -> bool:
+  if isinstance(e, NotImplementedError) and SHUFFLE_FAILURE in str(e):
+    return True
   if not isinstance(e, TypeError) or FAILURE not in str(e):
     return False
   names = {f.name for f in traceback.extract_tb(e.__traceback__)}
@@ -48,6 +64,9 @@ def install() -> bool:
   changed = False
   for name, original in _ORIGINALS.items():
     changed |= rebind_globals(original, globals()[name], (jnp,))
+  if _SHUFFLE_HOOK is not None and getattr(*_SHUFFLE_HOOK) is not shuffle:
+    setattr(*_SHUFFLE_HOOK, shuffle)
+    changed = True
   return changed
 
 
@@ -151,3 +170,49 @@ def _conv_wrapper(op: str, default_mode: str):
 
 convolve = _conv_wrapper("convolve", "full")
 correlate = _conv_wrapper("correlate", "valid")
+
+
+def _round_thresholds() -> tuple[int, ...]:
+  """Sizes ``s_r`` such that JAX's ``_shuffle`` sorts ``r`` times for sizes in
+  ``(s_{r-1}, s_r]`` (``s_0 = 1``: one element is not sorted), from its own formula in
+  float64, up to 2**31 elements."""
+
+  def rounds(s):
+    return int(np.ceil(3 * np.log(max(1, s)) / np.log(np.iinfo(np.uint32).max)))
+
+  out, r = [1], 1
+  while out[-1] < 2**31:
+    lo, hi = out[-1], 2**31  # the largest s with rounds(s) <= r
+    if rounds(hi) <= r:
+      break
+    while lo < hi:
+      mid = (lo + hi + 1) // 2
+      lo, hi = (mid, hi) if rounds(mid) <= r else (lo, mid - 1)
+    out.append(lo)
+    r += 1
+  return tuple(out)
+
+
+_THRESHOLDS = _round_thresholds()  # (1, 1625, 2642245): measured once at import, ~0.1 ms
+
+
+def shuffle(key, x, axis):
+  """JAX's ``_shuffle``; inside a dynjax family's trace, with a symbolic size, its rounds run
+  by a ``while_loop`` (module docstring)."""
+  if not family_tracing_active() or not any(jp.is_dim_expr(d) for d in np.shape(x)):
+    return _SHUFFLE(key, x, axis)
+  x = jnp.asarray(x)
+  size = jnp.asarray(math.prod(x.shape), jnp.int32)  # the true size, once padded
+  rounds = sum((size > t).astype(jnp.int32) for t in _THRESHOLDS)
+
+  def body(state):
+    i, key, x = state
+    key, subkey = jax.random.split(key)
+    bits = jax.random.bits(subkey, x.shape, jnp.uint32)
+    return i + 1, key, lax.sort_key_val(bits, x, axis)[1]
+
+  return lax.while_loop(lambda s: s[0] < rounds, body, (jnp.int32(0), key, x))[2]
+
+
+if _SHUFFLE is not None:
+  functools.update_wrapper(shuffle, _SHUFFLE)

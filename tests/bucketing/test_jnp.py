@@ -64,3 +64,33 @@ def test_outside_a_family_they_are_jax_and_bad_inputs_raise_as_jax_raises():
   f = dynjax.jit(lambda x: jnp.convolve(x, KERNEL, mode="wide"), dims={"x": "t"})
   with pytest.raises(ValueError, match=r"mode must be one of \['full', 'same', 'valid'\]"):
     f(np.ones(6, np.float32))
+
+
+def test_random_permutations_over_a_dynamic_axis_are_jax_with_garbage_padding():
+  # JAX's shuffle sorts by random bits ceil(3 log(size) / log(2**32 - 1)) times: once up to
+  # 1,625 elements, twice above.  tile(..., 300) crosses that inside one bucket (t = 5: 1,500
+  # elements, t = 7: 2,100; bucket 8).
+  def fns(x, y):
+    k = jax.random.key(7)
+    return (jax.random.permutation(k, x, axis=1), jax.random.permutation(k, x[0]),
+            jax.random.permutation(k, y, axis=1, independent=True),
+            jax.random.permutation(k, jnp.tile(x[0], 300)),
+            jax.random.choice(k, x[0], (2,), replace=False))
+
+  _jnp.install()
+  with _rebind.family_tracing():
+    case = Case(fns, lambda b, t: [(b, t), (b, t)], ("b", "t"), constraints=("t >= 2",))
+  for true, bucket in (((1, 5), (2, 8)), ((2, 7), (2, 8)), ((1, 2), (1, 4)),
+                       ((2, 16), (2, 16))):
+    case.check(true, bucket, garbage="mixed")
+    case.check(true, bucket, seed=1, garbage="nan")
+
+
+def test_the_rounds_are_jax_s_formula_at_every_size():
+  import numpy as np_
+
+  def jax_rounds(s):  # jax._src.random._shuffle's num_rounds
+    return int(np_.ceil(3 * np_.log(max(1, s)) / np_.log(np_.iinfo(np_.uint32).max)))
+
+  for s in (1, 2, 3, 1624, 1625, 1626, 2642245, 2642246, 2**31 - 1):
+    assert sum(s > t for t in _jnp._THRESHOLDS) == jax_rounds(s), s
