@@ -198,7 +198,10 @@ _THRESHOLDS = _round_thresholds()  # (1, 1625, 2642245): measured once at import
 
 def shuffle(key, x, axis):
   """JAX's ``_shuffle``; inside a dynjax family's trace, with a symbolic size, its rounds run
-  by a ``while_loop`` (module docstring)."""
+  by a ``while_loop`` (module docstring).  Cost (2-core CPU box, jax 0.10.2): a (1000, 16)
+  row permutation 0.68 ms at bucket 1024 vs ``jax.jit``'s 0.43 at the exact shape, the same
+  ratio as a bare ``sort_key_val`` under the padding pass (0.67 vs 0.39: the sort rule's
+  leading validity key), so the loop itself costs little."""
   if not family_tracing_active() or not any(jp.is_dim_expr(d) for d in np.shape(x)):
     return _SHUFFLE(key, x, axis)
   x = jnp.asarray(x)
