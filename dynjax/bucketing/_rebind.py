@@ -1,8 +1,9 @@
 """JAX functions that refuse a symbolic size and that dynjax rebinds while a family traces.
 
 ``_scan`` (``jax.lax.associative_scan``), ``_search`` (JAX's search behind ``jnp.searchsorted``)
-and ``_jnp`` (``jnp.interp``, ``convolve``, ``correlate``) each :func:`register` how to
-recognise JAX's refusal and how to install a wrapper; a family that meets a refusal installs
+and ``_jnp`` (``jnp.interp``, ``convolve``, ``correlate``, JAX's shuffle behind
+``jax.random.permutation``) each :func:`register` how to recognise JAX's refusal and how to
+install a wrapper; a family that meets a refusal installs
 the matching wrapper and traces again (:func:`after_refusal`).  The wrapper binds dynjax's
 primitive (or runs a symbolic-size copy of JAX's code) inside :func:`family_tracing` only,
 and is JAX's function everywhere else.
@@ -47,9 +48,9 @@ def family_tracing_active() -> bool:
 
 def rebind_globals(original, wrapper, public_modules=()) -> bool:
   """Every module global bound to ``original`` outside jax, jaxlib and dynjax (``from
-  jax.lax import associative_scan``), and the same name in ``public_modules`` (jax's public
-  module that exports it), rebound to ``wrapper``.  True when it rebound anything.  Jax's
-  own uses stay JAX's (static sizes).  3-5 ms over ~1,000 modules (CPU box, flax and
+  jax.lax import associative_scan``), and the same name in ``public_modules`` (jax's modules
+  named: the public one that exports it, or the one whose own code calls it), rebound to
+  ``wrapper``.  True when it rebound anything.  Other jax modules keep JAX's function.  3-5 ms over ~1,000 modules (CPU box, flax and
   hypothesis imported): run it after a refusal, not on every trace."""
   changed = False
   with _LOCK:

@@ -81,9 +81,10 @@ def is_refusal(e: BaseException) -> bool:
 
 def install() -> bool:
   """Rebinds ``jax.lax.associative_scan``, every module global bound to JAX's function outside
-  jax itself, and the one in the module that defines it, to :func:`associative_scan`.  True when it rebound anything (a trace
-  that failed may then succeed), False when nothing was left to rebind.  Runs only after a
-  refusal: 3-5 ms over ~1,000 modules (CPU box, flax and hypothesis imported)."""
+  jax itself, and the one in the module that defines it, to :func:`associative_scan`.  True
+  when it rebound anything (a trace that failed may then succeed), False when nothing was
+  left to rebind.  Runs only after a refusal: 3-5 ms over ~1,000 modules (CPU box, flax and
+  hypothesis imported)."""
   # JAX's own module too: the JVP of cumprod / cummax / cummin / cumlogsumexp scans with it
   # (``_cumulative_jvp_rule``), so their gradient over a dynamic axis falls back without.
   return rebind_globals(_ORIGINAL, associative_scan,

@@ -9,7 +9,7 @@ common wherever lengths vary: segment ids of packed sequences (``searchsorted(cu
 positions, side="right") - 1``), ``jnp.digitize`` into data-dependent bin edges, resampling
 an irregular time series, ``jnp.isin`` against a variable set.
 
-While a family traces (``_padding_core.family_tracing``), a search whose sorted array has a
+While a family traces (``_rebind.family_tracing``), a search whose sorted array has a
 symbolic length binds ``dynjax_searchsorted`` instead; at a bucket's padded shape its padding
 rule reproduces JAX's answer at the true length ``n`` *for any contents* (the contract asks
 for a sorted array; an unsorted one still gets JAX's, method by method):
