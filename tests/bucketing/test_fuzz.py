@@ -73,7 +73,7 @@ UNARY = {
   "cumprod_t": lambda x: jnp.cumprod(jnp.tanh(x), axis=1),
   "var_t": lambda x: _keep(x, jnp.var(x, axis=1, keepdims=True)),
   "median_t": lambda x: _keep(x, jnp.median(x, axis=1, keepdims=True)),
-  "count_pos_t": lambda x: jnp.cumsum(x > 0, axis=1).astype(x.dtype),
+  "count_pos_t": lambda x: jnp.cumsum(x > 0.37, axis=1).astype(x.dtype),
   "set_first": lambda x: x.at[:, 0].set(7.0),
   "add_last": lambda x: x + x[:, -1:],
   "concat_cumsum_cut": lambda x: jnp.cumsum(jnp.concatenate([x, x * 2], axis=1), axis=1)[
@@ -82,13 +82,33 @@ UNARY = {
   "merge_td": lambda x: _keep(x, jnp.sum(x.reshape(x.shape[0], -1), axis=1)[:, None, None]),
   "one_hot_argmax_d": lambda x: jax.nn.one_hot(jnp.argmax(x, axis=2), 3, dtype=x.dtype),
   "gather_by_data": lambda x: jnp.take_along_axis(
-      x, jnp.clip((jnp.abs(x[..., :1]) * 2).astype(jnp.int32), 0, x.shape[1] - 1), axis=1),
+      x, jnp.clip((jnp.abs(x[..., :1]) * 2 + 0.37).astype(jnp.int32), 0, x.shape[1] - 1), axis=1),
   "segment_by_sign": lambda x: _keep(x, jax.ops.segment_sum(
-      x.reshape(-1, 3), (x[..., 0] > 0).reshape(-1).astype(jnp.int32), num_segments=2)[1]),
+      x.reshape(-1, 3), (x[..., 0] > 0.37).reshape(-1).astype(jnp.int32), num_segments=2)[1]),
   "dus_t": lambda x: jax.lax.dynamic_update_slice_in_dim(x, x[:, :1] * 3.0, x.shape[1] // 2,
                                                           axis=1),
   "mask_first_half": lambda x: jnp.where(
       jnp.arange(x.shape[1])[None, :, None] < x.shape[1] // 2, x, -x),
+  # Steps, thresholds and poles sit at odd values: a value that is 0 in exact arithmetic (the
+  # variance of a constant) comes out 0 or 1e-15 depending on the summation order, and a
+  # threshold at 0 would turn that rounding into a different answer (session 22's deep run).
+  "log_abs": lambda x: jnp.log(jnp.abs(x) + 0.25),  # NaN / inf from the padding's garbage
+  "reciprocal": lambda x: 1.0 / (jnp.abs(x) + 0.3),
+  "int_round_trip": lambda x: jnp.floor(x * 3 + 0.37).astype(jnp.int32).astype(x.dtype),
+  "bool_mix": lambda x: ((x > 0.37) & (jnp.roll(x, 1, axis=2) < 0.53)).astype(x.dtype),
+  "sign_clip": lambda x: jnp.sign(x - 0.37) * jnp.clip(jnp.abs(x), 0.1, 2.0),
+  "top2_d": lambda x: _keep(x, jax.lax.top_k(x, 2)[0].sum(-1, keepdims=True)),
+  "max_pool_t": lambda x: jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, (1, 3, 1),
+                                                (1, 1, 1), "SAME"),
+  "avg_pool_t": lambda x: jax.lax.reduce_window(x, 0.0, jax.lax.add, (1, 2, 1), (1, 1, 1),
+                                                ((0, 0), (1, 0), (0, 0))) / 2.0,
+  "cumsum_b": lambda x: jnp.cumsum(x, axis=0),
+  "flip_b": lambda x: jnp.flip(x, 0),
+  "swap_bt": lambda x: jnp.swapaxes(jnp.cumsum(jnp.swapaxes(x, 0, 1), axis=0), 0, 1),
+  "any_t": lambda x: _keep(x, jnp.any(x > 1.13, axis=1, keepdims=True).astype(x.dtype)),
+  "prod_t": lambda x: _keep(x, jnp.prod(jnp.tanh(x), axis=1, keepdims=True)),
+  "masked_mean_t": lambda x: _keep(x, jnp.sum(jnp.where(x > 0.37, x, 0), axis=1, keepdims=True)
+                                   / (jnp.sum(x > 0.37, axis=1, keepdims=True) + 1.0)),
   "scan_ema_t": lambda x: jnp.moveaxis(jax.lax.scan(
       lambda h, xt: (0.5 * h + xt, 0.5 * h + xt), jnp.zeros_like(x[:, 0]),
       jnp.moveaxis(x, 1, 0))[1], 0, 1),
