@@ -455,3 +455,14 @@ def shuffle_hook():
     except Exception:
       return None
   return (random_core, "_shuffle") if callable(getattr(random_core, "_shuffle", None)) else None
+
+
+def pad_wrap_hook():
+  """``(module, name)`` of the function ``jnp.pad(mode="wrap")`` pads with:
+  ``lax_numpy._pad_wrap``, looked up by module attribute at each call; None where it is not
+  there (then ``bucketing/_jnp`` installs nothing and such a pad falls back exact)."""
+  try:
+    from jax._src.numpy import lax_numpy
+  except Exception:  # pragma: no cover - private API moved
+    return None
+  return (lax_numpy, "_pad_wrap") if callable(getattr(lax_numpy, "_pad_wrap", None)) else None

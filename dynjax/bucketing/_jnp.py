@@ -51,22 +51,27 @@ _SHUFFLE = getattr(*_SHUFFLE_HOOK) if _SHUFFLE_HOOK else None  # JAX's, before i
 SHUFFLE_FAILURE = "shape polymorphism for `permutation` or `shuffle`"
 
 
+_PAD_WRAP_HOOK = jp.pad_wrap_hook()
+_PAD_WRAP = getattr(*_PAD_WRAP_HOOK) if _PAD_WRAP_HOOK else None
+
+
 def is_refusal(e: BaseException) -> bool:
   if isinstance(e, NotImplementedError) and SHUFFLE_FAILURE in str(e):
     return True
-  if not isinstance(e, TypeError) or FAILURE not in str(e):
-    return False
   names = {f.name for f in traceback.extract_tb(e.__traceback__)}
-  return bool(names & {"_interp", "_conv"})
+  if "_pad_wrap" in names and "inconclusive" in str(e):
+    return True  # divmod(pad, t) > 0
+  return isinstance(e, TypeError) and FAILURE in str(e) and bool(names & {"_interp", "_conv"})
 
 
 def install() -> bool:
   changed = False
   for name, original in _ORIGINALS.items():
     changed |= rebind_globals(original, globals()[name], (jnp,))
-  if _SHUFFLE_HOOK is not None and getattr(*_SHUFFLE_HOOK) is not shuffle:
-    setattr(*_SHUFFLE_HOOK, shuffle)
-    changed = True
+  for hook, wrapper in ((_SHUFFLE_HOOK, shuffle), (_PAD_WRAP_HOOK, pad_wrap)):
+    if hook is not None and getattr(*hook) is not wrapper:
+      setattr(*hook, wrapper)
+      changed = True
   return changed
 
 
@@ -219,3 +224,34 @@ def shuffle(key, x, axis):
 
 if _SHUFFLE is not None:
   functools.update_wrapper(shuffle, _SHUFFLE)
+
+
+def pad_wrap(array, pad_width):
+  """JAX's ``_pad_wrap`` (``jnp.pad(mode="wrap")``); inside a dynjax family's trace, an axis
+  of symbolic size ``t`` padded by ``(l, r)`` with ``l, r < t`` is ``[x[t-l:], x, x[:r]]``, as
+  JAX's code makes it at a static size.  ``l < t`` is a comparison the trace may not decide:
+  it becomes a guard (``t >= l + 1``; shorter sizes run exact).  Padding of ``t`` or more
+  (the array repeated) is left to JAX (the family falls back)."""
+  if not family_tracing_active() or not any(jp.is_dim_expr(d) for d in np.shape(array)):
+    return _PAD_WRAP(array, pad_width)
+  for i, size in enumerate(array.shape):
+    left, right = pad_width[i]
+    if not jp.is_dim_expr(size):
+      one = [(0, 0)] * array.ndim
+      one[i] = (left, right)
+      array = _PAD_WRAP(array, tuple(one))
+      continue
+    if left == 0 and right == 0:
+      continue
+    if not (size > left and size > right):  # the array repeated: JAX's code (it refuses)
+      return _PAD_WRAP(array, pad_width)
+    parts = [lax.slice_in_dim(array, size - left, size, axis=i)] if left else []
+    parts.append(array)
+    if right:
+      parts.append(lax.slice_in_dim(array, 0, right, axis=i))
+    array = lax.concatenate(parts, dimension=i)
+  return array
+
+
+if _PAD_WRAP is not None:
+  functools.update_wrapper(pad_wrap, _PAD_WRAP)

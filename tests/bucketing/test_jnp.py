@@ -94,3 +94,31 @@ def test_the_rounds_are_jax_s_formula_at_every_size():
 
   for s in (1, 2, 3, 1624, 1625, 1626, 2642245, 2642246, 2**31 - 1):
     assert sum(s > t for t in _jnp._THRESHOLDS) == jax_rounds(s), s
+
+
+def test_wrap_padding_of_a_dynamic_axis_with_garbage_and_under_its_guard(compiles):
+  def fns(x, y):  # circular padding, then a VALID conv: a periodic signal's convolution
+    w = jnp.pad(x, ((0, 0), (2, 1)), mode="wrap")
+    k = jnp.array([0.25, -0.5, 1.0, 0.75], np.float32)
+    conv = jax.vmap(lambda r: jnp.convolve(r, k, mode="valid"))(w)
+    return w, conv, jnp.pad(y, ((1, 0), (3, 2)), mode="wrap")
+
+  _jnp.install()
+  with _rebind.family_tracing():
+    case = Case(fns, lambda b, t: [(b, t), (b, t)], ("b", "t"), constraints=("t >= 4", "b >= 2"))
+  for true, bucket in (((2, 4), (2, 4)), ((2, 5), (4, 8)), ((3, 13), (4, 16))):
+    case.check(true, bucket, garbage="mixed")
+
+  def ring(x):
+    return jnp.pad(x, ((2, 2), (0, 0)), mode="wrap")
+
+  f = dynjax.jit(ring, dims={"x": "t, 3"}, buckets={"t": [8, 16]})
+  x = np.random.default_rng(1).normal(size=(16, 3)).astype(np.float32)
+  for t in (3, 8, 11):
+    np.testing.assert_array_equal(f(x[:t]), jax.jit(ring)(x[:t]))
+  assert f.stats()["fallbacks"] == [] and "t >= 3" in f.explain()
+  want = jax.jit(ring)(x[:2])
+  before = compiles()
+  with pytest.warns(UserWarning, match="t >= 3"):  # the array repeated: JAX's code, exact
+    np.testing.assert_array_equal(f(x[:2]), want)
+  assert compiles() - before == 1

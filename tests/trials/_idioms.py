@@ -12,7 +12,6 @@ from jax import lax
 
 # name -> why it runs exact per shape (the fallback's reason contains the key's value)
 FALLS_BACK = {
-  "pad_wrap": "mod(2, t)",  # jnp.pad(mode="wrap") asks mod(2, t) > 0: JAX cannot decide it
   "lstsq": "svd",  # pinv's SVD: no exact rule (singular vectors' signs)
   "array_split_time": "unsupported operand",  # array_split's sizes by Python arithmetic
   "choice_of_n": "requires a constant",  # choice(key, n): int(n); choice(key, jnp.arange(n)) works
