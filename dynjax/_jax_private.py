@@ -7,6 +7,7 @@ one place.  Append-only across the team: keep functions small and documented.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import sys
 import threading
 
@@ -400,18 +401,35 @@ def mosaic_gpu_runtime() -> str | None:
   return why
 
 
-def searchsorted_hook():
-  """``(module, name)`` of the function ``jnp.searchsorted`` (and ``jnp.digitize``,
-  ``jnp.histogram``, ``jnp.isin``, ``Array.searchsorted``) calls to search: jax >= 0.10's
-  ``hijax.searchsorted_via_expand``, looked up by module attribute at each call; None where
-  it is not there (then ``bucketing/_search`` installs nothing and such a search falls back
-  exact, as before)."""
+def _hook(module: str, name: str):
+  """``(module, name)`` of a function JAX's own code looks up by module attribute at each
+  call (so setting the attribute rebinds every caller), or None where that JAX lacks it."""
   try:
-    from jax._src.numpy import hijax
+    mod = importlib.import_module(module)
   except Exception:  # pragma: no cover - private API moved
     return None
-  return (hijax, "searchsorted_via_expand") if callable(
-      getattr(hijax, "searchsorted_via_expand", None)) else None
+  return (mod, name) if callable(getattr(mod, name, None)) else None
+
+
+def searchsorted_hook():
+  """The function ``jnp.searchsorted`` (and ``jnp.digitize``, ``jnp.histogram``,
+  ``jnp.isin``, ``Array.searchsorted``) calls to search: jax >= 0.10's
+  ``hijax.searchsorted_via_expand`` (:func:`_hook`; None: ``bucketing/_search`` installs
+  nothing and such a search falls back exact, as before)."""
+  return _hook("jax._src.numpy.hijax", "searchsorted_via_expand")
+
+
+def shuffle_hook():
+  """The function ``jax.random.permutation`` (and ``choice`` without replacement) shuffles
+  with: ``jax._src.random.core._shuffle`` (:func:`_hook`; None: ``bucketing/_jnp`` installs
+  nothing and a shuffle over a dynamic axis falls back exact, as before)."""
+  return _hook("jax._src.random.core", "_shuffle")
+
+
+def pad_wrap_hook():
+  """The function ``jnp.pad(mode="wrap")`` pads with: ``lax_numpy._pad_wrap`` (:func:`_hook`;
+  None: ``bucketing/_jnp`` installs nothing and such a pad falls back exact)."""
+  return _hook("jax._src.numpy.lax_numpy", "_pad_wrap")
 
 
 def promote_dtypes_inexact(*args):
@@ -420,6 +438,13 @@ def promote_dtypes_inexact(*args):
   from jax._src.numpy import util
 
   return util.promote_dtypes_inexact(*args)
+
+
+def promote_dtypes(*args):
+  """``jnp``'s promotion of ``args`` to one dtype, weak types kept."""
+  from jax._src.numpy import util
+
+  return util.promote_dtypes(*args)
 
 
 def sort_comparators():
@@ -433,36 +458,3 @@ def sort_comparators():
     return lax_internal._sort_lt_comparator, lax_internal._sort_le_comparator
   except Exception:  # pragma: no cover - private API moved
     return None
-
-
-def promote_dtypes(*args):
-  """``jnp``'s promotion of ``args`` to one dtype, weak types kept."""
-  from jax._src.numpy import util
-
-  return util.promote_dtypes(*args)
-
-
-def shuffle_hook():
-  """``(module, name)`` of the function ``jax.random.permutation`` (and ``choice`` without
-  replacement) shuffles with: ``jax._src.random``'s ``_shuffle``, looked up by module
-  attribute at each call; None where it is not there (then ``bucketing/_jnp`` installs
-  nothing and a shuffle over a dynamic axis falls back exact, as before)."""
-  try:
-    from jax._src.random import core as random_core
-  except Exception:  # pragma: no cover - private API moved
-    try:
-      from jax._src import random as random_core
-    except Exception:
-      return None
-  return (random_core, "_shuffle") if callable(getattr(random_core, "_shuffle", None)) else None
-
-
-def pad_wrap_hook():
-  """``(module, name)`` of the function ``jnp.pad(mode="wrap")`` pads with:
-  ``lax_numpy._pad_wrap``, looked up by module attribute at each call; None where it is not
-  there (then ``bucketing/_jnp`` installs nothing and such a pad falls back exact)."""
-  try:
-    from jax._src.numpy import lax_numpy
-  except Exception:  # pragma: no cover - private API moved
-    return None
-  return (lax_numpy, "_pad_wrap") if callable(getattr(lax_numpy, "_pad_wrap", None)) else None

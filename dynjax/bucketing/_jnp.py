@@ -33,7 +33,7 @@ import numpy as np
 from jax import lax
 
 from dynjax import _jax_private as jp
-from dynjax.bucketing._rebind import family_tracing_active, rebind_globals
+from dynjax.bucketing._rebind import family_tracing_active, rebind_globals, rebind_hook
 from dynjax.bucketing._rebind import register as register_rebinder
 
 _ORIGINALS = {"interp": jnp.interp, "convolve": jnp.convolve, "correlate": jnp.correlate}
@@ -68,10 +68,8 @@ def install() -> bool:
   changed = False
   for name, original in _ORIGINALS.items():
     changed |= rebind_globals(original, globals()[name], (jnp,))
-  for hook, wrapper in ((_SHUFFLE_HOOK, shuffle), (_PAD_WRAP_HOOK, pad_wrap)):
-    if hook is not None and getattr(*hook) is not wrapper:
-      setattr(*hook, wrapper)
-      changed = True
+  changed |= rebind_hook(_SHUFFLE_HOOK, shuffle)
+  changed |= rebind_hook(_PAD_WRAP_HOOK, pad_wrap)
   return changed
 
 

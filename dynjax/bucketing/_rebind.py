@@ -30,6 +30,22 @@ def after_refusal(e: BaseException) -> bool:
   return any(is_refusal(e) and install() for is_refusal, install in _REBINDERS)
 
 
+def install_all() -> None:
+  """Every registered wrapper installed, without waiting for a refusal (the padding pass's
+  test harness traces functions the way a family does)."""
+  for _, install in _REBINDERS:
+    install()
+
+
+def rebind_hook(hook, wrapper) -> bool:
+  """``hook`` (``(module, name)`` from ``_jax_private``, or None where that JAX lacks it) set
+  to ``wrapper``.  True when it changed."""
+  if hook is None or getattr(*hook) is wrapper:
+    return False
+  setattr(*hook, wrapper)
+  return True
+
+
 @contextlib.contextmanager
 def family_tracing():
   """While a family traces its function (this thread): the rebound functions bind dynjax's

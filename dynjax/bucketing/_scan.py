@@ -6,7 +6,7 @@ size``), and a family traced with ``padding="auto"`` (or ``"trust"``) fell back 
 per shape.  Linear-recurrence models (S5, LRU, Mamba-style selective scans, GRU-like minimal
 RNNs) and RL returns compute exactly that scan along time.
 
-While a family traces (``tracing()``, this thread only), ``jax.lax.associative_scan`` over a
+While a family traces (``_rebind.family_tracing()``, this thread only), ``jax.lax.associative_scan`` over a
 symbolic axis binds ``dynjax_associative_scan`` instead: the elements and the values ``fn``
 closes over are its operands, and ``fn`` is a jaxpr traced at a length of its own
 (``LENGTH``, a dim variable that each level of the scan binds to its static length), applied
@@ -58,7 +58,6 @@ from dynjax.bucketing._padding_core import (
   register,
 )
 from dynjax.bucketing._rebind import (
-  family_tracing,
   family_tracing_active,
   rebind_globals,
 )
@@ -70,9 +69,6 @@ _ORIGINAL = lax.associative_scan  # JAX's function, before install()
 FAILURE = "associative scan over axis of non-constant size"  # JAX's refusal (a substring)
 LENGTH = "dynjax_scan_n"  # the combine body's length along the scan axis (a dim variable)
 jp.exclude_from_user_frames(__file__)  # explain() names the user's line, not this module's
-
-
-tracing = family_tracing  # while a family traces (this thread): the scan binds the primitive
 
 
 def is_refusal(e: BaseException) -> bool:

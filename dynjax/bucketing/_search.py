@@ -44,7 +44,7 @@ from jax.interpreters import ad, batching, mlir
 
 from dynjax import _jax_private as jp
 from dynjax.bucketing._padding_core import PaddedValue, register
-from dynjax.bucketing._rebind import family_tracing_active
+from dynjax.bucketing._rebind import family_tracing_active, rebind_hook
 from dynjax.bucketing._rebind import register as register_rebinder
 
 _HOOK = jp.searchsorted_hook()
@@ -66,10 +66,7 @@ def install() -> bool:
   """Rebinds JAX's search function to :func:`searchsorted_via_expand`.  True when it rebound
   it (a trace that failed may then succeed), False when it was already (or cannot be: that
   JAX has no such function)."""
-  if _HOOK is None or getattr(*_HOOK) is searchsorted_via_expand:
-    return False
-  setattr(*_HOOK, searchsorted_via_expand)
-  return True
+  return rebind_hook(_HOOK, searchsorted_via_expand)
 
 
 register_rebinder(is_refusal, install)

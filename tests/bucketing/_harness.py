@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import export
 
+from dynjax.bucketing import _jnp, _rebind, _scan, _search  # noqa: F401 - rebinders register
 from dynjax.bucketing._padding import pad_jaxpr
 
 
@@ -131,3 +132,12 @@ class Case:
       else:
         np.testing.assert_array_equal(got, r, err_msg=msg)
     return ref
+
+
+def family_case(fun: Callable, shapes: Callable, dims: Sequence[str] = ("b", "t"), **kw) -> Case:
+  """A :class:`Case` traced as a family traces: every rebound JAX function installed
+  (``bucketing/_rebind``: associative_scan, searchsorted, interp, convolve, shuffle, wrap
+  padding), so those bind dynjax's primitives where JAX would refuse a symbolic size."""
+  _rebind.install_all()
+  with _rebind.family_tracing():
+    return Case(fun, shapes, dims, **kw)

@@ -16,16 +16,13 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dynjax.bucketing import _rebind, _scan
-from tests.bucketing._harness import Case
+from tests.bucketing._harness import Case, family_case
 
 
 def _case(fun, **kw):
-  """``Case`` traced as a family traces (the gradients of cumprod / cummax scan with
+  """Traced as a family traces (the gradients of cumprod / cummax scan with
   ``associative_scan``, which dynjax binds over a dynamic axis)."""
-  _scan.install()
-  with _rebind.family_tracing():
-    return Case(fun, lambda b, t: [(b, t, 3), (b, t, 3)], **kw)
+  return family_case(fun, lambda b, t: [(b, t, 3), (b, t, 3)], **kw)
 
 
 def _keep(x, y):  # broadcast a reduction back to x's shape

@@ -10,16 +10,14 @@ import numpy as np
 import pytest
 
 import dynjax
-from dynjax.bucketing import _jnp, _rebind
-from tests.bucketing._harness import Case
+from dynjax.bucketing import _jnp
+from tests.bucketing._harness import family_case
 
 KERNEL = np.array([0.25, 0.5, -0.75], np.float32)
 
 
 def _case(fun, shapes, **kw):
-  _jnp.install()
-  with _rebind.family_tracing():
-    return Case(fun, shapes, ("b", "t"), constraints=("t >= 4",), **kw)
+  return family_case(fun, shapes, ("b", "t"), constraints=("t >= 4",), **kw)
 
 
 def test_every_mode_of_both_with_garbage_in_the_padding_and_gradients():
@@ -77,9 +75,7 @@ def test_random_permutations_over_a_dynamic_axis_are_jax_with_garbage_padding():
             jax.random.permutation(k, jnp.tile(x[0], 300)),
             jax.random.choice(k, x[0], (2,), replace=False))
 
-  _jnp.install()
-  with _rebind.family_tracing():
-    case = Case(fns, lambda b, t: [(b, t), (b, t)], ("b", "t"), constraints=("t >= 2",))
+  case = family_case(fns, lambda b, t: [(b, t), (b, t)], ("b", "t"), constraints=("t >= 2",))
   for true, bucket in (((1, 5), (2, 8)), ((2, 7), (2, 8)), ((1, 2), (1, 4)),
                        ((2, 16), (2, 16))):
     case.check(true, bucket, garbage="mixed")
@@ -103,9 +99,8 @@ def test_wrap_padding_of_a_dynamic_axis_with_garbage_and_under_its_guard(compile
     conv = jax.vmap(lambda r: jnp.convolve(r, k, mode="valid"))(w)
     return w, conv, jnp.pad(y, ((1, 0), (3, 2)), mode="wrap")
 
-  _jnp.install()
-  with _rebind.family_tracing():
-    case = Case(fns, lambda b, t: [(b, t), (b, t)], ("b", "t"), constraints=("t >= 4", "b >= 2"))
+  case = family_case(fns, lambda b, t: [(b, t), (b, t)], ("b", "t"),
+                     constraints=("t >= 4", "b >= 2"))
   for true, bucket in (((2, 4), (2, 4)), ((2, 5), (4, 8)), ((3, 13), (4, 16))):
     case.check(true, bucket, garbage="mixed")
 

@@ -13,9 +13,8 @@ from jax import lax
 
 from dynjax import _jax_private as jp
 from dynjax import route
-from dynjax.bucketing import _scan, _search
 from dynjax.bucketing._padding_core import RULES
-from tests.bucketing._harness import Case
+from tests.bucketing._harness import Case, family_case
 
 UNSTACK = jp.private_primitives()["unstack"]  # jnp.roll under vmap emits it (jax >= 0.11)
 
@@ -247,10 +246,9 @@ _BUILT: dict[str, Case] = {}
 def _case(name: str) -> Case:
   if name not in _BUILT:
     fun, shapes = CASES[name]
-    _scan.install()  # lax.associative_scan over t binds dynjax's primitive while tracing
-    _search.install()  # so does jnp.searchsorted into a t-long array
-    with _scan.tracing():
-      _BUILT[name] = Case(fun, shapes, dims=("t",), constraints=("t <= 8",))
+    # lax.associative_scan over t and jnp.searchsorted into a t-long array bind dynjax's
+    # primitives while a family traces
+    _BUILT[name] = family_case(fun, shapes, dims=("t",), constraints=("t <= 8",))
   return _BUILT[name]
 
 

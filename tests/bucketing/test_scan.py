@@ -17,7 +17,7 @@ from jax import export, lax
 
 import dynjax
 from dynjax.bucketing import _scan
-from tests.bucketing._harness import Case
+from tests.bucketing._harness import family_case
 
 
 def _recurrence(x, reverse=False, axis=1):
@@ -54,12 +54,6 @@ def test_a_linear_recurrence_is_bucketed_and_equal_to_jax_jit(reverse, compiles)
   assert ("reversed within the true length" in text) == reverse
 
 
-def _scan_case(fun, shapes, dims=("b", "t"), **kw):
-  _scan.install()
-  with _scan.tracing():
-    return Case(fun, shapes, dims, **kw)
-
-
 @pytest.mark.parametrize("reverse", [False, True])
 @pytest.mark.parametrize("garbage", ["mixed", "nan"])
 def test_forward_and_gradients_hold_with_nan_and_inf_in_the_padding(reverse, garbage):
@@ -77,7 +71,7 @@ def test_forward_and_gradients_hold_with_nan_and_inf_in_the_padding(reverse, gar
     return jnp.sum(h * h), h
 
   fun = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)
-  case = _scan_case(lambda w, s, x: fun(w, s[0], x),
+  case = family_case(lambda w, s, x: fun(w, s[0], x),
                     lambda b, t: [(4,), (1,), (b, t, 8)], rtol=2e-5, atol=2e-5)
   for true, bucket in (((2, 3), (4, 8)), ((3, 7), (4, 8)), ((1, 1), (2, 4)), ((4, 9), (4, 16))):
     case.check(true, bucket, garbage=garbage)
@@ -95,7 +89,7 @@ def test_an_fn_that_reads_along_the_scan_axis_is_still_jax(reverse):
     return lax.associative_scan(op, (jax.nn.sigmoid(x[..., :3]), x[..., 3:]), axis=1,
                                 reverse=reverse)[1]
 
-  case = _scan_case(lambda x: (scan(x), jax.grad(lambda x: jnp.sum(jnp.sin(scan(x))))(x)),
+  case = family_case(lambda x: (scan(x), jax.grad(lambda x: jnp.sum(jnp.sin(scan(x))))(x)),
                     lambda b, t: [(b, t, 6)], rtol=2e-5, atol=2e-5)
   for true, bucket in (((2, 3), (2, 4)), ((2, 5), (4, 8)), ((1, 13), (2, 16)),
                        ((2, 17), (2, 32))):
@@ -127,9 +121,9 @@ def test_a_scan_along_a_longer_axis_and_an_integer_leaf():
       return jnp.where(q[1], q[0], p[0] + q[0]), p[1] | q[1]
     return lax.associative_scan(op, (x, resets), axis=1)[0]
 
-  case = _scan_case(lambda x: (min_gru(x), jax.grad(lambda x: jnp.sum(min_gru(x) ** 2))(x)),
+  case = family_case(lambda x: (min_gru(x), jax.grad(lambda x: jnp.sum(min_gru(x) ** 2))(x)),
                     lambda b, t: [(b, t, 6)])
-  seg = _scan_case(lambda x, r: (segmented(x, r),
+  seg = family_case(lambda x, r: (segmented(x, r),
                                  jax.grad(lambda x: jnp.sum(segmented(x, r) ** 2))(x)),
                    lambda b, t: [(b, t, 2), (b, t, 2)], dtypes=[jnp.float32, jnp.bool_])
   for true, bucket in (((2, 5), (2, 8)), ((3, 8), (4, 8)), ((1, 2), (2, 16))):

@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import dynjax
-from dynjax.bucketing import _jnp, _rebind, _search
-from tests.bucketing._harness import Case
+from dynjax.bucketing import _jnp
+from tests.bucketing._harness import family_case
 
 _METHODS = ["scan", "scan_unrolled", "sort", "compare_all"]
 
@@ -55,13 +55,6 @@ def test_searchsorted_is_bucketed_and_jax_for_any_contents(method, side, compile
   assert ("never read" in text) == method.startswith("scan")
 
 
-def _case(fun, shapes, dims=("b", "n"), **kw):
-  _search.install()
-  _jnp.install()
-  with _rebind.family_tracing():
-    return Case(fun, shapes, dims, **kw)
-
-
 def test_with_garbage_in_the_padding_the_public_idioms_hold():
   # Packed sequences: segment ids from cumulative lengths (both arrays dynamic), a histogram
   # into data-dependent bin edges, interpolation of an irregular series (and its gradient),
@@ -78,7 +71,7 @@ def test_with_garbage_in_the_padding_the_public_idioms_hold():
             jax.grad(lambda e, x: jnp.sum(jnp.interp(x, jnp.sort(e), jnp.sin(e)) ** 2),
                      argnums=(0, 1))(edges, x))
 
-  case = _case(fns, lambda b, n: [(n,), (b,)], rtol=1e-5, atol=1e-5)
+  case = family_case(fns, lambda b, n: [(n,), (b,)], rtol=1e-5, atol=1e-5)
   for true, bucket in (((3, 1), (4, 4)), ((5, 6), (8, 8)), ((1, 9), (2, 16)),
                        ((7, 16), (8, 16))):
     case.check(true, bucket, garbage="mixed")
@@ -96,7 +89,7 @@ def test_under_vmap_and_with_a_dynamic_batch_of_queries():
     return jax.vmap(lambda r: jnp.searchsorted(jnp.sort(r), v[0], side="right"))(a)
 
   for g in (fn, shared, queries_shared):
-    case = _case(g, lambda b, n: [(3, n), (3, b)], dtypes=[jnp.int32, jnp.int32])
+    case = family_case(g, lambda b, n: [(3, n), (3, b)], dtypes=[jnp.int32, jnp.int32])
     for true, bucket in (((2, 5), (4, 8)), ((6, 1), (8, 2)), ((5, 16), (8, 16))):
       case.check(true, bucket)
 
