@@ -367,6 +367,17 @@ def run_layer(args, out: dict | None = None, save=lambda: None) -> dict:
   return out
 
 
+def enqueue_ms(burst, iters: int) -> float:
+  """Median ms the host takes to launch ``burst()``'s calls (each sample blocks after)."""
+  out, samples = [], []
+  for _ in range(max(3, iters)):
+    t0 = time.perf_counter()
+    out = burst()
+    samples.append(time.perf_counter() - t0)
+    jax.block_until_ready(out)
+  return 1e3 * float(np.median(samples))
+
+
 def time_layer(label: str, res: dict, s: Setting, fn, jf, mode: str, opts: dict | None,
                iters: int, extra: dict) -> None:
   """One layer variant timed one way (``--layer-timing``: call, x4 or pipelined), compiled
@@ -383,6 +394,11 @@ def time_layer(label: str, res: dict, s: Setting, fn, jf, mode: str, opts: dict 
       calls = [functools.partial(c, s.params, x, b) for x, b in s.inputs]
       burst = lambda: [calls[j % len(calls)]() for j in range(PIPELINE_BURST)]  # noqa: E731
       timed(label, res, burst, [()], iters, PIPELINE_BURST, **extra)
+      if label in res and "error" not in res[label]:
+        # the host's share: launching a burst, before its block (host-bound where it is
+        # most of the pipelined figure)
+        res[label]["enqueue_ms"] = enqueue_ms(burst, iters) / PIPELINE_BURST
+        print(f"  {'':52s} {res[label]['enqueue_ms']:8.4f} ms of it launching", flush=True)
     else:
       timed(label, res, lambda x, b: c(s.params, x, b), s.inputs, iters, **extra)
   except Exception as e:  # noqa: BLE001 -- one failing variant must not lose the others

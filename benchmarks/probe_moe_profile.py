@@ -159,7 +159,7 @@ def profile(label: str, fn, args_list, iters: int, out_dir: str | None, top: int
 def _defaults() -> tuple:
   from dynjax.route import _hopper  # noqa: PLC0415
 
-  return _hopper.APPROX_BF16, _hopper.WG_SPLIT, _hopper.WGMMA_IN_FLIGHT
+  return _hopper.APPROX_BF16, _hopper.WG_SPLIT, _hopper.WGMMA_IN_FLIGHT, _hopper.CHAIN_TILES
 
 
 _DEFAULTS = _defaults()  # the kernel's knobs as shipped: set_knob starts from them
@@ -170,14 +170,17 @@ def set_knob(knob: str) -> tuple[str, route.Tiling | None]:
   the fused bfloat16 activation with exact or approximate transcendentals
   (``_hopper.APPROX_BF16``), ``n``/``m`` the compute warpgroups splitting a tile's columns or
   rows (``_hopper.WG_SPLIT``), ``w0``/``w1`` wgmma groups left in flight across k-steps
-  (``_hopper.WGMMA_IN_FLIGHT``), ``tTMxTKxTNxWxS`` a tiling instead of ``Tiling.auto``.
+  (``_hopper.WGMMA_IN_FLIGHT``), ``c0``/``c1`` a program's tiles unchained or chained
+  (``_hopper.CHAIN_TILES``; chained runs with ``w0``), ``tTMxTKxTNxWxS`` a tiling instead of
+  ``Tiling.auto``.
   Returns the knob's tag and tiling.  (Session 12 also tried 2-CTA clusters multicasting the
   token tile, session 13 a 64 x 128 epilogue tile and GEMM 2 without its halved column tile
   (commit e2ba4ff): none faster, README "Routed layers"; those knobs are gone.)"""
   from benchmarks.bench_moe_gmm import parse_tiling  # noqa: PLC0415
   from dynjax.route import _hopper  # noqa: PLC0415
 
-  _hopper.APPROX_BF16, _hopper.WG_SPLIT, _hopper.WGMMA_IN_FLIGHT = _DEFAULTS
+  (_hopper.APPROX_BF16, _hopper.WG_SPLIT, _hopper.WGMMA_IN_FLIGHT,
+   _hopper.CHAIN_TILES) = _DEFAULTS
   tiling = None
   for tok in knob.split("+"):
     if tok in ("0", "1"):
@@ -186,11 +189,13 @@ def set_knob(knob: str) -> tuple[str, route.Tiling | None]:
       _hopper.WG_SPLIT = tok
     elif tok in ("w0", "w1"):
       _hopper.WGMMA_IN_FLIGHT = int(tok[1])
+    elif tok in ("c0", "c1"):
+      _hopper.CHAIN_TILES = tok == "c1"
     elif tok.startswith("t"):
       tiling = parse_tiling(tok[1:])
     else:
       raise SystemExit(f"--knobs: unknown token {tok!r} in {knob!r} (0/1, n/m, w0/w1, "
-                       "tTMxTKxTNxWxS)")
+                       "c0/c1, tTMxTKxTNxWxS)")
   return f"approx{int(_hopper.APPROX_BF16)}" if knob in ("0", "1") else knob, tiling
 
 
@@ -233,7 +238,7 @@ def run_gemms(args) -> dict:
 
       cases = [("gemm1+gelu", xs, w1, jax.nn.gelu), ("gemm1", xs, w1, None),
                ("gemm2", hs, w2, None)]
-      plain = (str(t), _hopper.WG_SPLIT, _hopper.WGMMA_IN_FLIGHT)
+      plain = (str(t), _hopper.WG_SPLIT, _hopper.WGMMA_IN_FLIGHT, _hopper.CHAIN_TILES)
       for label, lhs, w, act in cases:
         if act is None and plain in timed:
           continue  # approximate math changes only the activation: timed at another knob

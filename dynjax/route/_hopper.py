@@ -63,6 +63,20 @@ APPROX_BF16 = True
 # 3 stages with a 64 x 128 epilogue tile: GEMM 2 165 vs 129; GEMM 2 unhalved: 133).
 WG_SPLIT = "m"
 WGMMA_IN_FLIGHT = 1
+# CHAIN_TILES: a program's output tiles run as one chain of pipelines (Pallas Mosaic GPU's
+# "pipeline of pipelines", ``pipeline_state``): the memory warpgroup streams the next tile's
+# first k-steps while the compute warpgroups finish a tile and run its epilogue, instead of
+# each tile filling its pipeline from empty.  Pallas allows it where ``k_iters % num_stages
+# == 0`` and no wgmma group stays in flight across k-steps (no ``delay_release``), so a chained
+# kernel runs with ``wait=0``; it is used for 128-row tiles only.  H100, jax 0.11.2, device us
+# (benchmarks/gpu_run_moe_chain.sh, results/probe_moe_profile_run17_chain_*), shipped -> chained:
+# 8 experts, 8,192 tokens, GEMM 1 + GELU 122.2 -> 118.7, GEMM 2 127.9 -> 124.1 (Zipf 123.2 ->
+# 118.4, 126.8 -> 122.9); the layer k=1 304.5 -> 293.7 (Zipf 301.8 -> 293.5), k=2 468.8 ->
+# 459.2; 2,048 routed rows (the e2e's requests) GEMM 2 58.2 -> 56.3.  With 64-row tiles (64
+# experts) the chained layer was slower: 559.3 -> 645.1 uniform, 635.3 -> 636.1 Zipf.  Run 16
+# (each program's lone tile in a pipeline of its own: two pipelines in the program) was no
+# faster and took 0.9-1.2 s to lower against 0.5-0.6 (CPU box, one GEMM of the e2e).
+CHAIN_TILES = True
 
 
 def reference(lhs, rhs, tile_end, tiling, activation=None):
@@ -116,12 +130,14 @@ def _num_sms() -> int:
 
 
 def _body(tile_end_gmem, a_gmem, b_gmem, out_gmem, *, tm, tn, tk, stages, num_groups,
-          activation, m_iters, n_iters, epi, snake, skip_unused, wg_m=False, wait=0):
+          activation, m_iters, n_iters, epi, snake, skip_unused, wg_m=False, wait=0,
+          chain=False):
   """One program per SM; the loop over output tiles ``(m_idx, n_idx)`` of ``tm x 2 tn``
   (``skip_unused``: only the row tiles of the groups, a loop bound read at run time).  The two
   compute warpgroups split a tile's columns (``tm x tn`` each), or with ``wg_m`` its rows
   (``tm/2 x 2 tn`` each: one ``m64n256`` wgmma a k-step where ``tm`` is 128); ``wait``: wgmma
-  groups left in flight across k-steps (their stages released that much later)."""
+  groups left in flight across k-steps (their stages released that much later); ``chain``:
+  the program's tiles run as one chain of pipelines (:data:`CHAIN_TILES`)."""
   from jax.experimental import pallas as pl  # noqa: PLC0415
 
   plgpu = _plgpu()
@@ -138,9 +154,9 @@ def _body(tile_end_gmem, a_gmem, b_gmem, out_gmem, *, tm, tn, tk, stages, num_gr
                     plgpu.SwizzleTransform(out_swizzle))
   slots = min(2, (wm * wn) // (epi_m * epi_n))
 
-  def pipeline(body, context):
+  def pipeline(body, context, state=None):
     return plgpu.emit_pipeline_warp_specialized(
-        body, grid=(k_iters,), memory_registers=40,
+        body, grid=(k_iters,), memory_registers=40, pipeline_state=state,
         in_specs=[
             plgpu.BlockSpec((tm, tk), lambda k: (0, k), transforms=transforms,
                             memory_space=plgpu.SMEM, delay_release=wait),
@@ -163,7 +179,7 @@ def _body(tile_end_gmem, a_gmem, b_gmem, out_gmem, *, tm, tn, tk, stages, num_gr
 
     @plgpu.nd_loop((rows_of_tiles * n_iters,), collective_axes="sm")
     def _tiles(info):
-      (lin,) = info.index if hasattr(info, "index") else info
+      (lin,) = info.index
       m_idx, n_idx = plgpu.planar_snake(lin, (rows_of_tiles, n_iters), 1, snake)
       g = jnp.int32(0)
       for i in range(num_groups - 1):  # the tile's group: how many groups end at or before it
@@ -198,8 +214,20 @@ def _body(tile_end_gmem, a_gmem, b_gmem, out_gmem, *, tm, tn, tk, stages, num_gr
         plgpu.wgmma_wait(wait)
         return acc_ref
 
-      pipeline(mma, context)(a_gmem.at[m_slice, :], b_gmem.at[g, :, n_slice],
-                             allocations=allocs)
+      operands = (a_gmem.at[m_slice, :], b_gmem.at[g, :, n_slice])
+      if not chain:
+        pipeline(mma, context)(*operands, allocations=allocs)
+        return
+      # The chain: the program's first tile fills the stages (START), its last drains them
+      # (STOP), the ones between start on stages the memory warpgroup filled while the tile
+      # before finished (STEADY).  A program of one tile runs START alone: its memory
+      # warpgroup skips the drain, which only readies the barriers for a next pipeline.
+      local, count = info.local_index, info.num_local_steps
+      states = plgpu.PipelinePipeline
+      state = jnp.where(local == 0, jnp.int32(states.START),
+                        jnp.where(local == count - 1, jnp.int32(states.STOP),
+                                  jnp.int32(states.STEADY)))
+      pipeline(mma, context, state)(*operands, allocations=allocs)
 
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -254,12 +282,14 @@ def hopper_gmm(lhs, rhs, tile_end, tiling, activation=None, skip_unused: int = 0
     return out
   sms = _num_sms()
   waves = min(m, wave_rows or skip_unused or m)
+  chain = CHAIN_TILES and tm % 128 == 0 and (k // tk) % tiling.num_stages == 0
   key = KernelKey(m=m, k=k, n=n, groups=g, dtype=jnp.dtype(lhs.dtype).name, tm=tm,
                   tn=column_tile(waves // tm, n, tn, sms), tk=tk, stages=tiling.num_stages,
                   snake=max(1, tiling.grid_block_n), activation=activation,
                   skip_unused=bool(skip_unused), sms=sms,
                   approx=APPROX_BF16 and activation is not None and lhs.dtype == jnp.bfloat16,
-                  wg_m=WG_SPLIT == "m" and tm % 128 == 0, wait=WGMMA_IN_FLIGHT)
+                  wg_m=WG_SPLIT == "m" and tm % 128 == 0,
+                  wait=0 if chain else WGMMA_IN_FLIGHT, chain=chain)
   # The kernel is built only where it is exported: not where route._once loads it from disk.
   return _once.call(("hopper_gmm", key), functools.partial(_run_kernel, key),
                     tile_end.astype(jnp.int32), lhs, rhs, keep=True)
@@ -288,6 +318,7 @@ class KernelKey(NamedTuple):
   approx: bool = False
   wg_m: bool = False
   wait: int = 0
+  chain: bool = False
 
 
 def _kernel(key: KernelKey):
@@ -296,7 +327,8 @@ def _kernel(key: KernelKey):
   body = functools.partial(
       _body, tm=key.tm, tn=key.tn, tk=key.tk, stages=key.stages, num_groups=key.groups,
       activation=key.activation, m_iters=key.m // key.tm, n_iters=key.n // (2 * key.tn),
-      epi=64, snake=key.snake, skip_unused=key.skip_unused, wg_m=key.wg_m, wait=key.wait)
+      epi=64, snake=key.snake, skip_unused=key.skip_unused, wg_m=key.wg_m, wait=key.wait,
+      chain=key.chain)
   out = jax.ShapeDtypeStruct((key.m, key.n), key.dtype)
   # jax 0.10 renamed out_shape to out_type (the old name warns, and may go).
   named = {"out_type" if "out_type" in inspect.signature(plgpu.kernel).parameters

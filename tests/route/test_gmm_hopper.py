@@ -204,6 +204,7 @@ def test_the_warpgroup_split_and_wgmma_depth_are_kernel_keys_that_lower(split, w
   # multiplies, the stages released a step later).
   monkeypatch.setattr(_hopper, "WG_SPLIT", split)
   monkeypatch.setattr(_hopper, "WGMMA_IN_FLIGHT", wait)
+  monkeypatch.setattr(_hopper, "CHAIN_TILES", False)  # a chained kernel has no wgmma in flight
   keys = []
   real_call = _once.call
   monkeypatch.setattr(_once, "call", lambda key, fn, *a, **kw: keys.append(key[1]) or real_call(
@@ -218,6 +219,35 @@ def test_the_warpgroup_split_and_wgmma_depth_are_kernel_keys_that_lower(split, w
     texts.append(fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text())
   assert [(k.tm, k.wg_m, k.wait) for k in keys] == [(128, split == "m", wait), (64, False, wait)]
   assert all(tx.count("mosaic_gpu_v2") == 1 for tx in texts)
+
+
+def test_128_row_tiles_run_chained_and_the_chain_lowers(monkeypatch):
+  # A program's 128-row tiles run as one chain of pipelines (the next tile's operands stream in
+  # during a tile's epilogue): a kernel key of its own, with no wgmma group in flight (Pallas
+  # refuses delay_release in a chain); 64-row tiles (slower chained on the H100) and a K whose
+  # k-steps the stages do not divide stay unchained.  Each program lowers for CUDA (its numbers
+  # are checked on the H100: benchmarks/gpu_run_moe_chain.sh).
+  keys = []
+  real_call = _once.call
+  monkeypatch.setattr(_once, "call", lambda key, fn, *a, **kw: keys.append(key[1]) or real_call(
+      key, fn, *a, **kw))
+  texts = {}
+  for chain_on in (True, False):
+    monkeypatch.setattr(_hopper, "CHAIN_TILES", chain_on)
+    _once.clear()
+    for tm, k in ((128, 256), (64, 256), (128, 192)):  # 192: 3 k-steps, 4 stages
+      t = route.Tiling(tm=tm, tk=64, tn=128, num_stages=4, grid_block_n=8)
+      args = (jax.ShapeDtypeStruct((512, k), jnp.bfloat16),
+              jax.ShapeDtypeStruct((4, k, 512), jnp.bfloat16),
+              jax.ShapeDtypeStruct((4,), jnp.int32))
+      fn = jax.jit(lambda a, b, te, t=t: _hopper.hopper_gmm(a, b, te, t, jax.nn.gelu, 384))
+      texts[chain_on, tm, k] = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  on = [(k.tm, k.k, k.chain, k.wait) for k in keys[:3]]
+  off = [(k.tm, k.k, k.chain, k.wait) for k in keys[3:]]
+  w = _hopper.WGMMA_IN_FLIGHT
+  assert on == [(128, 256, True, 0), (64, 256, False, w), (128, 192, False, w)]
+  assert off == [(128, 256, False, w), (64, 256, False, w), (128, 192, False, w)]
+  assert all(tx.count("mosaic_gpu_v2") == 1 for tx in texts.values())
 
 
 @pytest.mark.parametrize("activation,skip,export", [(None, 0, True), (jax.nn.gelu, 384, True),
