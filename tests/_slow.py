@@ -16,6 +16,8 @@ MODULES = ("tests/bucketing/test_zoo.py",)  # 13 tests, 64 s, and a 9.5 s module
 
 TESTS = {
   "tests/benchmarks/test_bench_moe_public.py::test_the_kernels_mode_runs_the_model_as_written_with_the_rewrite": 4.7,
+  "tests/control/test_edge_cases.py::test_python_scalars_ride_in_the_ids_array_and_big_ones_are_stacked[False]": 4.2,
+  "tests/control/test_edge_cases.py::test_python_scalars_ride_in_the_ids_array_and_big_ones_are_stacked[True]": 4.1,
   "tests/route/test_gmm_hopper.py::test_the_ragged_dot_option_runs_lax_ragged_dot_as_written_on_the_kernels[mgpu backward-auto]": 2.4,
   "tests/benchmarks/test_probe_device_pad.py::test_probe_times_both_routes_and_restores_the_switches": 3.6,
   # session 21: jax.lax.associative_scan over a dynamic axis (measured alone, 2-core box)

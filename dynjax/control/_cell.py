@@ -230,7 +230,9 @@ class Cell:
     """
     (batch, treedef, kinds, arena_sigs, out_arenas, data_avals, config) = key
     # kinds: per flat arg leaf: ("node", arena_pos, ids_row) / ("hostid", ids_row) (int32
-    # scalars ride in the ids array: one transfer per group) / ("item",) (stacked per item) /
+    # scalars ride in the ids array: one transfer per group) / ("hostcast", ids_row, dtype)
+    # (bools, and ints that fit in int32, such as Python ints under x64: cast back here) /
+    # ("item",) (stacked per item) /
     # ("bcast",) (one value for all) / ("table", ids_row) (distinct values, gathered by the
     # row's indices); out_arenas: per output leaf (arena_pos, ids_row).
     fn = self.fn
@@ -265,6 +267,9 @@ class Cell:
           axes.append(0)
         elif tag == "hostid":
           leaves.append(ids[k[1]])
+          axes.append(0)
+        elif tag == "hostcast":  # k = ("hostcast", ids_row, dtype name)
+          leaves.append(ids[k[1]].astype(k[2]))
           axes.append(0)
         elif tag == "table":
           leaves.append(data[di][ids[k[1]]])  # k = ("table", ids_row, table size)
@@ -305,7 +310,8 @@ def step_avals(key) -> list:
   """Every argument's aval of a step executable: arenas, the ids array, data."""
   batch, _, kinds, arena_sigs, out_arenas, data_avals, _ = key
   n_rows = 1 + max([k[-1] for k in kinds if k[0] in ("node", "hostid")]
-                   + [k[1] for k in kinds if k[0] == "table"] + [r for _, r in out_arenas])
+                   + [k[1] for k in kinds if k[0] in ("table", "hostcast")]
+                   + [r for _, r in out_arenas])
   avals = [jax.ShapeDtypeStruct((cap, *shape), dtype) for (shape, dtype), cap in arena_sigs]
   avals.append(jax.ShapeDtypeStruct((n_rows, batch), np.int32))
   avals.extend(jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in data_avals)

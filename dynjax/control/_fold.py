@@ -46,6 +46,7 @@ from dynjax.control._kinds import (
   canonical,
   intern_kind,
   leaf_kind,
+  rides_in_ids,
   scalar_kinds,
   take_rows,
 )
@@ -330,7 +331,8 @@ class Fold:
     # bucket): vectorised, so a group costs ~10 us of host time whatever its size.  The row
     # layout is the one recursive() builds, so both front ends share step executables.
     m = len(where)
-    host_ix = [j for j, ik in enumerate(input_kinds) if ik.shape == () and ik.dtype == _I32]
+    host_ix = [j for j, ik in enumerate(input_kinds) if ik.shape == ()
+               and (ik.dtype == _I32 or rides_in_ids(ik.dtype, inputs[j]))]
     n_h = len(host_ix)
     k_max = children.shape[1]
     rows = np.empty((n_h + m * k_max, n), np.int32)
@@ -394,7 +396,12 @@ class Fold:
     n_h, m = len(host_ix), len(where)
     kinds: list[tuple] = [("bcast",)] * sum(len(sk.leaves) for sk in shared_kinds)
     for j in range(len(input_kinds)):
-      kinds.append(("hostid", host_ix.index(j)) if j in host_ix else ("item",))
+      if j not in host_ix:
+        kinds.append(("item",))
+      elif input_kinds[j].dtype == _I32:
+        kinds.append(("hostid", host_ix.index(j)))
+      else:  # bools, and ints that fit in int32 (int64 under x64): cast back in the step
+        kinds.append(("hostcast", host_ix.index(j), input_kinds[j].dtype.name))
     for c in range(k):
       for i, (a, _) in enumerate(where):
         kinds.append(("node", a, n_h + m * c + i))
@@ -568,8 +575,9 @@ def fold(cells, *, children: Callable, inputs: Callable | None = None,
       arrays ``[n]`` (e.g. ``(tree.first_child, tree.next_sibling)``), or ``n`` child-index
       lists (converted in Python: slower).  Trees and DAGs (a shared child runs once).
     inputs: ``inputs(structure)`` -> an array or a tuple of arrays with one row per node
-      (e.g. ``tree.types``); int32 scalars per node ride in the index array, other rows are
-      stacked per group.  ``None``: no per-node inputs.
+      (e.g. ``tree.types``); int32 scalars per node ride in the index array (as do bools and
+      other ints whose values fit in int32, such as int64 under x64), other rows are stacked
+      per group.  ``None``: no per-node inputs.
     root: the node whose result is returned (an index, or ``root(structure) -> index``).
     name: shown in programs and errors.
 

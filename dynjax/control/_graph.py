@@ -33,6 +33,7 @@ from dynjax.control._kinds import (
   is_frozen_tuple,
   leaf_kind,
   pad_rows,
+  rides_in_ids,
   scalar_kinds,
   take_rows,
 )
@@ -361,6 +362,9 @@ class Graph:
           if kind.dtype == I32:
             step_kinds.append(("hostid", len(rows)))
             rows.append(list(col))
+          elif rides_in_ids(kind.dtype, col):  # int64 under x64, bool: cast in the step
+            step_kinds.append(("hostcast", len(rows), kind.dtype.name))
+            rows.append([int(v) for v in col])
           else:
             step_kinds.append(("item",))
             data.append(pad_rows(np.asarray(col, kind.dtype), bsz))

@@ -71,6 +71,22 @@ _SCALAR_TYPES = {int: np.int64, float: np.float64, bool: np.bool_,
                                    np.bool_)}}
 
 
+_I32_RANGE = (int(np.iinfo(np.int32).min), int(np.iinfo(np.int32).max))
+
+
+def rides_in_ids(dtype: np.dtype, values) -> bool:
+  """Whether per-call scalars of ``dtype`` (not int32) can ride in a group's int32 ids array,
+  cast back in the step (``("hostcast", row, dtype)``): bools, and integers whose every value
+  (a list, or an array: ``fold``'s inputs) fits in int32.  Python ints are int64 under x64;
+  without this they were stacked per item, one more transfer a group."""
+  if dtype == np.bool_:
+    return True
+  if dtype.kind not in "iu" or not len(values):
+    return False
+  lo, hi = _I32_RANGE
+  return lo <= int(np.min(values)) and int(np.max(values)) <= hi
+
+
 def canonical(dt) -> np.dtype:
   return np.dtype(jax.dtypes.canonicalize_dtype(dt))
 

@@ -189,3 +189,95 @@ def test_a_cond_that_ignores_the_carry():
   for cond in (lambda x: True, lambda x: jnp.asarray(True)):
     with pytest.raises(dynjax.ControlFlowError, match="still true after max_iterations=5"):
       dynjax.while_loop(cond, grow, jnp.ones(1), max_iterations=5, overflow="grow")
+
+
+# -- per-call scalars that are not int32 ---------------------------------------------------
+_SCALARS_CODE = """
+import jax, jax.numpy as jnp, numpy as np
+import dynjax.control as dc
+
+@dc.cell
+def emb(tok, flip, w):
+  v = w[tok % w.shape[0]] * (tok // w.shape[0] + 1).astype(w.dtype)
+  return jnp.where(flip, -v, v), tok
+
+@dc.cell
+def join(a, b):
+  return jnp.tanh(a[0] + b[0]), a[1] + b[1]
+
+W = jnp.arange(12.0, dtype=jnp.float32).reshape(4, 3) / 10
+
+@dc.recursive
+def enc(node, w):
+  if isinstance(node, tuple):
+    return join(enc(node[0], w), enc(node[1], w))
+  return emb(node, node % 3 == 0, w)
+
+def per_node(node):
+  if isinstance(node, tuple):
+    (a, s), (b, t) = per_node(node[0]), per_node(node[1])
+    return np.tanh(a + b), s + t
+  w = np.asarray(W)
+  v = w[node % 4] * np.float32(node // 4 + 1)
+  return (-v if node % 3 == 0 else v), node
+
+def check(trees, stacked):
+  out = enc.batch([(t, W) for t in trees])
+  text = enc.last_programs[0].as_text()
+  assert ("item" in text) == stacked, text[:3000]
+  for (h, s), t in zip(out, trees):
+    want_h, want_s = per_node(t)
+    np.testing.assert_allclose(np.asarray(h), want_h, rtol=1e-6, atol=1e-6)
+    assert int(s) == want_s and s.dtype == jnp.asarray(0).dtype, (s, want_s, s.dtype)
+
+small = [((1, 2), (3, (5, 6))), (7, 8), ((9, 10), 11)]
+check(small, stacked=False)  # ints and bools ride in the ids array
+big = 2**40
+check([((big + 1, 2), 3), (4, big)], stacked={x64})  # past int32: stacked per item under x64
+
+# fold: the same per-node rows given as arrays (numpy's default int: int64)
+@dc.cell
+def leaf(w, tok, flip):
+  return emb(tok, flip, w)
+
+@dc.cell
+def node2(w, tok, flip, a_h, a_s, b_h, b_s):
+  return join((a_h, a_s), (b_h, b_s))
+
+def kids(tree):  # tree: the children [n, 2] (-1: none) and the tokens [n]; root = last node
+  return tree[0]
+
+f = dc.fold({0: leaf, 2: node2}, children=kids, inputs=lambda t: (t[1], t[1] % 3 == 0),
+            root=lambda t: len(t[1]) - 1)
+for toks in (np.arange(1, 6), np.array([big + 1, 2, 3, 4, big])):
+  tree = (np.array([[-1, -1], [-1, -1], [-1, -1], [0, 1], [3, 2]]), toks)
+  h, s = f(tree, W)
+  want_h, want_s = per_node(((int(toks[0]), int(toks[1])), int(toks[2])))
+  np.testing.assert_allclose(np.asarray(h), want_h, rtol=1e-6, atol=1e-6)
+  assert int(s) == want_s, (s, want_s)
+  text = f.last_programs[0].as_text()
+  assert ("item" in text) == (toks.max() > 2**31), text[:3000]
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("x64", [False, True])
+def test_python_scalars_ride_in_the_ids_array_and_big_ones_are_stacked(x64):
+  # A recursion's per-call Python ints and bools: ints are int32 without x64 and int64 with it,
+  # bools are bools.  Those that fit in int32 ride in the group's int32 ids array and are cast
+  # back in the step (before, an int64 or bool was stacked per item: one more transfer a
+  # group); an int past int32's range (x64 only) is stacked per item.  fold's per-node rows
+  # (numpy int64 and bool arrays) likewise.  Values and dtypes equal the per-node
+  # computation either way.  A process of its own: x64 is process-wide.
+  import os
+  import subprocess
+  import sys
+
+  code = _SCALARS_CODE.replace("{x64}", str(x64))
+  if not x64:
+    code = code.replace("big = 2**40", "big = 2**20")  # an int32 Python int: rides
+  env = {**os.environ, "JAX_ENABLE_X64": "1" if x64 else "0", "JAX_PLATFORMS": "cpu"}
+  out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=180, cwd=os.path.dirname(os.path.dirname(os.path.dirname(
+                           os.path.abspath(__file__)))))
+  assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
