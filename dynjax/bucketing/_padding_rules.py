@@ -39,6 +39,7 @@ from dynjax.bucketing._padding_core import (
   is_dynamic_dim,
   register,
   same_fill,
+  sort_last,
   unsupported,
 )
 
@@ -291,13 +292,28 @@ def _sort_rule(ctx, eqn, invals):
   vals = [pv.val for pv in invals]
   if not is_dynamic_dim(aval.shape[dim]):
     return [PaddedValue(o) for o in _bind(ctx, eqn, vals)]
+  num_keys = eqn.params["num_keys"]
+  lasts = [sort_last(v.aval.dtype) for v in eqn.invars[:num_keys]]
+  if all(last is not None for last in lasts):
+    # Each key's padded tail set to the value its order puts last: a stable sort then places
+    # the padding after every valid element (a valid element equal to it in every key comes
+    # first: it comes first in the array), in the exact order among valid ones.  One select
+    # a key instead of a leading key operand that every comparison reads: 2-core CPU box,
+    # jax 0.10.2, jnp.argsort of (1000, 16) along the rows at the 1,024 bucket, three
+    # alternating processes: 1.29-1.43x jax.jit's time at 1,000 with the key, 0.90-1.03x
+    # with the fill (sort_key_val of 1,000: 1.13-1.26x -> 0.94-1.25x).
+    keys = [ctx.mask(pv, v.aval, [dim], last)
+            for pv, v, last in zip(invals, eqn.invars, lasts, strict=False)]
+    ctx.note(eqn, f"sorted padding last along axis {dim} ({aval.shape[dim]}): keys' padded "
+             "tail set to their order's last value")
+    outs = P.sort_p.bind(*keys, *vals[num_keys:], dimension=dim, is_stable=True,
+                         num_keys=num_keys)
+    return [PaddedValue(o) for o in outs]
   # A leading key "is padding" sorts the padded tail after every valid element; a stable sort
   # then keeps the exact order among valid ones.
   is_pad = (~ctx.axis_valid(aval, dim)).astype(jnp.int32)
   ctx.note(eqn, f"sorted padding last along axis {dim} ({aval.shape[dim]}) with a leading key")
-  outs = P.sort_p.bind(
-    is_pad, *vals, dimension=dim, is_stable=True, num_keys=eqn.params["num_keys"] + 1
-  )
+  outs = P.sort_p.bind(is_pad, *vals, dimension=dim, is_stable=True, num_keys=num_keys + 1)
   return [PaddedValue(o) for o in outs[1:]]
 
 

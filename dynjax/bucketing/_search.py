@@ -43,7 +43,7 @@ from jax.extend import core as jex_core
 from jax.interpreters import ad, batching, mlir
 
 from dynjax import _jax_private as jp
-from dynjax.bucketing._padding_core import PaddedValue, register
+from dynjax.bucketing._padding_core import PaddedValue, register, sort_last
 from dynjax.bucketing._rebind import family_tracing_active, rebind_hook
 from dynjax.bucketing._rebind import register as register_rebinder
 
@@ -182,14 +182,10 @@ def _compare(x, y, or_equal: bool):
 
 
 def _largest(dtype):
-  """The last value of JAX's sort order for ``dtype``."""
-  if jnp.issubdtype(dtype, jnp.complexfloating):
-    return complex(np.nan, np.nan)
-  if jnp.issubdtype(dtype, jnp.floating):
-    return np.nan
-  if dtype == jnp.bool_:
-    return True
-  return jnp.iinfo(dtype).max
+  """The last value of JAX's sort order for ``dtype`` (NaN for a float type without one: a
+  dtype no search of this kind has met)."""
+  last = sort_last(dtype)
+  return np.nan if last is None else last
 
 
 # -- the padding rule --------------------------------------------------------------------------
