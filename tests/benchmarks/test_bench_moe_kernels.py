@@ -3,10 +3,15 @@ the parts a device call runs keep working, and what cannot run here says why."""
 
 from __future__ import annotations
 
+import jax
+import pytest
+
 from benchmarks import bench_moe_kernels
 from dynjax.route import _mgpu
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU smoke run (stand-ins, "
+                    "what cannot run here): on a GPU the device calls run the bench itself")
 def test_small_check_and_layer_parts_run_and_report(tmp_path, monkeypatch):
   monkeypatch.setattr(_mgpu, "TEST_KERNELS", _mgpu.TEST_KERNELS)  # --fake-mgpu sets them
   rep = bench_moe_kernels.main([
@@ -30,8 +35,6 @@ def test_small_check_and_layer_parts_run_and_report(tmp_path, monkeypatch):
 
 
 def test_bad_timing_mode_and_option_set_are_named(capsys):
-  import pytest
-
   with pytest.raises(SystemExit):
     bench_moe_kernels.main(["--small", "--fake-mgpu", "--layer-timing", "x4,bogus"])
   assert "['bogus'] not among call, x4, pipelined" in capsys.readouterr().err

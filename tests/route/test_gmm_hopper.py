@@ -388,7 +388,10 @@ def test_ragged_dot_is_lax_ragged_dot_where_no_kernel_runs():
   (t,) = jax.export.symbolic_shape("t")
   sym = jax.ShapeDtypeStruct((t, 4), jnp.float32)
   jaxpr = str(jax.make_jaxpr(lambda a: route.ragged_dot(a, b, s))(sym))
-  assert "ragged_dot_general" in jaxpr and "dynjax_ragged_dot" not in jaxpr
+  if jax.default_backend() == "cpu":
+    assert "ragged_dot_general" in jaxpr and "dynjax_ragged_dot" not in jaxpr
+  else:  # a GPU: "auto" takes a kernel
+    assert "dynjax_ragged_dot" in jaxpr
   jaxpr = str(jax.make_jaxpr(lambda a: route.ragged_dot(a, b, s, kernel="pallas"))(sym))
   assert "dynjax_ragged_dot" in jaxpr and "pallas_call" not in jaxpr
   # widths the kernel's blocks do not divide (K=4 against the tiling's 16): lax's, exactly
@@ -520,9 +523,11 @@ def test_the_ragged_dot_option_runs_lax_ragged_dot_as_written_on_the_kernels(
     with jax.default_matmul_precision("default"):
       v, g = f(x, w)
     v0, g0 = ref(x, w)
-    np.testing.assert_allclose(v, v0, rtol=1e-5, atol=1e-5)
+    # a GPU's "default" float32 matmuls round their inputs (TF32): 2e-4 apart there (H100)
+    tol = 1e-5 if jax.default_backend() == "cpu" else 2e-3
+    np.testing.assert_allclose(v, v0, rtol=tol, atol=tol)
     for a, b in zip(g, g0, strict=True):
-      np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+      np.testing.assert_allclose(a, b, rtol=max(tol, 1e-4), atol=max(tol, 1e-4))
   assert seen and set(seen) == {"hopper"}
   text = f.explain()
   assert "ragged_dot='kernels':" in text
