@@ -405,24 +405,6 @@ def sum_like(identity) -> bool:
     return False
 
 
-def sort_last(dtype):
-  """The value a key of ``dtype`` takes to sort after every other under ``lax.sort``'s order
-  (floats: NaN, which its comparator makes one value after +inf; complexes: NaN in the real and
-  the imaginary part; integers: the largest; bools: True), or None where there is none (a
-  float type without NaN)."""
-  dtype = np.dtype(dtype)
-  if dtype == np.bool_:
-    return True
-  if jnp.issubdtype(dtype, jnp.integer):
-    return dtype.type(jnp.iinfo(dtype).max)
-  if jnp.issubdtype(dtype, jnp.complexfloating):  # sorted by (real, imag): NaN in both
-    return np.asarray(complex(np.nan, np.nan), dtype)[()]
-  if jnp.issubdtype(dtype, jnp.floating):
-    nan = np.asarray(np.nan, dtype)
-    return nan[()] if np.isnan(nan) else None
-  return None
-
-
 def identity_for(kind: str, dtype):
   """The identity element of a reduction ``kind`` in ``dtype`` (a Python/NumPy scalar)."""
   dtype = np.dtype(dtype)

@@ -39,7 +39,6 @@ from dynjax.bucketing._padding_core import (
   is_dynamic_dim,
   register,
   same_fill,
-  sort_last,
   unsupported,
 )
 
@@ -283,6 +282,24 @@ for _prim, _kind in [
   (P.cumlogsumexp_p, "max"),
 ]:
   register(_prim)(_cumulative_rule(_kind))
+
+
+def sort_last(dtype):
+  """The value a key of ``dtype`` takes to sort after every other under ``lax.sort``'s order
+  (floats: NaN, which its comparator makes one value after +inf; complexes: NaN in the real and
+  the imaginary part; integers: the largest; bools: True), or None where there is none (a
+  float type without NaN)."""
+  dtype = np.dtype(dtype)
+  if dtype == np.bool_:
+    return True
+  if jnp.issubdtype(dtype, jnp.integer):
+    return dtype.type(jnp.iinfo(dtype).max)
+  if jnp.issubdtype(dtype, jnp.complexfloating):  # sorted by (real, imag): NaN in both
+    return np.asarray(complex(np.nan, np.nan), dtype)[()]
+  if jnp.issubdtype(dtype, jnp.floating):
+    nan = np.asarray(np.nan, dtype)
+    return nan[()] if np.isnan(nan) else None
+  return None
 
 
 @register(P.sort_p)

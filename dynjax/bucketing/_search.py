@@ -43,7 +43,8 @@ from jax.extend import core as jex_core
 from jax.interpreters import ad, batching, mlir
 
 from dynjax import _jax_private as jp
-from dynjax.bucketing._padding_core import PaddedValue, register, sort_last
+from dynjax.bucketing._padding_core import PaddedValue, register
+from dynjax.bucketing._padding_rules import sort_last
 from dynjax.bucketing._rebind import family_tracing_active, rebind_hook
 from dynjax.bucketing._rebind import register as register_rebinder
 

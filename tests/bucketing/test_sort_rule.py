@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from jax import lax
 
-from dynjax.bucketing._padding_core import sort_last
+from dynjax.bucketing._padding_rules import sort_last
 from tests.bucketing._harness import Case
 
 
