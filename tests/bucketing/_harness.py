@@ -45,7 +45,8 @@ def garbage_like(rng: np.random.Generator, shape, dtype, kind: str) -> np.ndarra
     return np.zeros(shape, dtype)
   if kind == "nan":
     return np.full(shape, np.nan, dtype)
-  choices = np.array([np.nan, np.inf, -np.inf, 1e30, -1e30, 7.0], dtype)
+  big = min(1e30, float(np.finfo(dtype).max))  # float16's largest is 65504
+  choices = np.array([np.nan, np.inf, -np.inf, big, -big, 7.0], dtype)
   return choices[rng.integers(0, len(choices), size=shape)]
 
 
