@@ -159,7 +159,8 @@ def profile(label: str, fn, args_list, iters: int, out_dir: str | None, top: int
 def _defaults() -> tuple:
   from dynjax.route import _hopper  # noqa: PLC0415
 
-  return _hopper.APPROX_BF16, _hopper.WG_SPLIT, _hopper.WGMMA_IN_FLIGHT, _hopper.CHAIN_TILES
+  return (_hopper.APPROX_BF16, _hopper.WG_SPLIT, _hopper.WGMMA_IN_FLIGHT, _hopper.CHAIN_TILES,
+          _hopper.CHAIN_MIN_ROWS)
 
 
 _DEFAULTS = _defaults()  # the kernel's knobs as shipped: set_knob starts from them
@@ -170,7 +171,8 @@ def set_knob(knob: str) -> tuple[str, route.Tiling | None]:
   the fused bfloat16 activation with exact or approximate transcendentals
   (``_hopper.APPROX_BF16``), ``n``/``m`` the compute warpgroups splitting a tile's columns or
   rows (``_hopper.WG_SPLIT``), ``w0``/``w1`` wgmma groups left in flight across k-steps
-  (``_hopper.WGMMA_IN_FLIGHT``), ``c0``/``c1`` a program's tiles unchained or chained
+  (``_hopper.WGMMA_IN_FLIGHT``), ``c0``/``c1``/``c64`` a program's tiles unchained, chained
+  where they have ``_hopper.CHAIN_MIN_ROWS`` rows, or chained from 64 rows
   (``_hopper.CHAIN_TILES``; chained runs with ``w0``), ``tTMxTKxTNxWxS`` a tiling instead of
   ``Tiling.auto``.
   Returns the knob's tag and tiling.  (Session 12 also tried 2-CTA clusters multicasting the
@@ -179,8 +181,8 @@ def set_knob(knob: str) -> tuple[str, route.Tiling | None]:
   from benchmarks.bench_moe_gmm import parse_tiling  # noqa: PLC0415
   from dynjax.route import _hopper  # noqa: PLC0415
 
-  (_hopper.APPROX_BF16, _hopper.WG_SPLIT, _hopper.WGMMA_IN_FLIGHT,
-   _hopper.CHAIN_TILES) = _DEFAULTS
+  (_hopper.APPROX_BF16, _hopper.WG_SPLIT, _hopper.WGMMA_IN_FLIGHT, _hopper.CHAIN_TILES,
+   _hopper.CHAIN_MIN_ROWS) = _DEFAULTS
   tiling = None
   for tok in knob.split("+"):
     if tok in ("0", "1"):
@@ -189,13 +191,15 @@ def set_knob(knob: str) -> tuple[str, route.Tiling | None]:
       _hopper.WG_SPLIT = tok
     elif tok in ("w0", "w1"):
       _hopper.WGMMA_IN_FLIGHT = int(tok[1])
-    elif tok in ("c0", "c1"):
-      _hopper.CHAIN_TILES = tok == "c1"
+    elif tok in ("c0", "c1", "c64"):
+      _hopper.CHAIN_TILES = tok != "c0"
+      if tok == "c64":  # 64-row tiles chained too
+        _hopper.CHAIN_MIN_ROWS = 64
     elif tok.startswith("t"):
       tiling = parse_tiling(tok[1:])
     else:
       raise SystemExit(f"--knobs: unknown token {tok!r} in {knob!r} (0/1, n/m, w0/w1, "
-                       "c0/c1, tTMxTKxTNxWxS)")
+                       "c0/c1/c64, tTMxTKxTNxWxS)")
   return f"approx{int(_hopper.APPROX_BF16)}" if knob in ("0", "1") else knob, tiling
 
 

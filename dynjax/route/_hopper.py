@@ -77,6 +77,7 @@ WGMMA_IN_FLIGHT = 1
 # (each program's lone tile in a pipeline of its own: two pipelines in the program) was no
 # faster and took 0.9-1.2 s to lower against 0.5-0.6 (CPU box, one GEMM of the e2e).
 CHAIN_TILES = True
+CHAIN_MIN_ROWS = 128  # row tiles of fewer rows stay unchained (64-row tiles: slower chained)
 
 
 def reference(lhs, rhs, tile_end, tiling, activation=None):
@@ -282,7 +283,7 @@ def hopper_gmm(lhs, rhs, tile_end, tiling, activation=None, skip_unused: int = 0
     return out
   sms = _num_sms()
   waves = min(m, wave_rows or skip_unused or m)
-  chain = CHAIN_TILES and tm % 128 == 0 and (k // tk) % tiling.num_stages == 0
+  chain = CHAIN_TILES and tm >= CHAIN_MIN_ROWS and (k // tk) % tiling.num_stages == 0
   key = KernelKey(m=m, k=k, n=n, groups=g, dtype=jnp.dtype(lhs.dtype).name, tm=tm,
                   tn=column_tile(waves // tm, n, tn, sms), tk=tk, stages=tiling.num_stages,
                   snake=max(1, tiling.grid_block_n), activation=activation,

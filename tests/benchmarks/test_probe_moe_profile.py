@@ -14,7 +14,7 @@ from dynjax.route import _gmm, _hopper
 
 def test_small_probe_runs_both_parts_and_reports(tmp_path, monkeypatch):
   monkeypatch.setattr(_hopper, "TEST_KERNEL", True)
-  for knob in ("APPROX_BF16", "WG_SPLIT", "WGMMA_IN_FLIGHT", "CHAIN_TILES"):  # knobs set them
+  for knob in ("APPROX_BF16", "WG_SPLIT", "WGMMA_IN_FLIGHT", "CHAIN_TILES", "CHAIN_MIN_ROWS"):
     monkeypatch.setattr(_hopper, knob, getattr(_hopper, knob))
   monkeypatch.setattr(_gmm, "hopper_floor_rows", lambda groups, tm: 0)  # no 9,088-row buffer
   rep = probe_moe_profile.main([

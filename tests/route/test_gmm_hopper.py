@@ -224,16 +224,17 @@ def test_the_warpgroup_split_and_wgmma_depth_are_kernel_keys_that_lower(split, w
 def test_128_row_tiles_run_chained_and_the_chain_lowers(monkeypatch):
   # A program's 128-row tiles run as one chain of pipelines (the next tile's operands stream in
   # during a tile's epilogue): a kernel key of its own, with no wgmma group in flight (Pallas
-  # refuses delay_release in a chain); 64-row tiles (slower chained on the H100) and a K whose
-  # k-steps the stages do not divide stay unchained.  Each program lowers for CUDA (its numbers
+  # refuses delay_release in a chain); 64-row tiles (slower chained on the H100, unless
+  # CHAIN_MIN_ROWS says 64) and a K whose k-steps the stages do not divide stay unchained.  Each program lowers for CUDA (its numbers
   # are checked on the H100: benchmarks/gpu_run_moe_chain.sh).
   keys = []
   real_call = _once.call
   monkeypatch.setattr(_once, "call", lambda key, fn, *a, **kw: keys.append(key[1]) or real_call(
       key, fn, *a, **kw))
   texts = {}
-  for chain_on in (True, False):
+  for chain_on, min_rows in ((True, 128), (False, 128), (True, 64)):
     monkeypatch.setattr(_hopper, "CHAIN_TILES", chain_on)
+    monkeypatch.setattr(_hopper, "CHAIN_MIN_ROWS", min_rows)
     _once.clear()
     for tm, k in ((128, 256), (64, 256), (128, 192)):  # 192: 3 k-steps, 4 stages
       t = route.Tiling(tm=tm, tk=64, tn=128, num_stages=4, grid_block_n=8)
@@ -241,12 +242,13 @@ def test_128_row_tiles_run_chained_and_the_chain_lowers(monkeypatch):
               jax.ShapeDtypeStruct((4, k, 512), jnp.bfloat16),
               jax.ShapeDtypeStruct((4,), jnp.int32))
       fn = jax.jit(lambda a, b, te, t=t: _hopper.hopper_gmm(a, b, te, t, jax.nn.gelu, 384))
-      texts[chain_on, tm, k] = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-  on = [(k.tm, k.k, k.chain, k.wait) for k in keys[:3]]
-  off = [(k.tm, k.k, k.chain, k.wait) for k in keys[3:]]
+      texts[chain_on, min_rows, tm, k] = fn.trace(*args).lower(
+          lowering_platforms=("cuda",)).as_text()
+  got = [(k.tm, k.k, k.chain, k.wait) for k in keys]
   w = _hopper.WGMMA_IN_FLIGHT
-  assert on == [(128, 256, True, 0), (64, 256, False, w), (128, 192, False, w)]
-  assert off == [(128, 256, False, w), (64, 256, False, w), (128, 192, False, w)]
+  assert got[:3] == [(128, 256, True, 0), (64, 256, False, w), (128, 192, False, w)]
+  assert got[3:6] == [(128, 256, False, w), (64, 256, False, w), (128, 192, False, w)]
+  assert got[6:] == [(128, 256, True, 0), (64, 256, True, 0), (128, 192, False, w)]  # c64
   assert all(tx.count("mosaic_gpu_v2") == 1 for tx in texts.values())
 
 
