@@ -1,4 +1,4 @@
-"""82 public-code idioms over a dynamic axis (``_idioms.py``) under ``padding="auto"``: each is
+"""89 public-code idioms over a dynamic axis (``_idioms.py``) under ``padding="auto"``: each is
 exact against ``jax.jit`` at every shape (dtypes included), bucketed (no fallback) unless
 ``FALLS_BACK`` names it with its cause.  A wrong result fails the test whatever the list
 says.  Once with x64 off (float32), once in a process of its own with x64 on (float64: index
@@ -51,7 +51,7 @@ def check_all(dtype, tol: float) -> list[str]:
 
 
 def test_public_idioms_are_exact_and_bucketed_or_fall_back_for_the_known_reason():
-  assert len(IDIOMS) == 82 and len(FALLS_BACK) == 3
+  assert len(IDIOMS) == 89 and len(FALLS_BACK) == 3
   problems = check_all(np.float32, 1e-4)
   assert not problems, "\n".join(problems)
 
