@@ -43,6 +43,7 @@ def test_warm_function_rejects_what_a_fresh_one_rejects(bad):
   np.testing.assert_array_equal(f(np.ones((2, 3), np.float32)), np.full((2, 3), 2.0))
 
 
+@pytest.mark.skipif(jnp.ones(()).dtype == jnp.float64, reason="x64 is on: float64 stays")
 def test_float64_and_int64_run_as_jax_jit_runs_them_with_x64_off(compiles):
   f = _fn()
   x64 = np.random.RandomState(0).randn(2, 7)

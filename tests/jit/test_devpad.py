@@ -89,7 +89,7 @@ def test_the_host_route_until_the_trips_add_up_to_the_price(priced):
   assert site.fn is None and site.owner.programs == 0
   site.rent(0.4)
   assert site.fn is not None and site.owner.programs == 1 and site.owner.trips == 2
-  out = site.run(jnp.ones((3, 5)), None)
+  out = site.run(jnp.ones((3, 5), jnp.float32), None)
   np.testing.assert_array_equal(np.asarray(out), np.pad(np.ones((3, 5)), ((0, 1), (0, 3))))
 
 
