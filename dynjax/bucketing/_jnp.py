@@ -80,8 +80,7 @@ def interp(x, xp, fp, left=None, right=None, period=None):
   """``jnp.interp``; inside a dynjax family's trace, with ``xp`` of symbolic length, JAX's
   code (``lax_numpy._interp``, operation for operation) with ``xp.shape[0]`` for its
   ``len(xp)``, which JAX refuses for a symbolic length."""
-  if not (family_tracing_active() and jnp.ndim(xp) == 1 and hasattr(xp, "shape")
-          and jp.is_dim_expr(xp.shape[0])):
+  if not _symbolic_length(xp):
     return _ORIGINALS["interp"](x, xp, fp, left=left, right=right, period=period)
   x, xp, fp = jnp.asarray(x), jnp.asarray(xp), jnp.asarray(fp)
   if xp.shape != fp.shape or xp.ndim != 1:
@@ -201,10 +200,11 @@ _THRESHOLDS = _round_thresholds()  # (1, 1625, 2642245): measured once at import
 
 def shuffle(key, x, axis):
   """JAX's ``_shuffle``; inside a dynjax family's trace, with a symbolic size, its rounds run
-  by a ``while_loop`` (module docstring).  Cost (2-core CPU box, jax 0.10.2): a (1000, 16)
-  row permutation 0.68 ms at bucket 1024 vs ``jax.jit``'s 0.43 at the exact shape, the same
-  ratio as a bare ``sort_key_val`` under the padding pass (0.67 vs 0.39: the sort rule's
-  leading validity key), so the loop itself costs little."""
+  by a ``while_loop`` (module docstring).  Cost (2-core CPU box, jax 0.10.2, three
+  alternating processes, session 23): a (1000, 16) row permutation 0.40-0.48 ms at bucket
+  1024 vs ``jax.jit``'s 0.28-0.41 at the exact shape; a bare ``sort_key_val`` there is at
+  ``jax.jit``'s time since the sort rule stopped adding a key, so the rest is the rounds'
+  loop and bits."""
   if not family_tracing_active() or not any(jp.is_dim_expr(d) for d in np.shape(x)):
     return _SHUFFLE(key, x, axis)
   x = jnp.asarray(x)

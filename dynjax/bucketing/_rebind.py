@@ -66,8 +66,9 @@ def rebind_globals(original, wrapper, public_modules=()) -> bool:
   """Every module global bound to ``original`` outside jax, jaxlib and dynjax (``from
   jax.lax import associative_scan``), and the same name in ``public_modules`` (jax's modules
   named: the public one that exports it, or the one whose own code calls it), rebound to
-  ``wrapper``.  True when it rebound anything.  Other jax modules keep JAX's function.  3-5 ms over ~1,000 modules (CPU box, flax and
-  hypothesis imported): run it after a refusal, not on every trace."""
+  ``wrapper``.  True when it rebound anything.  Other jax modules keep JAX's function.
+  3-5 ms over ~1,000 modules (CPU box, flax and hypothesis imported): run it after a refusal,
+  not on every trace."""
   changed = False
   with _LOCK:
     for name, mod in list(sys.modules.items()):

@@ -42,10 +42,6 @@ TRACE_FAILURE_HINTS = (
      "an op whose lowering depends on the length; jnp.searchsorted, digitize, isin and interp "
      "into a dynamic-length array are bucketed): give that axis an integer in dims if it never "
      "varies, or compute that part with ops that accept a symbolic size"),
-)
-
-
-TRACE_FAILURE_HINTS += (
     ("Cannot divide evenly the sizes of shapes",
      "JAX cannot prove the reshape's divisibility: a length padded to a multiple of k as "
      "t + (-t % k) (jnp.pad(x, (0, -t % k))) is not known to divide by k, but one padded to "

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from jax import lax
 
+from dynjax.bucketing._padding import pad_jaxpr
 from dynjax.bucketing._padding_rules import sort_last
 from tests.bucketing._harness import Case
 
@@ -87,3 +88,8 @@ def test_a_float_type_without_nan_keeps_the_leading_key():
   if not hasattr(ml_dtypes, "float4_e2m1fn"):
     pytest.skip("no float4_e2m1fn in this ml_dtypes")
   assert sort_last(ml_dtypes.float4_e2m1fn) is None
+  (t,) = jax.export.symbolic_shape("t")
+  closed = jax.make_jaxpr(lambda x: lax.sort(x, is_stable=True))(
+      jax.ShapeDtypeStruct((t,), ml_dtypes.float4_e2m1fn))
+  text = "\n".join(pad_jaxpr(closed, ("t",), {"t": 8}).rewrites)
+  assert "with a leading key" in text and "order's last value" not in text
