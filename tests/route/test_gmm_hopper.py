@@ -524,12 +524,14 @@ def test_the_ragged_dot_option_runs_lax_ragged_dot_as_written_on_the_kernels(
     # (the suite's "highest" matmul precision would leave every site to lax: a precision)
     with jax.default_matmul_precision("default"):
       v, g = f(x, w)
-    v0, g0 = ref(x, w)
-    # a GPU's "default" float32 matmuls round their inputs (TF32): 2e-4 apart there (H100)
-    tol = 1e-5 if jax.default_backend() == "cpu" else 2e-3
+      v0, g0 = ref(x, w)
+    # A GPU's "default" float32 matmuls round their inputs (TF32), each kernel its own way: the
+    # values 2e-4 apart on the H100, two of 8,192 weight-gradient entries 3e-3 (1% of 0.34)
+    # apart after two such matmuls and a tanh (session 24, jax 0.11.2).
+    tol, gtol = (1e-5, 1e-4) if jax.default_backend() == "cpu" else (2e-3, 1e-2)
     np.testing.assert_allclose(v, v0, rtol=tol, atol=tol)
     for a, b in zip(g, g0, strict=True):
-      np.testing.assert_allclose(a, b, rtol=max(tol, 1e-4), atol=max(tol, 1e-4))
+      np.testing.assert_allclose(a, b, rtol=gtol, atol=gtol)
   assert seen and set(seen) == {"hopper"}
   text = f.explain()
   assert "ragged_dot='kernels':" in text
