@@ -14,6 +14,8 @@ import operator
 import re
 import warnings
 
+import numpy as np
+
 from dynjax import _symbolic
 from dynjax._errors import user_stacklevel
 
@@ -46,14 +48,68 @@ TRACE_FAILURE_HINTS = (
      "JAX cannot prove the reshape's divisibility: a length padded to a multiple of k as "
      "t + (-t % k) (jnp.pad(x, (0, -t % k))) is not known to divide by k, but one padded to "
      "-(-t // k) * k is: write the padding that way and the reshape traces"),
+    # Python and NumPy ask a symbolic size for ``__index__`` (session 24: openai/whisper's
+    # ``sinusoids(n_ctx, d)[:x.shape[1]]`` as a NumPy table; ``range(t)``, ``np.ones(t)``)
+    ("cannot be interpreted as an integer", "SIZE_AS_INTEGER"),
+    ("slice indices must be integers", "SIZE_AS_INTEGER"),
 )
+SIZE_AS_INTEGER = (
+    "a dynamic size (x.shape[i]) went where Python or NumPy need an integer (range(t), "
+    "np.ones(t), np.arange(t), a NumPy array sliced by it as table[:t]): NumPy cannot make an "
+    "array of a symbolic size, so write that part with jax.numpy (jnp.ones(t), jnp.arange(t), "
+    "jnp.asarray(table)[:t]) and a loop over t with lax.fori_loop or lax.scan, or give that "
+    "axis an integer in dims if it never varies")
+_NUMPY_CALL = re.compile(r"(?<![\w.])(np|numpy)\.")  # np.ones(...), not jnp.ones(...)
 
 
 def trace_failure_hint(e: BaseException) -> str:
-  """``"; <advice>"`` for a symbolic-tracing failure :data:`TRACE_FAILURE_HINTS` knows, else
-  ``""`` (appended to the fallback reason)."""
+  """``" at <file:line (code)>"`` (the innermost frame of the failure outside jax, NumPy, the
+  standard library and dynjax) and ``"; <advice>"`` for a symbolic-tracing failure
+  :data:`TRACE_FAILURE_HINTS` knows (appended to the fallback reason)."""
   text = str(e)
-  return next((f"; {hint}" for key, hint in TRACE_FAILURE_HINTS if key in text), "")
+  hint = next((hint for key, hint in TRACE_FAILURE_HINTS if key in text), None)
+  frame = _user_frame(e)
+  where = ""
+  if frame is not None:
+    code = " ".join((frame.line or "").split())
+    where = f" at {frame.filename}:{frame.lineno}" + (f" ({code[:100]})" if code else "")
+    if hint is None and _NUMPY_CALL.search(code):  # np.arange(t) fails inside jax's tracer
+      hint = SIZE_AS_INTEGER
+  if hint == "SIZE_AS_INTEGER":
+    hint = SIZE_AS_INTEGER
+  return where + (f"; {hint}" if hint else "")
+
+
+def _library_dirs() -> tuple[str, ...]:
+  import os
+  import sysconfig
+
+  import jax
+  import jaxlib
+
+  import dynjax
+
+  dirs = [os.path.dirname(m.__file__) + os.sep for m in (jax, jaxlib, dynjax, np)]
+  stdlib = sysconfig.get_paths().get("stdlib")
+  if stdlib:
+    dirs.append(os.path.join(stdlib, ""))
+  return tuple(dirs)
+
+
+def _user_frame(e: BaseException):
+  """The innermost traceback frame of ``e`` outside jax, jaxlib, NumPy, dynjax and the
+  standard library (the user's line, or a library's of their own such as flax or optax)."""
+  import traceback
+
+  try:
+    frames = traceback.extract_tb(e.__traceback__)
+  except Exception:  # noqa: BLE001 - only for a message
+    return None
+  internal = _library_dirs()
+  for f in reversed(frames):
+    if not f.filename.startswith(internal) and not f.filename.startswith("<"):
+      return f
+  return None
 
 
 def guard_texts(var_order, bounds: dict) -> tuple[str, ...]:

@@ -385,3 +385,25 @@ def test_a_reshape_after_padding_to_a_multiple_gets_advice_that_works():
   g = dynjax.jit(advised, dims={"x": "t, 3"}, on_fallback="error")
   for t in (3, 16, 21):
     np.testing.assert_allclose(g(x[:t]), jax.jit(advised)(x[:t]), rtol=1e-6, atol=1e-6)
+
+
+_TABLE = np.arange(64, dtype=np.float32).reshape(16, 4)  # a constant table built with NumPy
+
+
+@pytest.mark.parametrize("body", [
+    lambda x: x + _TABLE[: x.shape[0]],  # openai/whisper's sinusoids(n, d)[: x.shape[1]]
+    lambda x: x + np.ones((x.shape[0], 4), np.float32),
+    lambda x: x + np.arange(x.shape[0])[:, None],  # fails inside jax: a tracer's bool
+    lambda x: x + sum(x[i] for i in range(x.shape[0])),
+], ids=["numpy_table_sliced", "np_ones", "np_arange", "range"])
+def test_a_size_given_to_numpy_or_python_names_the_line_and_says_what_to_do(body):
+  # Session 24: these fell back with JAX's bare message ("slice indices must be integers or
+  # None or have an __index__ method"; a TracerBoolConversionError for np.arange), no line.
+  f = dynjax.jit(body, dims={"x": "t, 4"}, buckets={"t": [8, 16]})
+  with pytest.warns(UserWarning, match="running unpadded"):
+    out = f(np.ones((5, 4), np.float32))
+  np.testing.assert_allclose(out, body(np.ones((5, 4), np.float32)), rtol=1e-6)
+  (reason,) = f.stats()["fallbacks"]
+  assert f" at {__file__}:" in reason, reason  # the user's line, not jax's or numpy's
+  assert "NumPy cannot make an array of a symbolic size" in reason, reason
+  assert "jnp.asarray(table)[:t]" in reason and "lax.fori_loop" in reason
