@@ -432,6 +432,13 @@ def pad_wrap_hook():
   return _hook("jax._src.numpy.lax_numpy", "_pad_wrap")
 
 
+def conv_hook():
+  """The name JAX's transposes of ``conv_general_dilated`` call it by (``jax._src.lax.
+  convolution.conv_general_dilated``; :func:`_hook`; None: ``bucketing/_conv_vjp`` installs
+  nothing and the gradient of a strided conv over a dynamic axis falls back exact)."""
+  return _hook("jax._src.lax.convolution", "conv_general_dilated")
+
+
 def promote_dtypes_inexact(*args):
   """``jnp``'s promotion of ``args`` to one inexact dtype, weak types kept (what
   ``jnp.interp`` applies to ``x`` and ``xp``)."""

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import export
 
-from dynjax.bucketing import _jnp, _rebind, _scan, _search  # noqa: F401 - rebinders register
+from dynjax.bucketing import _conv_vjp, _jnp, _rebind, _scan, _search  # noqa: F401 - rebinders
 from dynjax.bucketing._padding import pad_jaxpr
 
 
