@@ -80,6 +80,34 @@ def _jaxpr_dim_vars(closed) -> set[str]:
   return names
 
 
+def empty_dims(closed, env: Mapping[str, int]) -> set[str]:
+  """The variables of the symbolic dims of ``closed`` (its equations' results, sub-jaxprs
+  included) that evaluate below 1 at the sizes ``env``.  A probe bucket where an axis the
+  function builds is empty meets what no real call does (wav2vec2's frames below its conv
+  kernels at 8 samples: a rule's gather from an empty axis crashed the plan into a fallback),
+  so the family probes a larger bucket (``Family._guarded_probe_bucket``).  Once a family:
+  ~3 ms for HF Flax BERT-base's 1,146 equations (2-core CPU box)."""
+  low: set[str] = set()
+  seen: set = set()
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      for v in eqn.outvars:
+        for d in getattr(v.aval, "shape", ()):
+          if jp.is_dim_expr(d) and d not in seen:
+            seen.add(d)
+            if jp.eval_dim_expr(d, env) < 1:
+              low.update(jp.dim_expr_vars(d))
+      for val in eqn.params.values():
+        for sub in val if isinstance(val, (tuple, list)) else (val,):
+          sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's Jaxpr
+          if hasattr(sub, "eqns"):
+            walk(sub)
+
+  walk(closed.jaxpr)
+  return low
+
+
 def pad_jaxpr(closed_jaxpr, dim_vars: Sequence[str], bucket: Mapping[str, int],
               size_max: Mapping[str, int] | None = None, monotone: bool = True,
               validate: bool = True) -> PaddingPlan:

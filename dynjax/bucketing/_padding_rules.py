@@ -56,7 +56,10 @@ def _bind(ctx: Context, eqn, vals: list) -> list:
 def _remap_axis(x, axis: int, src, valid=None, fill=None):
   """``out[..., j, ...] = x[..., src[j], ...]`` (clipped); ``fill`` where ``valid[j]`` is false."""
   n = x.shape[axis]
-  out = jnp.take(x, jnp.clip(src, 0, max(n - 1, 0)), axis=axis, mode="clip")
+  if n:
+    out = jnp.take(x, jnp.clip(src, 0, n - 1), axis=axis, mode="clip")
+  else:  # an axis empty at this bucket (jnp.take refuses it): no true element to take
+    out = jnp.zeros(x.shape[:axis] + (len(src),) + x.shape[axis + 1:], x.dtype)
   if valid is not None:
     shape = [1] * out.ndim
     shape[axis] = out.shape[axis]
@@ -1447,7 +1450,9 @@ def fused_softmax(ctx, eqns, i: int, uses: dict, read):
     return None
   x = read(a)
   xm = ctx.mask(x, aval, [k], -np.inf, red, "softmax input")
-  m = jnp.maximum(jnp.max(xm, axis=k, keepdims=True), -jnp.inf)
+  # initial=-inf: an axis empty at this bucket (a VALID conv's frames at a small bucket)
+  # reduces to -inf, as the traced reduce_max does (jnp.max alone refuses an empty axis)
+  m = jnp.max(xm, axis=k, keepdims=True, initial=-jnp.inf)
   if sg is not None:
     m = lax.stop_gradient(m)
   u = jnp.exp(xm - m)

@@ -38,7 +38,7 @@ from dynjax._errors import (
 )
 from dynjax.bucketing import _auto, _conv_vjp, _jnp, _rebind, _scan, _search  # noqa: F401
 from dynjax.bucketing._joint import JointPlan
-from dynjax.bucketing._padding import pad_jaxpr
+from dynjax.bucketing._padding import empty_dims, pad_jaxpr
 from dynjax.bucketing._policies import BucketPolicy
 from dynjax.jit import _args, _casts, _forward, _placement, _rewrites, _sharding
 from dynjax.jit._guards import (
@@ -324,19 +324,21 @@ class Family:
                     stacklevel=user_stacklevel())
 
   def _guarded_probe_bucket(self) -> tuple[int, ...]:
-    """The probe bucket, each variable's at least its guards' lower bound (a smaller bucket
-    only holds sizes that run exact)."""
-    probe = list(self._probe_bucket())
-    for i, lo, _ in self._guard_bounds:
-      if probe[i] < lo:
-        p = self.ctx.policies.for_var(self.sig.var_order[i])
-        b = p.bucket(lo)
-        probe[i] = b if b is not None else p.grow(lo)
-    return tuple(probe)
-
-  def _probe_bucket(self) -> tuple[int, ...]:
+    """The probe bucket: each policy's smallest, each variable's at least its guards' lower
+    bound (a smaller bucket only holds sizes that run exact), and larger while an axis the
+    function builds is empty there (``_padding.empty_dims``: no real call runs there)."""
     pols = [self.ctx.policies.for_var(v) for v in self.sig.var_order]
-    return tuple(p.sizes()[0] if p.max is not None else p.grow(max(p.min, 2)) for p in pols)
+    lows = {i: lo for i, lo, _ in self._guard_bounds}
+    probe = [max(p.sizes()[0] if p.max is not None else p.grow(max(p.min, 2)),
+                 p.bucket(lows.get(i, 1)) or p.grow(lows.get(i, 1)))
+             for i, p in enumerate(pols)]
+    for _ in range(8):
+      low = empty_dims(self.jaxpr, self.bucket_env(probe))
+      if not low:
+        break
+      probe = [p.bucket(b + 1) or p.grow(b + 1) if v in low else b
+               for v, b, p in zip(self.sig.var_order, probe, pols, strict=True)]
+    return tuple(probe)
 
   def fall_back(self, reason: str) -> None:
     """The family runs exact from now on (one compile per shape), with one warning; or

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _harness import Case
+from jax import lax
 
 D = 4
 
@@ -130,3 +131,30 @@ def test_reversed_cumsum_of_probabilities_with_inf_rows_stays_exact():
   case = Case(fun, BTD)
   for garbage in ("mixed", "nan"):
     case.check((3, 5), (4, 8), garbage=garbage)
+
+
+def test_softmax_over_an_axis_empty_at_the_probe_bucket_is_bucketed():
+  # wav2vec2's feature extractor (HF Flax): a VALID conv shortens the length by its kernel, so
+  # at the smallest bucket the frames axis is empty, and the fused softmax's max over it raised
+  # (jnp.max refuses an empty axis; lax's reduce_max gives -inf): the family fell back with
+  # "the padding pass failed ... please report it".
+  import warnings
+
+  import dynjax
+
+  taps = jnp.linspace(-1.0, 1.0, 10).reshape(10, 1, 1)  # (width, in, out), as flax's nn.Conv
+
+  def f(x):  # x: [t]; frames: [t - 9] (none at t=8); attention-like softmax over the frames
+    frames = lax.conv_general_dilated(x[None, :, None], taps, (1,), "VALID",
+                                      dimension_numbers=("NWC", "WIO", "NWC"))[0, :, 0]
+    w = jax.nn.softmax(frames[:, None] * frames[None, :], axis=-1)
+    return w @ frames
+
+  g = dynjax.jit(f, dims={"x": "t"}, buckets={"t": dynjax.buckets.pow2(min=8)},
+                 padding="auto", on_fallback="error")
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    for t in (12, 16, 27, 40):
+      x = np.random.default_rng(t).normal(size=t).astype(np.float32)
+      np.testing.assert_allclose(g(x), jax.jit(f)(x), rtol=1e-5, atol=1e-6)
+  assert g.stats()["fallbacks"] == []
