@@ -465,3 +465,25 @@ def sort_comparators():
     return lax_internal._sort_lt_comparator, lax_internal._sort_le_comparator
   except Exception:  # pragma: no cover - private API moved
     return None
+
+
+def is_differentiation_tracer(x) -> bool:
+  """Whether ``x`` is a tracer of ``jax.grad``/``jvp``/``vjp``/``linearize`` (forward-mode
+  or linearize tracers; ``jax.grad`` makes the latter)."""
+  try:
+    from jax._src.interpreters import ad
+  except Exception:  # pragma: no cover - private API moved: judge by the class name
+    return type(x).__name__ in ("JVPTracer", "LinearizeTracer")
+  kinds = tuple(t for t in (getattr(ad, "JVPTracer", None), getattr(ad, "LinearizeTracer", None))
+                if t is not None)
+  return isinstance(x, kinds)
+
+
+def as_weak(x):
+  """``x`` with a weak type (what ``lax.while_loop`` returns for a Python-scalar carry)."""
+  try:
+    from jax._src.lax import lax as lax_internal
+
+    return lax_internal._convert_element_type(x, weak_type=True)
+  except Exception:  # pragma: no cover - private API moved: keep the strong type
+    return x

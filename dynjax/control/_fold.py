@@ -260,9 +260,10 @@ class Fold:
     if not isinstance(structures, list | tuple):
       raise ControlFlowError(
           f"{self.name}.batch expects a list of structures, got {type(structures).__name__}")
-    if any_tracer(jax.tree_util.tree_leaves(shared)):
+    leaves = jax.tree_util.tree_leaves(shared)
+    if any_tracer(leaves):
       raise needs_vm("control.fold", f"{self.name} was called with JAX tracers; it runs a "
-                     "schedule of batched cell calls on the VM")
+                     "schedule of batched cell calls on the VM", leaves)
     t0 = time.perf_counter()
     sch = self.schedule(structures)
     t1 = time.perf_counter()

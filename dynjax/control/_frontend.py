@@ -19,6 +19,7 @@ import threading
 
 import jax
 
+from dynjax import _jax_private as jp
 from dynjax._errors import ControlFlowError, DynjaxError
 
 
@@ -111,8 +112,21 @@ class NotLowerable(ControlFlowError):
   """Internal: an op inside a dynjax-built trace has no pure-XLA form (outer falls back)."""
 
 
-def needs_vm(op: str, why: str) -> Exception:
-  """The exception for an op that met tracers and has no XLA form."""
+def needs_vm(op: str, why: str, leaves=()) -> Exception:
+  """The exception for an op that met tracers and has no XLA form.
+
+  ``leaves`` (recursions: ``recursive``, ``fold``): the values that held the tracers.
+  Tracers of differentiation (``jax.grad``, ``jvp``, ``vjp``) get a :class:`ControlFlowError`
+  of their own: the VM has no backward pass, so ``dynjax.jit`` (which catches
+  :class:`NeedsProgram` and reruns the function on concrete values, where ``jax.grad`` still
+  makes tracers) could not run the recursion either.
+  """
+  if any(jp.is_differentiation_tracer(x) for x in leaves):
+    return ControlFlowError(
+        f"dynjax.{op} cannot be differentiated (jax.grad/jvp/vjp): {why}. The VM has no "
+        "backward pass, inside dynjax.jit either. Differentiate a plain-JAX version of the same recursion (a Python function "
+        "without dynjax.recursive or fold: a dynjax.cell called under a JAX trace runs as its "
+        f"own function), and keep dynjax.{op} for the forward pass (inference).")
   outer = building_what()
   if outer is not None:
     return NotLowerable(f"dynjax.{op} inside {outer} has no XLA form: {why}")

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dynjax._errors import ControlFlowError
-from dynjax.control._frontend import is_tracer
+from dynjax.control._frontend import is_tracer, needs_vm
 
 # -- argument kinds -------------------------------------------------------------------------
 LEAF_TD = jax.tree_util.tree_structure(0)
@@ -137,17 +137,19 @@ def leaf_kind(x, where: str, scalars: dict):
     return k, np.asarray(x, k.dtype)
   if isinstance(x, jax.Array):
     if is_tracer(x):
-      raise ControlFlowError(
-          f"cell {where!r} got a JAX tracer ({x.aval}) inside dynjax.recursive: the "
-          "recursion runs on concrete values. Call the recursive function outside "
-          "jax.jit/grad/vmap (or inside dynjax.jit).")
+      # NeedsProgram (not a plain error): dynjax.jit catches it and reruns the function on
+      # concrete values, as it does for a recursion called with tracers directly.
+      raise needs_vm("recursive", f"cell {where!r} got a JAX tracer ({x.aval}): the "
+                     "recursion batches its cells on the VM, on concrete values", [x])
     return intern_kind("dev", tuple(x.shape), x.dtype), x
   a = np.asarray(x)
-  if a.dtype == object:
+  if a.dtype.kind not in "biufc":  # object, str, bytes, datetime: nothing JAX takes
+    text = repr(x)
+    text = text if len(text) <= 80 else text[:77] + "..."
     raise ControlFlowError(
-        f"a cell argument must be an array, a number or a cell result; got "
-        f"{type(x).__name__} {x!r}. Pass host structures to the recursive function, not to "
-        "cells.")
+        f"cell {where!r}: a cell argument must be an array, a number or a cell result; got "
+        f"{type(x).__name__} {text}. Pass host structures to the recursive function, not to "
+        "cells (e.g. map a word to its id before the cell call).")
   return intern_kind("host", a.shape, canonical(a.dtype)), x
 
 

@@ -151,7 +151,7 @@ class Recursive:
       leaves = args
     if any_tracer(leaves):
       raise needs_vm("recursive", f"{self.name} was called with JAX tracers; it walks a host "
-                     "structure and batches its cells on the VM")
+                     "structure and batches its cells on the VM", leaves)
     return self.batch([args])[0]
 
   def warmup(self, items: Sequence, *, headroom: float = 2.0, spread: tuple = (4, 2),
