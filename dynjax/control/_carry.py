@@ -43,14 +43,31 @@ def flat_fns(cond_fun, body_fun, treedef):
     out = body_fun(jax.tree_util.tree_unflatten(treedef, leaves))
     out_leaves, out_tree = jax.tree_util.tree_flatten(out)
     if out_tree != treedef:
-      raise ControlFlowError(f"body_fun must return a carry with the structure of init: "
-                             f"expected {treedef}, got {out_tree}")
+      raise structure_error("body_fun", treedef, out_tree)
     return out_leaves
 
   def cond_flat(*leaves):
     return cond_fun(jax.tree_util.tree_unflatten(treedef, leaves))
 
   return cond_flat, body_flat
+
+
+def structure_error(what: str, treedef, out_tree) -> ControlFlowError:
+  """The carry's structure changed: the two structures and which paths differ."""
+  def paths(td):
+    dummy = jax.tree_util.tree_unflatten(td, [0] * td.num_leaves)
+    return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(dummy)[0]]
+
+  a, b = paths(treedef), paths(out_tree)
+  lines = [f"result{p}: not in init" for p in b if p not in a]
+  lines += [f"init{p}: missing from the result" for p in a if p not in b]
+  if not lines:  # same paths, other containers (a tuple returned as a list, a None leaf)
+    lines = [f"containers differ: init is {treedef}, the result {out_tree}"]
+  return ControlFlowError(
+      f"{what} must return a carry with the structure of init (expected {treedef}, got "
+      f"{out_tree}):\n" + format_list(lines) + "\nReturn the same containers with the same "
+      "keys every iteration (e.g. a tuple, not a list; keep a leaf that may be unused as an "
+      "array, not None).")
 
 
 def trace_error(what: str, e: Exception) -> ControlFlowError | None:
@@ -111,19 +128,33 @@ def trace_symbolic(part: str, fn, sym_avals):
 def check_structure(what, avals_in, outs, treedef, out_tree, paths) -> None:
   """Every leaf keeps its dtype and rank (all problems listed)."""
   if out_tree != treedef:
-    raise ControlFlowError(f"{what} must return a carry with the structure of init: expected "
-                           f"{treedef}, got {out_tree}")
+    raise structure_error(what, treedef, out_tree)
   bad = []
   for p, a, o in zip(paths, avals_in, outs, strict=True):
-    if jnp.dtype(a.dtype) != jnp.dtype(o.dtype):
-      bad.append(f"{p}: dtype {jnp.dtype(a.dtype).name} -> {jnp.dtype(o.dtype).name}")
+    if not same_dtype(a.dtype, o.dtype):
+      bad.append(f"{p}: dtype {dtype_name(a.dtype)} -> {dtype_name(o.dtype)}")
     if len(a.shape) != len(o.shape):
       bad.append(f"{p}: rank {len(a.shape)} -> {len(o.shape)} (shape {tuple(a.shape)} -> "
                  f"{tuple(o.shape)})")
   if bad:
     raise ControlFlowError(
         f"{what} changes the carry in ways dims cannot express:\n" + format_list(bad)
-        + "\nA carry leaf may change its sizes along axes, but not its dtype or rank.")
+        + "\nA carry leaf may change its sizes along axes, but not its dtype or rank: cast "
+        "the body's result back (x.astype(init's dtype)), start from an init of the result's "
+        "dtype, or keep the rank (index or reshape the new axis away).")
+
+
+def dtype_name(d) -> str:
+  """A dtype's name; typed PRNG key dtypes (``key<fry>``) too, which ``jnp.dtype`` refuses."""
+  return getattr(d, "name", str(d))
+
+
+def same_dtype(a, b) -> bool:
+  """Dtype equality that holds for numpy dtypes, their names, and extended (key) dtypes."""
+  if jax.dtypes.issubdtype(a, jax.dtypes.extended) or jax.dtypes.issubdtype(
+      b, jax.dtypes.extended):
+    return a == b
+  return jnp.dtype(a) == jnp.dtype(b)
 
 
 def same_dim(a, b) -> bool:

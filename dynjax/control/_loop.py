@@ -42,6 +42,7 @@ from dynjax.control._carry import (
   flat_fns,
   initial_dims,
   keypaths,
+  same_dtype,
   user_policy,
 )
 from dynjax.control._frontend import NotLowerable, any_tracer, is_tracer, needs_vm
@@ -193,10 +194,64 @@ def while_loop(cond_fun: Callable, body_fun: Callable, init_val, *, dims=None,
                               max_iterations=max_iterations))
   # device_put, not jnp.asarray: the latter compiles a tiny executable per shape (jax 0.10)
   leaves = [x if isinstance(x, jax.Array) else jax.device_put(x) for x in leaves]
+  weak_out = None
+  if any(getattr(x, "weak_type", False) for x in leaves):  # Python scalars in the carry
+    leaves, weak_out = _weak_carry(body_fun, treedef, leaves)
   avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
   loop = get_loop(cond_fun, body_fun, treedef, avals, dims, buckets, padding, unroll,
                   bucket_from, overflow, max_iterations)
-  return jax.tree_util.tree_unflatten(treedef, loop.run(leaves))
+  outs = loop.run(leaves)
+  if weak_out:
+    outs = [jp.as_weak(o) if w and not getattr(o, "weak_type", True) else o
+            for o, w in zip(outs, weak_out, strict=True)]
+  return jax.tree_util.tree_unflatten(treedef, outs)
+
+
+_WEAK: collections.OrderedDict = collections.OrderedDict()
+
+
+def _weak_carry(body_fun, treedef, leaves):
+  """Weakly typed carry leaves (Python scalars) as ``lax.while_loop`` types them.
+
+  A weak leaf whose body result has another dtype (``0`` plus an ``int8``) starts as that
+  dtype; a leaf is weak at the end when it was weak at the start and the body keeps it weak
+  (``i + 1``).  The loop itself runs on strong types (its executables, the padding pass);
+  the results get their weak types back (before, a hoisted loop returned them strong, its
+  exact mode weak: ``s * x_f32`` of a carry ``s = 1.0`` gave float64 under x64).  Returns
+  ``(leaves, per leaf whether the result is weak)``; cached per body and the carry's ranks,
+  dtypes and weak types (one abstract trace of the body, as ``get_loop``'s cache).
+  """
+  weak_in = [getattr(x, "weak_type", False) for x in leaves]  # a key array has none
+  key = (body_fun, treedef, tuple((x.ndim, str(x.dtype), w) for x, w in zip(leaves, weak_in,
+                                                                            strict=True)))
+  plan = _WEAK.get(key)
+  if plan is None:
+    _, body_flat = flat_fns(None, body_fun, treedef)
+    avals = [jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=w)
+             for x, w in zip(leaves, weak_in, strict=True)]
+    outs = eval_shape_body(body_flat, avals)
+    if len(outs) != len(avals):
+      raise ControlFlowError(f"body_fun must return a carry with the structure of init: "
+                             f"{len(avals)} leaves in, {len(outs)} out")
+    promote = [jnp.result_type(x, o.dtype) if a.weak_type and same_rank_other_dtype(a, o)
+               else None for x, a, o in zip(leaves, avals, outs, strict=True)]
+    if any(p is not None for p in promote):
+      avals = [a if p is None else jax.ShapeDtypeStruct(a.shape, p)
+               for a, p in zip(avals, promote, strict=True)]
+      outs = eval_shape_body(body_flat, avals)
+    weak = [bool(a.weak_type and getattr(o, "weak_type", False))
+            for a, o in zip(avals, outs, strict=True)]
+    plan = _WEAK[key] = (promote, weak)
+    if len(_WEAK) > _CACHE_MAX:
+      _WEAK.popitem(last=False)
+  promote, weak = plan
+  leaves = [x if p is None else jax.device_put(np.asarray(x, p))
+            for x, p in zip(leaves, promote, strict=True)]
+  return leaves, weak
+
+
+def same_rank_other_dtype(a, o) -> bool:
+  return len(a.shape) == len(o.shape) and not same_dtype(a.dtype, o.dtype)
 
 
 def _traced_while(cond_fun, body_fun, init_val, leaves, treedef, options):
@@ -211,7 +266,7 @@ def _traced_while(cond_fun, body_fun, init_val, leaves, treedef, options):
   changed = []
   if out_tree == treedef:
     for p, a, o in zip(keypaths(treedef), leaves, out_leaves, strict=True):
-      if tuple(a.shape) != tuple(o.shape) or jnp.dtype(a.dtype) != jnp.dtype(o.dtype):
+      if tuple(a.shape) != tuple(o.shape) or not same_dtype(a.dtype, o.dtype):
         changed.append(f"{p}: {tuple(a.shape)} -> {tuple(o.shape)}")
   else:
     changed.append(f"structure {treedef} -> {out_tree}")

@@ -19,6 +19,7 @@ executable of one bucket.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -123,6 +124,17 @@ def build_spec(cond_fun, body_fun, treedef, avals, dims, buckets, padding, unrol
   return spec
 
 
+def dim_sources(paths, leaf_dims, sym_avals, text: str) -> str:
+  """Where each carry dim variable ``text`` names comes from: ``n0 = init[0].shape[1]``."""
+  out: dict[str, str] = {}
+  for p, ld, a in zip(paths, leaf_dims, sym_avals, strict=True):
+    for ax, (d, sd) in enumerate(zip(ld, a.shape, strict=True)):
+      if isinstance(d, str) and _symbolic.is_symbolic(sd) and re.search(
+          rf"\b{re.escape(str(sd))}\b", text):
+        out.setdefault(str(sd), f"{sd} = {p}.shape[{ax}]")
+  return ", ".join(out.values())
+
+
 def spec_from_symbolic(cond_fun, body_fun, treedef, paths, sym_avals, leaf_dims, var_order,
                        policy_of, padding, unroll, bucket_from, allow_tracer_consts=False,
                        overflow="error", max_iterations=None) -> LoopSpec:
@@ -141,8 +153,14 @@ def spec_from_symbolic(cond_fun, body_fun, treedef, paths, sym_avals, leaf_dims,
   (pa,) = cond_closed.out_avals if len(cond_closed.out_avals) == 1 else (None,)
   if pa is None or tuple(pa.shape) != () or not (jnp.issubdtype(pa.dtype, jnp.bool_)
                                                  or jnp.issubdtype(pa.dtype, jnp.integer)):
+    got = ", ".join(a.str_short() for a in cond_closed.out_avals) or "nothing"
+    names = dim_sources(paths, leaf_dims, sym_avals, got)
+    fix = ("compare it, e.g. x > 0" if pa is not None and tuple(pa.shape) == () else
+           "reduce it to one value, e.g. jnp.all(...) or jnp.any(...), or index the element "
+           "that decides")
     raise ControlFlowError(
-        f"cond_fun must return one scalar boolean, got {cond_closed.out_avals}")
+        f"cond_fun must return one scalar boolean (shape (), bool or integer), got {got}"
+        + (f" ({names})" if names else "") + f": {fix}.")
   var_order = tuple(var_order)
   # Next sizes: each variable's new value, consistently across every axis that uses it.
   next_of: dict[str, str] = {}

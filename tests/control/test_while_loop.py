@@ -134,7 +134,9 @@ def test_error_dtype_and_rank_change():
       "body_fun changes the carry in ways dims cannot express:\n"
       f"  init[0]: dtype {jnp.ones(2).dtype.name} -> int32\n"  # float64 with x64 on
       "  init[1]: rank 1 -> 2 (shape (3,) -> (1, 3))\n"
-      "A carry leaf may change its sizes along axes, but not its dtype or rank.")
+      "A carry leaf may change its sizes along axes, but not its dtype or rank: cast the "
+      "body's result back (x.astype(init's dtype)), start from an init of the result's dtype, "
+      "or keep the rank (index or reshape the new axis away).")
 
 
 def test_error_shared_dim_changes_differently():
