@@ -218,4 +218,14 @@ TESTS = {
   "tests/trials/test_clients2.py::test_a_numpy_positions_table_sliced_by_the_length_falls_back_with_advice": 5.9,
   "tests/trials/test_clients2.py::test_the_llama_loss_traces_under_the_inferred_guard": 4.2,
   "tests/bucketing/test_conv_vjp.py::test_a_flax_strided_conv_training_step_is_bucketed": 2.9,
+  # control VM on public loops and recursions (-n 2, jax 0.10.2)
+  "tests/control/test_public_loops.py::test_flax_kv_cache_decode_with_a_pytree_of_growing_caches_matches_a_jit_loop": 13.4,
+  "tests/control/test_public_loops.py::test_flax_greedy_decode_with_per_row_eos_matches_a_jit_loop": 13.0,
+  "tests/control/test_public_loops.py::test_sampling_with_a_key_in_the_carry_draws_what_the_jit_loop_draws[raw_uint32_key]": 8.9,
+  "tests/control/test_public_loops.py::test_sampling_with_a_key_in_the_carry_draws_what_the_jit_loop_draws[typed_key]": 6.4,
+  "tests/control/test_public_loops.py::test_python_scalars_in_the_carry_keep_the_types_lax_while_loop_gives_them[False]": 5.7,
+  "tests/control/test_public_loops.py::test_python_scalars_in_the_carry_keep_the_types_lax_while_loop_gives_them[True]": 5.1,
+  "tests/control/test_public_loops.py::test_child_sum_tree_lstm_batches_levels_and_equals_the_plain_recursion": 2.2,
+  "tests/control/test_public_loops.py::test_gradients_of_a_recursion_say_it_cannot_be_differentiated_and_what_to_do": 1.8,
+  "tests/control/test_public_loops.py::test_two_arrays_growing_at_different_rates_with_python_scalars": 1.7,
 }
