@@ -62,12 +62,14 @@ def _symbolic_padding(padding) -> bool:
 
 
 def conv(lhs, rhs, window_strides, padding, lhs_dilation=None, rhs_dilation=None,
-         dimension_numbers=None, **kw):
+         dimension_numbers=None, *rest, **kw):
   """``lax.conv_general_dilated``; inside a family's trace, with a symbolic ``padding``, the
-  input padded (and dilated) by ``lax.pad`` first, then convolved unpadded."""
+  input padded (and dilated) by ``lax.pad`` first, then convolved unpadded.  ``rest``: the
+  parameters after ``dimension_numbers`` given by position (``feature_group_count``, ...: JAX's
+  own batching rule passes them so)."""
   if not (family_tracing_active() and _symbolic_padding(padding)):
     return _CONV(lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation,
-                 dimension_numbers, **kw)
+                 dimension_numbers, *rest, **kw)
   dn = lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers)
   spatial = dn.lhs_spec[2:]
   lhs_dilation = tuple(lhs_dilation) if lhs_dilation else (1,) * len(spatial)
@@ -77,4 +79,4 @@ def conv(lhs, rhs, window_strides, padding, lhs_dilation=None, rhs_dilation=None
     config[axis] = (lo, hi, d - 1)
   lhs = lax.pad(lhs, jnp.zeros((), lhs.dtype), config)
   return _CONV(lhs, rhs, window_strides, [(0, 0)] * len(spatial), (1,) * len(spatial),
-               rhs_dilation, dn, **kw)
+               rhs_dilation, dn, *rest, **kw)
