@@ -96,8 +96,9 @@ def empty_dims(closed, env: Mapping[str, int]) -> set[str]:
         for d in getattr(v.aval, "shape", ()):
           if jp.is_dim_expr(d) and d not in seen:
             seen.add(d)
-            if jp.eval_dim_expr(d, env) < 1:
-              low.update(jp.dim_expr_vars(d))
+            names = jp.dim_expr_vars(d)  # a rule's own variable (a bound scan's): skipped
+            if names <= env.keys() and jp.eval_dim_expr(d, env) < 1:
+              low.update(names)
       for val in eqn.params.values():
         for sub in val if isinstance(val, (tuple, list)) else (val,):
           sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's Jaxpr

@@ -45,6 +45,7 @@ from dynjax.jit._guards import (
   MAX_GUARDS,
   add_guard,
   broken_declared,
+  capped_bucket,
   declared_checks,
   equality_guards,
   guard_texts,
@@ -212,6 +213,7 @@ class Family:
   def _trace(self) -> None:
     self.guards: tuple[str, ...] = ()
     self._guard_bounds: tuple[tuple[int, int, float], ...] = ()  # (var index, lo, hi)
+    self._size_caps: tuple[tuple[int, int], ...] = ()  # (var index, c): _guards.capped_bucket
     self._warned_guards = False
     self._warned_trust_bucket = False  # _guards.trust_bucket_holds warns once
     self._unequal: tuple = ()  # guards ``lhs != rhs``: (text, fn(sizes) -> lhs - rhs, where)
@@ -419,7 +421,7 @@ class Family:
       return None
     if self._unequal and self.mode == "trust" and not trust_bucket_holds(self, bkey):
       return None  # re-traced at the bucket's sizes, the Python would take the other side
-    return tuple(bkey)
+    return capped_bucket(self, tuple(bkey))  # at most a guard's upper bound (t <= c)
 
   def raise_overflow(self, sizes) -> None:
     lines = []

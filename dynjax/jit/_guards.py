@@ -146,27 +146,67 @@ def inconclusive_comparison(e: BaseException | None) -> tuple[str, int] | None:
   return None
 
 
+def capped_size(e: BaseException | None, var_order) -> tuple[str, int] | None:
+  """``(var, c)`` from the first ``min(c, var)`` (or ``min(var, c)``) in the messages of an
+  exception chain, ``var`` one of ``var_order``: a static table sliced by a length
+  (``causal_mask[:, :, :t, :t]`` of a ``max_positions`` mask, ``pos_emb[:t]``) is
+  ``min(c, t)`` long, and the trace fails where it meets the ``t`` of the inputs."""
+  seen = set()
+  while e is not None and id(e) not in seen:
+    seen.add(id(e))
+    for m in _MIN_CONST.finditer(str(e)):
+      var, c = (m.group(2), m.group(1)) if m.group(1) is not None else m.group(3, 4)
+      if var in var_order:
+        return var, int(c)
+    e = e.__cause__ or e.__context__
+  return None
+
+
+_MIN_CONST = re.compile(r"\bmin\((-?\d+), ([A-Za-z_]\w*)\)|\bmin\(([A-Za-z_]\w*), (-?\d+)\)")
+
+
+def capped_bucket(fam, bkey: tuple) -> tuple:
+  """``bkey`` with each variable at most its ``var <= c`` guard from ``min(c, var)``: the
+  executables were traced for sizes up to ``c`` (``min(c, t)`` is ``t`` only there), so a
+  larger bucket does not hold the trace; ``c`` serves as that variable's bucket (a call of
+  ``t <= c`` whose policy bucket is past ``c`` runs at ``c``).  A guard from a comparison
+  (``if t >= 4``) decides a branch by the true size, which any larger bucket keeps."""
+  for i, c in fam._size_caps:
+    if bkey[i] > c:
+      bkey = bkey[:i] + (c,) + bkey[i + 1:]
+  return bkey
+
+
 def add_guard(fam, e: BaseException) -> bool:
-  """Adds the guard that decides the comparison ``e`` found inconclusive; False when there
-  is none to add (not such an error, not ``var OP const``, too many, or no progress)."""
+  """Adds the guard that decides the comparison ``e`` found inconclusive, or ``var <= c``
+  where ``e`` met ``min(c, var)`` (:func:`capped_size`); False when there is none to add
+  (not such an error, not ``var OP const``, too many, or no progress)."""
   # Only a dispatcher that checks ``guard_ok`` on every call may run guarded executables.
   if not getattr(fam.ctx, "checks_guards", False):
     return False
-  cmp = inconclusive_comparison(e)
-  if cmp is None or cmp[0] not in fam.sig.var_order:
-    return False
-  var, split = cmp  # the sizes of ``var`` split into [1, split - 1] and [split, ...)
-  pol = fam.ctx.policies.for_var(var)
-  top = pol.max if fam.ctx.opts.overflow != "grow" else None
-  i = fam.sig.var_order.index(var)
   bounds = {j: (lo, hi) for j, lo, hi in fam._guard_bounds}
-  lo, hi = bounds.get(i, (1, math.inf))
-  top = hi if top is None else min(top, hi)
-  above, below = top - max(lo, split) + 1, min(top, split - 1) - lo + 1  # sizes per side
-  if above >= below:  # ties (and no max): the side of the larger sizes
-    new = (max(lo, split), hi)
+  cmp = inconclusive_comparison(e)
+  if cmp is None:
+    cap = capped_size(e, fam.sig.var_order)
+    if cap is None:
+      return False
+    i = fam.sig.var_order.index(cap[0])
+    lo, hi = bounds.get(i, (1, math.inf))
+    new = (lo, min(hi, cap[1]))
+  elif cmp[0] not in fam.sig.var_order:
+    return False
   else:
-    new = (lo, min(hi, split - 1))
+    var, split = cmp  # the sizes of ``var`` split into [1, split - 1] and [split, ...)
+    pol = fam.ctx.policies.for_var(var)
+    top = pol.max if fam.ctx.opts.overflow != "grow" else None
+    i = fam.sig.var_order.index(var)
+    lo, hi = bounds.get(i, (1, math.inf))
+    top = hi if top is None else min(top, hi)
+    above, below = top - max(lo, split) + 1, min(top, split - 1) - lo + 1  # sizes per side
+    if above >= below:  # ties (and no max): the side of the larger sizes
+      new = (max(lo, split), hi)
+    else:
+      new = (lo, min(hi, split - 1))
   if new == (lo, hi) or new[0] > new[1]:
     return False  # no progress, or no size left
   bounds[i] = new
@@ -177,6 +217,8 @@ def add_guard(fam, e: BaseException) -> bool:
     return False
   fam.sig = sig
   fam.guards = guards
+  if cmp is None:  # a cap: its buckets stop at c (capped_bucket)
+    fam._size_caps = tuple(sorted({**dict(fam._size_caps), i: new[1]}.items()))
   fam._guard_bounds = tuple((j, lo, hi) for j, (lo, hi) in sorted(bounds.items()))
   logger.info("dynjax: %s traces under the inferred guards %s", fam.name, guards)
   return True

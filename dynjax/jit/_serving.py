@@ -42,6 +42,7 @@ from dynjax._config import config
 from dynjax.bucketing import _cost
 from dynjax.jit import _prerun
 from dynjax.jit._family import BucketEntry, Family
+from dynjax.jit._guards import capped_bucket
 from dynjax.jit._scheduler import WARM_AT_ONCE, CompileScheduler
 from dynjax.jit._store import FirstRun
 
@@ -53,8 +54,7 @@ from dynjax.jit._store import FirstRun
 # serve_fresh runs 27/28, tag t0lvl1: 3.96-4.13 vs 4.51-5.09 ms a request, stream 4.21-4.40 vs
 # 4.74-5.40 s, torch eager 4.35-4.39).  Tier 1 recompiles with XLA's defaults once steady.
 QUICK_GPU_OPTIONS = {"xla_gpu_enable_triton_gemm": False, "xla_gpu_autotune_level": 1}
-# Buckets lowered in the background during the first wait (serving).
-PRELOWER_MAX = 12
+PRELOWER_MAX = 12  # buckets lowered in the background during the first wait (serving)
 # A tier-0 build keeps its (Lowered, rewrites) for its tier-1 recompile (the same module, other
 # options): lowering holds the GIL (BERT-base ~0.3 s a bucket on the H100's host) while requests
 # are served.  At most this many a family, oldest dropped (BERT-base: 0.17 MB of StableHLO each).
@@ -491,7 +491,7 @@ class Compiler:
     if fam.joint is not None:  # the planned tuples, not the product of the auto tables
       todo = sorted({tuple(jt[jidx.index(i)] if i in jidx else b[i] for i in range(len(b)))
                      for b in todo for jt in fam.joint.sizes()})
-    todo = sorted(set(todo) | set(stored))
+    todo = sorted({capped_bucket(fam, b) for b in todo} | set(stored))  # guards' bounds
     before, loads_before = self.cache.compiles, self.cache.loads
     t0 = time.perf_counter()
     if background:  # in order, largest first, max_workers (default WARM_AT_ONCE) at a time

@@ -407,3 +407,73 @@ def test_a_size_given_to_numpy_or_python_names_the_line_and_says_what_to_do(body
   assert f" at {__file__}:" in reason, reason  # the user's line, not jax's or numpy's
   assert "NumPy cannot make an array of a symbolic size" in reason, reason
   assert "jnp.asarray(table)[:t]" in reason and "lax.fori_loop" in reason
+
+
+TABLE = jnp.arange(20.0)
+
+
+def plus_table(x):  # a static table sliced by the length: TABLE[:t] is min(20, t) long
+  return x + TABLE[: x.shape[0]]
+
+
+def test_a_static_table_sliced_by_the_length_is_a_guard_and_its_size_a_bucket(compiles):
+  # HF Flax GPT-2, OPT, LLaMA, Mistral, Gemma, BART: causal_mask[:, :, :t, :t] of a
+  # max_positions mask, broadcast against the [b, 1, 1, t] padding mask.  JAX types the slice
+  # min(c, t) and refuses the broadcast: every such model fell back to one compile per shape.
+  f = dynjax.jit(plus_table, dims={"x": "t"}, buckets={"t": dynjax.buckets.pow2(min=4)},
+                 on_fallback="error")
+  xs = [np.random.default_rng(t).normal(size=t).astype(np.float32) for t in (3, 8, 13, 17, 20)]
+  wants = [jax.jit(plus_table)(x) for x in xs]
+  before = compiles()
+  for x, want in zip(xs, wants, strict=True):  # buckets 4, 8, 16, 20 (not pow2's 32: the table)
+    _assert_same(f(x), want)
+  assert compiles() - before == 4 == f.stats()["compiles"]
+  st = f.stats()
+  assert st["exact_calls"] == 0 and st["fallbacks"] == [] and "t=20" in st["per_bucket_calls"]
+  assert f.trace(np.zeros(5, np.float32)).family.guards == ("t <= 20",)
+  with pytest.raises(dynjax.PaddingFallbackError, match=r"t = 21 violate the guard\(s\) t <= 20"):
+    f(np.zeros(21, np.float32))
+  g = dynjax.jit(plus_table, dims={"x": "t"})
+  with pytest.warns(UserWarning, match=r"violate the guard\(s\) t <= 20"):
+    with pytest.raises(TypeError, match="incompatible shapes"):  # as jax.jit raises it
+      g(np.zeros(21, np.float32))
+
+
+MAX_POS = 24
+
+
+def gpt2_style_attention(x, attention_mask):
+  # modeling_flax_gpt2.py's FlaxGPT2Attention: the causal mask made once for max_positions
+  import flax.linen as nn
+
+  causal_mask = nn.make_causal_mask(jnp.ones((1, MAX_POS), dtype="bool"), dtype="bool")
+  b, t = attention_mask.shape
+  causal_mask = causal_mask[:, :, :t, :t]
+  causal_mask = jnp.broadcast_to(causal_mask, (b,) + causal_mask.shape[1:])
+  attention_mask = jnp.broadcast_to(jnp.expand_dims(attention_mask, axis=(-3, -2)),
+                                    causal_mask.shape)
+  mask = nn.combine_masks(attention_mask, causal_mask)
+  s = jnp.einsum("bqd,bkd->bqk", x, x)[:, None]
+  s = lax.select(mask > 0, s, jnp.full(s.shape, jnp.finfo(s.dtype).min, s.dtype))
+  return jnp.einsum("bhqk,bkd->bqd", jax.nn.softmax(s, axis=-1), x)
+
+
+def test_a_gpt2_causal_mask_is_bucketed_up_to_max_positions(compiles):
+  pytest.importorskip("flax")
+  f = dynjax.jit(gpt2_style_attention, dims={"x": "b, t, 8", "attention_mask": "b, t"},
+                 buckets={"b": [2], "t": dynjax.buckets.pow2(min=8, max=64)},
+                 on_fallback="error")
+  warm = f.warmup(jax.ShapeDtypeStruct((2, 5, 8), jnp.float32),
+                  jax.ShapeDtypeStruct((2, 5), jnp.int32))
+  assert sorted(b[-1] for b in warm["buckets"]) == [8, 16, 24]  # 32 and 64 stop at 24
+  calls = []
+  for t in (5, 16, 20, 24):
+    x = np.random.default_rng(t).normal(size=(2, t, 8)).astype(np.float32)
+    m = np.ones((2, t), np.int32)
+    m[1, t // 2:] = 0
+    calls.append((x, m, jax.jit(gpt2_style_attention)(x, m)))
+  before = compiles()
+  for x, m, want in calls:
+    np.testing.assert_allclose(f(x, m), want, rtol=1e-6, atol=1e-6)
+  assert compiles() == before  # every call on a warmed-up bucket
+  assert f.stats()["fallbacks"] == []
