@@ -150,11 +150,14 @@ def capped_size(e: BaseException | None, var_order) -> tuple[str, int] | None:
   """``(var, c)`` from the first ``min(c, var)`` (or ``min(var, c)``) in the messages of an
   exception chain, ``var`` one of ``var_order``: a static table sliced by a length
   (``causal_mask[:, :, :t, :t]`` of a ``max_positions`` mask, ``pos_emb[:t]``) is
-  ``min(c, t)`` long, and the trace fails where it meets the ``t`` of the inputs."""
+  ``min(c, t)`` long, and the trace fails where it meets the ``t`` of the inputs.  Only in
+  such a clash of shapes ("incompatible shapes/types"): a ``min(2, t)`` in another failure
+  (an inconclusive comparison about ``x[:, 2::2]``) says nothing of ``t <= 2``."""
   seen = set()
   while e is not None and id(e) not in seen:
     seen.add(id(e))
-    for m in _MIN_CONST.finditer(str(e)):
+    text = str(e)
+    for m in _MIN_CONST.finditer(text if "incompatible" in text.lower() else ""):
       var, c = (m.group(2), m.group(1)) if m.group(1) is not None else m.group(3, 4)
       if var in var_order:
         return var, int(c)

@@ -477,3 +477,16 @@ def test_a_gpt2_causal_mask_is_bucketed_up_to_max_positions(compiles):
     np.testing.assert_allclose(f(x, m), want, rtol=1e-6, atol=1e-6)
   assert compiles() == before  # every call on a warmed-up bucket
   assert f.stats()["fallbacks"] == []
+
+
+def test_capped_size_reads_min_of_a_constant_only_in_a_clash_of_shapes():
+  from dynjax.jit._guards import capped_size
+
+  clash = TypeError("add got incompatible shapes for broadcasting: (t,), (min(100, t),).")
+  assert capped_size(clash, ("b", "t")) == ("t", 100)
+  assert capped_size(ValueError("Incompatible types: int32[min(t, 64)] vs int32[t]"),
+                     ("t",)) == ("t", 64)
+  # speech_ctc's paddings[:, 2::2]: an inconclusive comparison that names min(2, t) is no cap
+  other = ValueError("Symbolic dimension comparison 'min(2, t)' >= '1' is inconclusive")
+  assert capped_size(other, ("t",)) is None
+  assert capped_size(clash, ("b",)) is None  # not one of the family's variables
