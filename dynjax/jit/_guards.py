@@ -157,7 +157,8 @@ def capped_size(e: BaseException | None, var_order) -> tuple[str, int] | None:
   while e is not None and id(e) not in seen:
     seen.add(id(e))
     text = str(e)
-    for m in _MIN_CONST.finditer(text if "incompatible" in text.lower() else ""):
+    clash = any(w in text.lower() for w in _CLASH)
+    for m in _MIN_CONST.finditer(text if clash else ""):
       var, c = (m.group(2), m.group(1)) if m.group(1) is not None else m.group(3, 4)
       if var in var_order:
         return var, int(c)
@@ -165,6 +166,10 @@ def capped_size(e: BaseException | None, var_order) -> tuple[str, int] | None:
   return None
 
 
+# JAX's words where two shapes that should agree do not ("add got incompatible shapes for
+# broadcasting", "Incompatible types for broadcasting", dot_general's "... to have the same
+# shape, got (min(128, t), 8) and (t, 8)": HF Flax RoFormer's sinusoidal table)
+_CLASH = ("incompatible", "same shape", "mismatch")
 _MIN_CONST = re.compile(r"\bmin\((-?\d+), ([A-Za-z_]\w*)\)|\bmin\(([A-Za-z_]\w*), (-?\d+)\)")
 
 

@@ -486,6 +486,9 @@ def test_capped_size_reads_min_of_a_constant_only_in_a_clash_of_shapes():
   assert capped_size(clash, ("b", "t")) == ("t", 100)
   assert capped_size(ValueError("Incompatible types: int32[min(t, 64)] vs int32[t]"),
                      ("t",)) == ("t", 64)
+  assert capped_size(TypeError(  # HF Flax RoFormer's sinusoidal table, in an einsum
+      "dot_general requires lhs batch dimensions and rhs batch dimensions to have the same "
+      "shape, got (min(128, t), 8) and (t, 8)."), ("b", "t")) == ("t", 128)
   # speech_ctc's paddings[:, 2::2]: an inconclusive comparison that names min(2, t) is no cap
   other = ValueError("Symbolic dimension comparison 'min(2, t)' >= '1' is inconclusive")
   assert capped_size(other, ("t",)) is None
