@@ -94,8 +94,7 @@ FULL_GPU_OPTIONS: dict = {"xla_gpu_enable_triton_gemm": False}
 
 
 def stored_buckets(fam: Family) -> list[tuple[int, ...]]:
-  """The buckets ``fam`` has stored under ``cache_dir`` (any tier), sorted; [] when none or no
-  store."""
+  """The buckets ``fam`` has stored under ``cache_dir`` (any tier), sorted; [] if none."""
   store = fam.store()
   if store is None:
     return []
@@ -562,8 +561,8 @@ def lowering(fam: Family, bkey):
 
 
 def plan_buckets(fam: Family, bkey, limit: int) -> list[tuple]:
-  """Up to ``limit`` bucket tuples the policies plan now, for calls like one of bucket
-  ``bkey`` (dims without a declared max keep ``bkey``'s size), largest first."""
+  """Up to ``limit`` bucket tuples the policies plan now, for calls like one of bucket ``bkey``
+  (dims without a declared max keep ``bkey``'s size), largest first."""
   if fam.joint is not None:
     return []
   axes = []
@@ -573,7 +572,8 @@ def plan_buckets(fam: Family, bkey, limit: int) -> list[tuple]:
     except Exception:  # noqa: BLE001 - a policy that cannot list its sizes yet
       sizes = (b,)
     axes.append(sorted(sizes, reverse=True))
-  return list(itertools.islice(itertools.product(*axes), limit))
+  return list(itertools.islice(dict.fromkeys(  # each at most its guards' caps, once
+      capped_bucket(fam, b) for b in itertools.product(*axes)), limit))
 
 
 def top_bucket(fam: Family, bkey) -> tuple:
@@ -581,8 +581,8 @@ def top_bucket(fam: Family, bkey) -> tuple:
   the largest bucket of each dim with a declared max, ``bkey``'s own size along a dim without
   one (an undeclared batch dim ``b`` must not leave the sequence dim ``t`` uncovered: a server
   whose first request is short would otherwise wait again for the first long one)."""
-  return tuple(b if p.max is None else max(b, p.sizes()[-1])
-               for p, b in zip(fam.policies, bkey, strict=True))
+  return capped_bucket(fam, tuple(b if p.max is None else max(b, p.sizes()[-1])
+                                 for p, b in zip(fam.policies, bkey, strict=True)))
 
 
 def on_gpu() -> bool:

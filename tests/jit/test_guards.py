@@ -493,3 +493,19 @@ def test_capped_size_reads_min_of_a_constant_only_in_a_clash_of_shapes():
   other = ValueError("Symbolic dimension comparison 'min(2, t)' >= '1' is inconclusive")
   assert capped_size(other, ("t",)) is None
   assert capped_size(clash, ("b",)) is None  # not one of the family's variables
+
+
+def test_a_server_builds_no_bucket_past_a_cap():
+  # serving=True compiles the bucket that covers the declared range first (t=64 here): past
+  # the causal mask's 24 it is the cap's bucket instead, and calls run there
+  pytest.importorskip("flax")
+  f = dynjax.jit(gpt2_style_attention, dims={"x": "b, t, 8", "attention_mask": "b, t"},
+                 buckets={"b": [2], "t": dynjax.buckets.pow2(min=8, max=64)}, serving=True)
+  for t in (20, 5, 24):
+    x = np.random.default_rng(t).normal(size=(2, t, 8)).astype(np.float32)
+    m = np.ones((2, t), np.int32)
+    np.testing.assert_allclose(f(x, m), jax.jit(gpt2_style_attention)(x, m), rtol=1e-6,
+                               atol=1e-6)
+  f.wait()
+  buckets = {int(k.split("t=")[1]) for k in f.stats()["per_bucket_calls"]}
+  assert max(buckets) == 24, f.stats()["per_bucket_calls"]
