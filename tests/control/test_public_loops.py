@@ -264,7 +264,9 @@ def test_two_arrays_growing_at_different_rates_with_python_scalars():
     np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
   st = dc.loop_stats()
   _check_syncs(st)
-  assert st["buckets"] == [(16, 16), (16, 32)]  # a grows 3 -> 15, b 4 -> 28
+  # a grows 3 -> 15, b 4 -> 28; off the CPU the loop may start at the cap's bucket
+  assert st["buckets"][-1] == (16, 32)
+  assert jax.default_backend() != "cpu" or st["buckets"] == [(16, 16), (16, 32)]
 
 
 _WEAK_CODE = """
