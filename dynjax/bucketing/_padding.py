@@ -34,6 +34,7 @@ from dynjax.bucketing._padding_core import (
   Context,
   PaddedValue,
   interpret_closed,
+  sub_jaxprs,
   unsupported_all,
 )
 
@@ -99,11 +100,8 @@ def empty_dims(closed, env: Mapping[str, int]) -> set[str]:
             names = jp.dim_expr_vars(d)  # a rule's own variable (a bound scan's): skipped
             if names <= env.keys() and jp.eval_dim_expr(d, env) < 1:
               low.update(names)
-      for val in eqn.params.values():
-        for sub in val if isinstance(val, (tuple, list)) else (val,):
-          sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's Jaxpr
-          if hasattr(sub, "eqns"):
-            walk(sub)
+      for sub in sub_jaxprs(eqn.params):
+        walk(sub)
 
   walk(closed.jaxpr)
   return low

@@ -7,8 +7,8 @@ per shape.  Linear-recurrence models (S5, LRU, Mamba-style selective scans, GRU-
 RNNs) and RL returns compute exactly that scan along time.
 
 While a family traces (``_rebind.family_tracing()``, this thread only),
-``jax.lax.associative_scan`` over a symbolic axis binds ``dynjax_associative_scan`` instead: the elements and the values ``fn``
-closes over are its operands, and ``fn`` is a jaxpr traced at a length of its own
+``jax.lax.associative_scan`` over a symbolic axis binds ``dynjax_associative_scan`` instead:
+the elements and the values ``fn`` closes over are its operands, and ``fn`` is a jaxpr traced at a length of its own
 (``LENGTH``, a dim variable that each level of the scan binds to its static length), applied
 to whole arrays as JAX applies it.  At a bucket's padded shape the padding rule runs JAX's
 recursion (:func:`_blelloch`, operation for operation) at the padded length:

@@ -29,6 +29,14 @@ _INT = re.compile(r"^-?\d+$")
 _FLIP = {"<": ">", "<=": ">=", ">": "<", ">=": "<="}
 
 
+# The advice where a dynamic size went where an integer is needed (a hint below, and a NumPy
+# call on the failing line: trace_failure_hint).
+SIZE_AS_INTEGER = (
+    "a dynamic size (x.shape[i]) went where Python or NumPy need an integer (range(t), "
+    "np.ones(t), np.arange(t), a NumPy array sliced by it as table[:t]): NumPy cannot make an "
+    "array of a symbolic size, so write that part with jax.numpy (jnp.ones(t), jnp.arange(t), "
+    "jnp.asarray(table)[:t]) and a loop over t with lax.fori_loop or lax.scan, or give that "
+    "axis an integer in dims if it never varies")
 # What to do about the symbolic-shape limits of JAX that public code meets most (found by
 # probing public idioms under padding="auto", session 17): a substring of JAX's message ->
 # the advice appended to the fallback reason.
@@ -50,15 +58,9 @@ TRACE_FAILURE_HINTS = (
      "-(-t // k) * k is: write the padding that way and the reshape traces"),
     # Python and NumPy ask a symbolic size for ``__index__`` (session 24: openai/whisper's
     # ``sinusoids(n_ctx, d)[:x.shape[1]]`` as a NumPy table; ``range(t)``, ``np.ones(t)``)
-    ("cannot be interpreted as an integer", "SIZE_AS_INTEGER"),
-    ("slice indices must be integers", "SIZE_AS_INTEGER"),
+    ("cannot be interpreted as an integer", SIZE_AS_INTEGER),
+    ("slice indices must be integers", SIZE_AS_INTEGER),
 )
-SIZE_AS_INTEGER = (
-    "a dynamic size (x.shape[i]) went where Python or NumPy need an integer (range(t), "
-    "np.ones(t), np.arange(t), a NumPy array sliced by it as table[:t]): NumPy cannot make an "
-    "array of a symbolic size, so write that part with jax.numpy (jnp.ones(t), jnp.arange(t), "
-    "jnp.asarray(table)[:t]) and a loop over t with lax.fori_loop or lax.scan, or give that "
-    "axis an integer in dims if it never varies")
 _NUMPY_CALL = re.compile(r"(?<![\w.])(np|numpy)\.")  # np.ones(...), not jnp.ones(...)
 
 
@@ -75,8 +77,6 @@ def trace_failure_hint(e: BaseException) -> str:
     where = f" at {frame.filename}:{frame.lineno}" + (f" ({code[:100]})" if code else "")
     if hint is None and _NUMPY_CALL.search(code):  # np.arange(t) fails inside jax's tracer
       hint = SIZE_AS_INTEGER
-  if hint == "SIZE_AS_INTEGER":
-    hint = SIZE_AS_INTEGER
   return where + (f"; {hint}" if hint else "")
 
 
@@ -157,11 +157,11 @@ def capped_size(e: BaseException | None, var_order) -> tuple[str, int] | None:
   while e is not None and id(e) not in seen:
     seen.add(id(e))
     text = str(e)
-    clash = any(w in text.lower() for w in _CLASH)
-    for m in _MIN_CONST.finditer(text if clash else ""):
-      var, c = (m.group(2), m.group(1)) if m.group(1) is not None else m.group(3, 4)
-      if var in var_order:
-        return var, int(c)
+    if any(w in text.lower() for w in _CLASH):
+      for m in _MIN_CONST.finditer(text):
+        var, c = (m.group(2), m.group(1)) if m.group(1) is not None else m.group(3, 4)
+        if var in var_order:
+          return var, int(c)
     e = e.__cause__ or e.__context__
   return None
 
