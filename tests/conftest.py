@@ -40,6 +40,9 @@ def _xla_flags() -> str:
 
 
 os.environ.setdefault("XLA_FLAGS", _xla_flags())
+# Exactness tests compare padded and exact runs: on GPU, TF32 matmuls differ by shape.  The
+# environment variable carries this to the tests' subprocesses (jax.config below: this one).
+os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 # No route kernel kept on disk across test processes (a test that patches a kernel's code
 # without changing its key would otherwise load another run's kernel); test_once turns it on.
 os.environ["DYNJAX_KERNEL_CACHE"] = "0"

@@ -69,7 +69,9 @@ def test_linen_server_warms_up_from_shapes_before_its_weights_exist(tmp_path):
     np.testing.assert_allclose(np.asarray(fn(variables, tok, lens)),
                                np.asarray(ref(variables, tok, lens)), rtol=1e-5, atol=2e-6)
   st = fn.stats()
-  assert (st["compiles"], st["waited_for_compile"]) == (4, 0)
+  # (on a GPU wait() also runs each bucket's full-quality tier: twice the compiles)
+  tiers = fn._dispatcher.compiler.tiers()
+  assert (st["compiles"], st["waited_for_compile"]) == (4 * tiers, 0)
 
 
 def test_nnx_warmup_takes_its_options_and_an_abstract_model():

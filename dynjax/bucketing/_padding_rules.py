@@ -518,17 +518,26 @@ if hasattr(P, "approx_top_k_p"):
     axis = p["reduction_dimension"] % aval.ndim
     x = invals[0].val
     if is_dynamic_dim(aval.shape[axis]):
-      if jax.default_backend() == "tpu":
+      backend = jax.default_backend()
+      if backend == "tpu":
         raise unsupported(
           eqn,
           "on TPU approx_top_k is approximate and its recall depends on the reduced length, so "
           "the padded and the exact results differ (use lax.top_k)",
         )
+      if backend != "cpu":  # H100: all-equal values of length 6 gave index 5, padded to 8 3
+        raise unsupported(
+          eqn,
+          f"on {backend} approx_top_k breaks ties in an order that depends on the reduced "
+          "length, so the padded and the exact indices can differ (use lax.top_k: ties go to "
+          "the lower index)",
+        )
       if any(is_dynamic_dim(d) for v in eqn.outvars for d in v.aval.shape[axis : axis + 1]):
         raise unsupported(eqn, "approx_top_k with aggregate_to_topk=False over a dynamic axis")
       if p["reduction_input_size_override"] != -1:
         raise unsupported(eqn, "approx_top_k with reduction_input_size_override")
-      # Off TPU it is an exact sort-based top-k: padding reads as the chooser's identity.
+      # On the CPU it is an exact sort-based top-k (ties to the lower index): padding reads
+      # as the chooser's identity.
       kind = "max" if p["is_max_k"] else "min"
       x = ctx.mask(invals[0], aval, [axis], identity_for(kind, aval.dtype), eqn)
     return [PaddedValue(o) for o in _bind(ctx, eqn, [x])]

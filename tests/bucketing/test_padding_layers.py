@@ -183,7 +183,8 @@ def test_training_step_gradients_equal_exact():
     dtypes=[jnp.float32, jnp.float32, jnp.float32, jnp.int32, jnp.float32],
     inputs=_train_inputs,
     constraints=("t <= 16",),
-    rtol=1e-4,
+    # (a GPU sums float32 in another order at the bucket's shape: H100, 1.9e-4 apart)
+    rtol=1e-4 if jax.default_backend() == "cpu" else 5e-4,
     atol=1e-5,
   )
   for true in [(1, 1), (2, 5), BUCKET]:

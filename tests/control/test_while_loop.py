@@ -50,8 +50,11 @@ def test_greedy_decode_matches_exact_jit(batch, t, max_new, stop_at):
   np.testing.assert_array_equal(np.asarray(got[2]), np.asarray(want[2]))
   assert st["mode"] == "hoisted"
   assert st["iterations"] == int(want[1])
-  assert st["host_syncs"] <= st["buckets_crossed"] + 1
-  assert st["host_syncs"] == len(st["buckets"])
+  # One sync a bucket; off the CPU a loop with a cap starts at the cap's bucket
+  # (bucket_from="auto"), which reads the step counter once more (H100 run of the suite).
+  extra = st["host_syncs"] - len(st["buckets"])
+  assert len(st["buckets"]) == st["buckets_crossed"] + 1, st
+  assert extra in ((0,) if jax.default_backend() == "cpu" else (0, 1)), st
   if stop_at is not None and batch == 1:
     assert int(want[1]) <= stop_at + 1 < max_new  # it really stopped early
   if t + max_new > 16 and stop_at is None:

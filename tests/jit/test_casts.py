@@ -331,6 +331,7 @@ def test_a_family_with_little_to_convert_casts_nothing(monkeypatch):
   from dynjax.jit import _casts
 
   monkeypatch.setattr(_casts, "MIN_SAVED_SECONDS", 1e-4)  # CPU: 1e10 B/s -> 1 MB moved
+  monkeypatch.setattr(_casts, "BANDWIDTH", {})  # every backend at the CPU's 1e10 B/s
 
   def fn(p, x):
     return x.astype(BF16) @ p["w"].astype(BF16)
@@ -363,6 +364,16 @@ def test_a_bucket_that_does_not_forward_runs_exact():
 
 
 # -- the per-call swap by key path (Applier.paths) --------------------------------------------
+def _same(got, want):
+  """Bitwise on the CPU.  On a GPU XLA keeps ``_mlp``'s bfloat16 intermediates in float32
+  inside its fusions (excess precision), and a bucket's program fuses otherwise than
+  ``jax.jit``'s at the exact shape: a bfloat16 rounding apart (H100: 1.4e-3 relative)."""
+  if jax.default_backend() == "cpu":
+    np.testing.assert_array_equal(got, want)
+  else:
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-2, atol=1e-2)
+
+
 def _mlp(p, x):
   h = jnp.tanh(x.astype(BF16) @ p["layers"][0]["w"].astype(BF16))
   h = h @ p["layers"][1]["w"].astype(BF16) * p["scale"]  # scale: float32 use, not cast
@@ -391,18 +402,18 @@ def test_hits_swap_by_key_path_without_a_flatten(monkeypatch):
   p = _mlp_params()
   x = np.random.RandomState(1).randn(3, 4).astype(np.float32)
   want = np.asarray(jax.jit(_mlp)(p, x))
-  np.testing.assert_array_equal(np.asarray(f(p, x)), want)  # misses: converted (flatten)
+  _same(np.asarray(f(p, x)), want)  # misses: converted (flatten)
   n0 = len(flattens)
   fam = next(iter(f._dispatcher.all_families.values()))
   assert len(fam.casts) == 3  # two layer kernels and pair[0]
   for _ in range(3):
-    np.testing.assert_array_equal(np.asarray(f(p, x)), want)
+    _same(np.asarray(f(p, x)), want)
   rebuilt = {"layers": list(p["layers"]), "scale": p["scale"], "pair": tuple(p["pair"])}
-  np.testing.assert_array_equal(np.asarray(f(rebuilt, x)), want)
+  _same(np.asarray(f(rebuilt, x)), want)
   assert len(flattens) == n0  # every hit swapped by path
   assert f.stats()["cast_once"]["conversions"] == 3
   q = dict(p, layers=[p["layers"][0], {"w": p["layers"][1]["w"] * 2}])  # one new array
-  np.testing.assert_array_equal(np.asarray(f(q, x)), np.asarray(jax.jit(_mlp)(q, x)))
+  _same(np.asarray(f(q, x)), np.asarray(jax.jit(_mlp)(q, x)))
   assert f.stats()["cast_once"]["conversions"] == 4 and len(flattens) == n0 + 1
   assert p["layers"][0]["w"].dtype == jnp.float32  # the caller's tree is never modified
 
@@ -416,7 +427,7 @@ def test_another_structure_takes_a_new_family():
   f(p, x)
   f(p, x)
   q = dict(p, extra=jnp.zeros(2))
-  np.testing.assert_array_equal(np.asarray(f(q, x)), np.asarray(jax.jit(_mlp)(q, x)))
+  _same(np.asarray(f(q, x)), np.asarray(jax.jit(_mlp)(q, x)))
   assert len(f._dispatcher.all_families) == 2
 
 
@@ -435,7 +446,7 @@ def test_frozen_dict_params_take_the_flatten_path(monkeypatch):
   p = FrozenDict(_mlp_params())
   x = np.ones((3, 4), np.float32)
   for _ in range(3):
-    np.testing.assert_array_equal(np.asarray(f(p, x)), np.asarray(jax.jit(_mlp)(p, x)))
+    _same(np.asarray(f(p, x)), np.asarray(jax.jit(_mlp)(p, x)))
   assert len(flattens) == 3
   assert f.stats()["cast_once"]["conversions"] == 3
 

@@ -24,6 +24,7 @@ def test_sharding_module_passes_on_8_devices_in_its_own_process():
     pytest.skip("this process has 8 devices: test_sharding.py runs in it directly")
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the child's conftest sets them
   env["DYNJAX_TEST_DEVICES"] = "8"
+  env["JAX_PLATFORMS"] = "cpu"  # 8 fake CPU devices also on a machine with one GPU
   proc = subprocess.run(
       [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
        os.path.join(HERE, "test_sharding.py")],

@@ -12,6 +12,9 @@ import pytest
 
 from dynjax.route import _once
 
+# What jax.export calls this process's backend: an export for it runs here (CPU or CUDA).
+HERE = ("cuda",) if jax.default_backend() == "gpu" else ("cpu",)
+
 
 @pytest.fixture(autouse=True)
 def fresh():
@@ -132,7 +135,7 @@ def test_the_loaded_kernel_computes_what_the_exported_one_did(tmp_path, monkeypa
   a = np.random.RandomState(0).randn(8, 16).astype(np.float32)
   # The kept export runs on CPU too where it is exported for it: the file's round trip is
   # checked by value here, beside the CUDA text above.
-  monkeypatch.setattr(_once, "_PLATFORMS", ("cpu",))
+  monkeypatch.setattr(_once, "_PLATFORMS", HERE)
   want = jax.jit(lambda a: _once.call("v", jax.nn.sigmoid, a, keep=True))(a)
   _once.clear()
   got = jax.jit(lambda a: _once.call("v", jnp.tanh, a, keep=True))(a)  # loaded: not tanh
@@ -269,7 +272,7 @@ def test_a_kept_kernel_on_a_gpu_readies_mosaic_gpus_runtime_without_its_python(t
   for _ in range(2):
     _once.clear()
     jax.jit(lambda a: _once.call("c", jnp.tanh, a, keep=True)).trace(
-        jax.ShapeDtypeStruct((8, 16), jnp.float32)).lower()
+        jax.ShapeDtypeStruct((8, 16), jnp.float32)).lower(lowering_platforms=("cpu",))
   assert loads == [1] and readied == [1] and len(_files(tmp_path)) == 2
 
 
@@ -326,7 +329,7 @@ def test_an_exported_kernel_runs_under_vmap_also_of_a_jitted_caller(monkeypatch)
   # jax has no batching rule for an exported call: under jax.vmap, and jax.vmap of a function
   # already jitted around it (its jaxpr batched after the fact), the kernel runs once an
   # element; unbatched operands are broadcast.
-  monkeypatch.setattr(_once, "_PLATFORMS", ("cpu",))  # an export that runs here
+  monkeypatch.setattr(_once, "_PLATFORMS", HERE)  # an export that runs here
   a = jnp.asarray(np.random.RandomState(0).randn(3, 8, 16), jnp.float32)
   b = jnp.asarray(np.random.RandomState(1).randn(16, 4), jnp.float32)
   call = lambda a, b: _once.call("vm", _kernel, a, b)  # noqa: E731

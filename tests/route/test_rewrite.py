@@ -35,6 +35,13 @@ def public_moe(gate):
 moe = public_moe(GATE)
 
 
+# route.ragged_dot is lax.ragged_dot on the CPU: equal to 1e-6.  On a GPU its kernels run
+# float32 at the default precision (TF32, the only one the rewrite takes), lax's reference
+# at the suite's "highest": 3.4e-3 apart on the H100.
+TOL = (dict(rtol=1e-6, atol=1e-6) if jax.default_backend() == "cpu"
+       else dict(rtol=1e-2, atol=1e-2))
+
+
 def _x(t):
   return jax.random.normal(jax.random.key(t), (t, K), jnp.float32)
 
@@ -46,7 +53,7 @@ def test_exact_in_every_mode_and_explained(padding):
   for t in (3, 9, 9):
     with jax.default_matmul_precision("default"):
       got = f(_x(t), W)
-    np.testing.assert_allclose(got, jax.jit(moe)(_x(t), W), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(got, jax.jit(moe)(_x(t), W), **TOL)
   text = f.explain()
   assert "ragged_dot='kernels':" in text and "ragged_dot (forward) at" in text
 
@@ -89,10 +96,14 @@ def test_bad_option_is_named_with_the_choices():
 
 
 @pytest.mark.parametrize("padding", ["trust", "auto"])
-def test_with_weights_cast_once_the_rewrite_sees_the_function_s_own_dtypes(padding):
+def test_with_weights_cast_once_the_rewrite_sees_the_function_s_own_dtypes(padding,
+                                                                          monkeypatch):
   # float32 weights, bfloat16 compute: the executables take cast copies (cast_once) and
   # hand the function its float32 leaves back; trust's per-shape rewrite traced the function
   # at the cast dtypes (no astype left in its jaxpr) and failed on the float32 it got.
+  from dynjax.jit import _casts
+
+  monkeypatch.setattr(_casts, "BANDWIDTH", {})  # a GPU's would find 2 MB not worth casting
   w = jax.random.normal(jax.random.key(2), (4, 256, 512), jnp.float32) / 16
   gate = jax.random.normal(jax.random.key(3), (256, 4), jnp.float32)
 
