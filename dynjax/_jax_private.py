@@ -432,6 +432,13 @@ def pad_wrap_hook():
   return _hook("jax._src.numpy.lax_numpy", "_pad_wrap")
 
 
+def scan_length_hook():
+  """The function ``jax.lax.scan`` checks an explicit ``length`` with: ``loops.
+  _infer_scan_length`` (:func:`_hook`; None: ``bucketing/_scan_length`` installs nothing and
+  ``scan(..., length=xs.shape[0])`` over a dynamic axis falls back exact, as before)."""
+  return _hook("jax._src.lax.control_flow.loops", "_infer_scan_length")
+
+
 def conv_hook():
   """The name JAX's transposes of ``conv_general_dilated`` call it by (``jax._src.lax.
   convolution.conv_general_dilated``; :func:`_hook`; None: ``bucketing/_conv_vjp`` installs

@@ -51,6 +51,107 @@ OMITTED = _Omitted()
 jax.tree_util.register_pytree_node(_Omitted, lambda _: ((), None), lambda _, __: OMITTED)
 
 
+# -- leaves that are not arrays (an Equinox module's activation function, a string) ---------
+PY_SCALARS = (bool, int, float, complex)
+_TRACED_TYPES = (jax.Array, np.ndarray, np.generic, bool, int, float, complex,
+                 jax.ShapeDtypeStruct, Padded)
+
+
+def is_static_leaf(x) -> bool:
+  """A leaf no JAX type can hold (a function, a string, any object without ``__array__``):
+  ``jax.jit`` refuses it; dynjax holds it as part of the family's key, as ``eqx.filter_jit``
+  does.  Python numbers stay traced (weakly typed), as ``jax.jit`` traces them."""
+  return not (isinstance(x, _TRACED_TYPES) or hasattr(x, "__jax_array__")
+              or hasattr(x, "__array__"))
+
+
+class _Static:
+  """A static leaf inside a treedef: no children, the value as the node's aux data (so the
+  treedef hashes and compares it), and unflattening gives back the value itself."""
+
+  __slots__ = ("value",)
+
+  def __init__(self, value):
+    self.value = value
+
+
+jax.tree_util.register_pytree_node(_Static, lambda s: ((), s.value), lambda value, _: value)
+
+
+class StaticLeaves:
+  """The static leaves of one call's flat leaves (positions and values) and the two treedefs
+  built from the arguments: ``fun_tree`` unflattens the other leaves into the arguments with
+  the static values in place (the function's view), ``exec_tree`` with None there (the
+  executables' pytrees: what ``eqx.partition(args, eqx.is_array)`` gives)."""
+
+  __slots__ = ("items", "kept", "fun_tree", "exec_tree")
+
+  def __init__(self, items, kept, fun_tree, exec_tree):
+    self.items, self.kept, self.fun_tree, self.exec_tree = items, kept, fun_tree, exec_tree
+
+  @classmethod
+  def find(cls, name: str, binder: Binder, dyn, leaves,
+           scalars: bool = False) -> StaticLeaves | None:
+    """None when every leaf is an array or number (the common case).  ``scalars``: Python
+    numbers are static too (the function could not trace them: ``if self.inference:``).
+    Raises a SpecError listing every static leaf that cannot be hashed (it could not key a
+    family)."""
+    static = (lambda x: type(x) in PY_SCALARS or is_static_leaf(x)) if scalars else is_static_leaf
+    items = tuple((i, x) for i, x in enumerate(leaves) if static(x))
+    if not items:
+      return None
+    paths = binder.leaf_paths(dyn)
+    bad = []
+    for i, x in items:
+      try:
+        hash(x)
+      except TypeError:
+        bad.append(f"  {paths[i]}: {type(x).__name__} (unhashable)")
+    if bad:
+      raise SpecError(
+          f"{name}(): arguments hold leaves that are not arrays, which dynjax keeps static "
+          "(part of the compiled function's key, as eqx.filter_jit does), but they cannot be "
+          "hashed:\n" + "\n".join(bad) + "\nFix: make them hashable (a frozen dataclass, a "
+          "tuple), turn them into arrays, or pass them through static_argnames.")
+    static_at = {i for i, _ in items}
+    wrap = lambda x: _Static(x) if static(x) else x  # noqa: E731
+    hole = lambda x: None if static(x) else x  # noqa: E731
+    return cls(items, tuple(i for i in range(len(leaves)) if i not in static_at),
+               jax.tree_util.tree_structure(jax.tree_util.tree_map(wrap, dyn, is_leaf=is_padded),
+                                            is_leaf=is_padded),
+               jax.tree_util.tree_structure(jax.tree_util.tree_map(hole, dyn, is_leaf=is_padded),
+                                            is_leaf=is_padded))
+
+  def strip(self, leaves):
+    """The leaves without the static ones, or None where a static value differs from this
+    family's (another family: the slow path finds or builds it)."""
+    for i, v in self.items:
+      x = leaves[i]
+      if x is not v and not (type(x) is type(v) and x == v):
+        return None
+    return [leaves[i] for i in self.kept]
+
+  def keep(self, seq) -> list:
+    return [seq[i] for i in self.kept]
+
+
+def static_outputs(out, scalars: bool = False):
+  """``(leaves, treedef)`` of a function's output, any static leaf (a returned Equinox module's
+  activation function; ``scalars``: Python numbers too) held in the treedef, so the computation
+  returns arrays only."""
+  static = (lambda x: type(x) in PY_SCALARS or is_static_leaf(x)) if scalars else is_static_leaf
+  leaves, tree = tree_flatten(out)
+  if any(map(static, leaves)):
+    leaves, tree = tree_flatten(jax.tree_util.tree_map(
+        lambda x: _Static(x) if static(x) else x, out))
+  return leaves, tree
+
+
+class _Texts(list):
+  """The spec texts of one dims spec's leaves: a pytree leaf (a plain list is a node, and a
+  list of specs matches a list argument: Keras's ``model([encoder_ids, decoder_ids])``)."""
+
+
 class Binder:
   """Binds calls of one function to its parameters (static ones taken out)."""
 
@@ -118,14 +219,14 @@ class Binder:
         values[p.name] = value
     return call_in_order(self.params, values)
 
-  def flat_fun(self, static, treedef):
+  def flat_fun(self, static, treedef, scalars: bool = False):
     """``fun`` as a function of the flat dynamic leaves, returning a flat list (its output
     tree lands in ``flat_fun.out_tree`` when traced)."""
     fun = self.fun
 
     def flat_fun(*leaves):
       args, kwargs = self.call_args(static, tree_unflatten(treedef, leaves))
-      out_leaves, flat_fun.out_tree = tree_flatten(fun(*args, **kwargs))
+      out_leaves, flat_fun.out_tree = static_outputs(fun(*args, **kwargs), scalars)
       return out_leaves  # a flat list, so executables return flat lists too
 
     flat_fun.__name__ = self.name
@@ -157,15 +258,15 @@ class Binder:
                         f"array; write its axes as one spec string: "
                         f"dims={{{name!r}: {', '.join(spec)!r}}}")
       else:
-        try:
+        try:  # each spec's texts in a _Texts (a pytree leaf): a list of specs is a node
           per = jax.tree_util.tree_map(
-              lambda s, sub: [s] * len(tree_flatten(sub, is_leaf=is_padded)[0]), spec, value,
-              is_leaf=lambda x: x is None or isinstance(x, str))
+              lambda s, sub: _Texts([s] * len(tree_flatten(sub, is_leaf=is_padded)[0])), spec,
+              value, is_leaf=lambda x: x is None or isinstance(x, str))
         except ValueError as e:
           raise SpecError(f"dims[{name!r}] does not match the structure of argument {name!r}: "
                           f"{e}") from None
         texts.extend(itertools.chain.from_iterable(
-            jax.tree_util.tree_leaves(per, is_leaf=lambda x: isinstance(x, list))))
+            jax.tree_util.tree_leaves(per, is_leaf=lambda x: isinstance(x, _Texts))))
     return texts
 
   def donate_positions(self, donate: tuple[str, ...]) -> tuple[int, ...]:

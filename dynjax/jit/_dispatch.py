@@ -240,7 +240,9 @@ class Dispatcher:
     self.fallbacks: list[str] = []
     self.families: dict = {}  # full key -> Family (the latest one, with dims="auto")
     self.all_families: dict[int, Family] = {}
-    self.fast: dict = {}  # (static, treedef) -> last family used: the general hot path
+    self.fast: dict = {}  # (static, treedef) -> (last family used, its StaticLeaves or None)
+    self.statics: dict = {}  # family id -> _args.StaticLeaves (leaves that are not arrays)
+    self.static_scalars: set = set()  # (static, treedef) whose Python numbers are static
     self.top: dict = {}  # static key -> family with the top-level hot path
     self.padded_trees: set = set()  # treedefs (flattened through Padded) that hold a Padded
     self.family_lock = threading.Lock()
@@ -260,12 +262,13 @@ class Dispatcher:
     # (a treedef lookup hashes and compares the whole structure: ~10 us for 200 leaves)
     if self.padded_trees and treedef in self.padded_trees:  # a Padded inside: keep it whole
       leaves, treedef = tree_flatten(dyn, is_leaf=is_padded)
-    fam = self.fast.get((static, treedef))
-    if fam is not None and fam.accepts(leaves):
+    fam, statics = self.fast.get((static, treedef), (None, None))
+    run_leaves = leaves if statics is None else statics.strip(leaves)  # a function leaf...
+    if fam is not None and run_leaves is not None and fam.accepts(run_leaves):
       # Only the leaves with dims are checked here; a changed static leaf (a parameter of a new
       # shape or dtype) is caught by the executable's own argument check, then the slow path.
       try:
-        return self.run(fam, leaves)
+        return self.run(fam, run_leaves)
       except TypeError as e:
         if not is_signature_error(e):
           raise
@@ -275,10 +278,11 @@ class Dispatcher:
     if _args.has_tracer(leaves):  # not a family of traced values: see ``inline``
       return self.inline(static, dyn)
     fam = self.family(static, dyn, leaves, treedef)
-    self.fast[(static, treedef)] = fam
-    if fam.top is not None:
+    statics = self.statics.get(fam.fid)
+    self.fast[(static, treedef)] = (fam, statics)
+    if fam.top is not None and statics is None:
       self.top[static] = fam
-    return self.run(fam, leaves)
+    return self.run(fam, leaves if statics is None else statics.keep(leaves))
 
   def inline(self, static, dyn):
     """A call with traced arguments (inside ``jax.jit``, ``jax.grad``, ``jax.vmap`` or another
@@ -390,7 +394,7 @@ class Dispatcher:
           self.name, self.opts.padding)
 
     def eager():
-      args, kw = self.binder.call_args(fam.key[0], tree_unflatten(fam.treedef, leaves))
+      args, kw = self.binder.call_args(fam.key[0], tree_unflatten(fam.key[1], leaves))
       return run_in_program(self.binder.fun, tuple(args), kw, options=self.opts)
 
     flat, tree = fam.program.run(leaves, not device, eager)
@@ -425,11 +429,39 @@ class Dispatcher:
 
   # -- families ----------------------------------------------------------------------------
   def family(self, static, dyn, leaves, treedef) -> Family:
+    """The family of a call's arguments, found or built.  Where the function cannot be
+    traced with its Python numbers traced (as jax.jit traces them) but can with them static
+    (an Equinox module's ``if self.inference:``, a float field the optimizer state left
+    out), they are static, as ``eqx.filter_jit`` holds them: one family per value."""
+    scalars = (static, treedef) in self.static_scalars
+    try:
+      return self._family(static, dyn, leaves, treedef, scalars)
+    except Exception as e:
+      if scalars or not any(type(x) in _args.PY_SCALARS for x in leaves) or (
+          _args.has_tracer(leaves)):
+        raise
+      try:
+        fam = self._family(static, dyn, leaves, treedef, True)
+      except Exception:  # noqa: BLE001 - not the cause: the first error is the function's
+        raise e from None
+      self.static_scalars.add((static, treedef))
+      return fam
+
+  def _family(self, static, dyn, leaves, treedef, scalars: bool) -> Family:
     # The full key (slow path): dtype and rank of every leaf, plus the whole shape of leaves
     # without dims (a parameter of a new shape is a new family, as a retrace in jax.jit).
+    # Leaves that are not arrays (an Equinox module's activation function) are static: the
+    # family is keyed by their values and traces and runs the other leaves (eqx.filter_jit).
+    statics = _args.StaticLeaves.find(self.name, self.binder, dyn, leaves, scalars)
+    run_tree = treedef
+    if statics is not None:
+      leaves, treedef, run_tree = statics.keep(leaves), statics.fun_tree, statics.exec_tree
     avals = [_args.aval(x) for x in leaves]
     auto = self.opts.dims == "auto"
     specs = None if auto else self.binder.leaf_specs(self.opts.dims, dyn)
+    if statics is not None and specs is not None:
+      self._no_dims_on_static(specs, statics, dyn)
+      specs = statics.keep(specs)
     static_shapes = () if auto else tuple(
         tuple(a.shape) for text, a in zip(specs, avals, strict=True) if text is None)
     key = (static, treedef, tuple(map(leaf_key, leaves)), static_shapes)
@@ -446,10 +478,14 @@ class Dispatcher:
         state = self._auto_state[key] = _args.auto_promote(state, shapes)
         specs = _args.auto_specs(state)
       paths = self.binder.leaf_paths(dyn)
+      if statics is not None:
+        paths = statics.keep(paths)
       if not auto and fam is not None:
         return fam
-      fam = Family(self, self.binder.flat_fun(static, treedef), paths, specs, avals, treedef,
+      fam = Family(self, self.binder.flat_fun(static, treedef, scalars), paths, specs, avals, run_tree,
                    key, next(self._fids), first_leaves=leaves)
+      if statics is not None:
+        self.statics[fam.fid] = statics
       for i, (x, a) in enumerate(zip(leaves, avals, strict=True)):
         if type(x) is np.ndarray and x.dtype != a.dtype:
           fam.note_converted(i, x.dtype, a.dtype)
@@ -457,11 +493,19 @@ class Dispatcher:
       self.all_families[fam.fid] = fam
       return fam
 
+  def _no_dims_on_static(self, specs, statics, dyn) -> None:
+    # A leaf with dims must be an array: the same error as a warm function's (``aval``).
+    for i, x in statics.items:
+      if specs[i]:
+        _args.aval(x)
+
   def clear(self) -> None:
     with self.family_lock:
       self.families.clear()
       self.fast.clear()
       self.top.clear()
+      self.statics.clear()
+      self.static_scalars.clear()
       self._auto_state.clear()
       self.cache.clear()
       for fam in self.all_families.values():

@@ -36,7 +36,7 @@ from dynjax._errors import (
   needs_program,
   user_stacklevel,
 )
-from dynjax.bucketing import _auto, _conv_vjp, _jnp, _rebind, _scan, _search  # noqa: F401
+from dynjax.bucketing import _auto, _conv_vjp, _jnp, _rebind, _scan, _scan_length, _search  # noqa: F401
 from dynjax.bucketing._joint import JointPlan
 from dynjax.bucketing._padding import empty_dims, pad_jaxpr
 from dynjax.bucketing._policies import BucketPolicy

@@ -8,6 +8,7 @@ call.  This module reads the comparison out of jax's error and writes the constr
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import operator
@@ -66,7 +67,9 @@ _NUMPY_CALL = re.compile(r"(?<![\w.])(np|numpy)\.")  # np.ones(...), not jnp.one
 
 def trace_failure_hint(e: BaseException) -> str:
   """``" at <file:line (code)>"`` (the innermost frame of the failure outside jax, NumPy, the
-  standard library and dynjax) and ``"; <advice>"`` for a symbolic-tracing failure
+  standard library and dynjax; where that is an installed library's, such as flax's, also
+  ``", called from <file:line (code)>"``: the innermost frame outside every installed package,
+  the user's own line) and ``"; <advice>"`` for a symbolic-tracing failure
   :data:`TRACE_FAILURE_HINTS` knows (appended to the fallback reason)."""
   text = str(e)
   hint = next((hint for key, hint in TRACE_FAILURE_HINTS if key in text), None)
@@ -74,10 +77,35 @@ def trace_failure_hint(e: BaseException) -> str:
   where = ""
   if frame is not None:
     code = " ".join((frame.line or "").split())
-    where = f" at {frame.filename}:{frame.lineno}" + (f" ({code[:100]})" if code else "")
+    where = f" at {_frame_text(frame)}"
+    if frame.filename.startswith(_installed_dirs()):
+      caller = _user_frame(e, _installed_dirs())
+      if caller is not None:
+        where += f", called from {_frame_text(caller)}"
     if hint is None and _NUMPY_CALL.search(code):  # np.arange(t) fails inside jax's tracer
       hint = SIZE_AS_INTEGER
   return where + (f"; {hint}" if hint else "")
+
+
+def _frame_text(frame) -> str:
+  code = " ".join((frame.line or "").split())
+  return f"{frame.filename}:{frame.lineno}" + (f" ({code[:100]})" if code else "")
+
+
+@functools.cache
+def _installed_dirs() -> tuple[str, ...]:
+  """The folders installed packages live in (site-packages), each ending in a separator."""
+  import os
+  import site
+  import sysconfig
+
+  paths = sysconfig.get_paths()
+  dirs = {paths.get("purelib"), paths.get("platlib")}
+  try:
+    dirs.update(site.getsitepackages())
+  except AttributeError:  # virtualenv's old site module
+    pass
+  return tuple(os.path.join(d, "") for d in sorted(x for x in dirs if x))
 
 
 def _library_dirs() -> tuple[str, ...]:
@@ -96,16 +124,17 @@ def _library_dirs() -> tuple[str, ...]:
   return tuple(dirs)
 
 
-def _user_frame(e: BaseException):
-  """The innermost traceback frame of ``e`` outside jax, jaxlib, NumPy, dynjax and the
-  standard library (the user's line, or a library's of their own such as flax or optax)."""
+def _user_frame(e: BaseException, skip: tuple[str, ...] = ()):
+  """The innermost traceback frame of ``e`` outside jax, jaxlib, NumPy, dynjax, the
+  standard library and the folders in ``skip`` (the user's line, or a library's of their own
+  such as flax or optax)."""
   import traceback
 
   try:
     frames = traceback.extract_tb(e.__traceback__)
   except Exception:  # noqa: BLE001 - only for a message
     return None
-  internal = _library_dirs()
+  internal = _library_dirs() + skip
   for f in reversed(frames):
     if not f.filename.startswith(internal) and not f.filename.startswith("<"):
       return f
@@ -126,8 +155,9 @@ def guard_texts(var_order, bounds: dict) -> tuple[str, ...]:
 def inconclusive_comparison(e: BaseException | None) -> tuple[str, int] | None:
   """``(var, split)`` from the first "Symbolic dimension comparison 'A' OP 'B' is
   inconclusive" in an exception chain, when it compares ``var`` (or ``var + c``) with an
-  integer: the comparison holds for sizes on one side of ``split`` (``var < split`` or
-  ``var >= split``).  None for anything else (products, two variables, other errors)."""
+  integer, or is over one variable and flips once in 1..:data:`SPLIT_SCAN` (:func:`_split`):
+  the comparison holds for sizes on one side of ``split`` (``var < split`` or ``var >=
+  split``).  None for anything else (two variables, no single flip, other errors)."""
   seen = set()
   while e is not None and id(e) not in seen:
     seen.add(id(e))
@@ -138,12 +168,35 @@ def inconclusive_comparison(e: BaseException | None) -> tuple[str, int] | None:
         lhs, op, rhs = rhs, _FLIP[op], lhs
       v = _VAR_PLUS.match(lhs)
       if v is None or not _INT.match(rhs):
-        return None
+        return _split(lhs, op, rhs)
       # var + c OP k  <=>  var OP k - c
       k = int(rhs) - (int(v.group(3)) if v.group(2) == "+" else -int(v.group(3) or 0))
       return v.group(1), (k if op in ("<", ">=") else k + 1)
     e = e.__cause__ or e.__context__
   return None
+
+
+SPLIT_SCAN = 4096  # sizes at which a one-variable comparison is evaluated (~2 ms)
+_CMP = {"<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge}
+
+
+def _split(lhs: str, op: str, rhs: str) -> tuple[str, int] | None:
+  """``(var, split)`` of ``lhs OP rhs`` over one variable whose truth flips exactly once for
+  sizes 1..SPLIT_SCAN, else None.  A reduction without identity over a strided conv's
+  output (Keras's ``Conv1D(7, strides=3)`` twice, then ``GlobalMaxPooling1D``: ``jnp.max``
+  asks ``max(floordiv(max(floordiv(t - 7, 3) + 1, 0) - 7, 3) + 1, 0) >= 1``).  The guard
+  only constrains the re-trace: jax itself decides the comparison under it (or fails again,
+  and the family runs exact), and every call checks it."""
+  names = _symbolic.dim_vars_of(lhs) | _symbolic.dim_vars_of(rhs)
+  if len(names) != 1:
+    return None
+  try:
+    fn, cmp = _symbolic.dim_fn([lhs, rhs], tuple(names)), _CMP[op]
+    holds = [cmp(*fn(n)) for n in range(1, SPLIT_SCAN + 1)]
+  except Exception:  # noqa: BLE001 - text jax's printer made that we cannot evaluate
+    return None
+  flips = [n for n in range(1, SPLIT_SCAN) if holds[n] != holds[n - 1]]  # holds[n]: size n+1
+  return (names.pop(), flips[0] + 1) if len(flips) == 1 else None
 
 
 def capped_size(e: BaseException | None, var_order) -> tuple[str, int] | None:

@@ -158,6 +158,9 @@ def trace(d, static, dyn) -> Traced:
   """The Traced of a call's arguments (their family, traced once, and true sizes)."""
   leaves, treedef = tree_flatten(dyn, is_leaf=is_padded)
   fam = d.family(static, dyn, leaves, treedef)
+  statics = d.statics.get(fam.fid)  # leaves that are not arrays: keyed, not traced
+  if statics is not None:
+    leaves = statics.keep(leaves)
   shapes = [x.shape if hasattr(x, "shape") else () for x in leaves]
   sizes = _symbolic.solve_sizes(fam.sig, shapes) if fam.sig.var_order else ()
   return Traced(d, fam, sizes)

@@ -166,13 +166,14 @@ def _cmp_error(lhs, op, rhs):
     ("1", "<", "t", ("t", 2)),
     ("t - 1", ">=", "1", ("t", 2)),
     ("t + 2", "<", "5", ("t", 3)),
-    ("2*t", "<", "3", None),
+    ("2*t", "<", "3", ("t", 2)),  # one variable, one flip (session 25: _guards._split)
+    ("max(floordiv(max(floordiv(t - 7, 3) + 1, 0) - 7, 3) + 1, 0)", ">=", "1", ("t", 25)),
     ("t", "<", "s", None),
     ("t*s", ">=", "1", None),
-    ("mod(t, 3)", "<", "1", None),
+    ("mod(t, 3)", "<", "1", None),  # flips again and again: no one side
   ],
 )
-def test_inconclusive_comparison_parses_only_var_op_const(lhs, op, rhs, want):
+def test_inconclusive_comparison_finds_where_one_variable_flips(lhs, op, rhs, want):
   assert inconclusive_comparison(_cmp_error(lhs, op, rhs)) == want
   chained = RuntimeError("outer")
   chained.__cause__ = _cmp_error(lhs, op, rhs)
