@@ -302,6 +302,7 @@ class NnxWrapped:
   def __call__(self, *args, **kwargs):
     from flax import nnx
 
+    _take_static_cache()
     wrapped, graph_names, values = self._prepare(args, kwargs)
     nodes, call = self._split(graph_names, values)
     out, new_state = wrapped(**call)
@@ -337,6 +338,29 @@ class NnxWrapped:
 
   def __repr__(self) -> str:
     return f"<dynjax.flax.nnx_jit {getattr(self.fun, '__qualname__', self.fun)}>"
+
+
+@functools.cache
+def _graph_context():
+  from flax.nnx import graphlib
+
+  return getattr(graphlib, "GRAPH_CONTEXT", None)
+
+
+def _take_static_cache() -> None:
+  """Takes the traversal cache ``nnx.cached_partial(f, model, ...)`` hands ``f``.
+
+  ``cached_partial`` puts its cache in flax's graph context for the NNX transform it wraps to
+  take, and raises when the call returns and nobody took it ("GRAPH_CONTEXT.tmp_static_cache
+  should be None, no context consumed it"): after the function ran and updated the model.
+  ``nnx_jit`` splits its arguments itself, so it takes the cache and drops it: the cached
+  arguments are clones sharing their Variables with the caller's, so the updates it writes to
+  them reach the caller's model, as under ``nnx.jit`` (less the traversal it saves).  One
+  attribute read a call.
+  """
+  ctx = _graph_context()
+  if ctx is not None and getattr(ctx, "tmp_static_cache", None) is not None:
+    ctx.tmp_static_cache = None
 
 
 def _state_may_be_numpy(wrapped) -> bool:
