@@ -662,6 +662,7 @@ def test_approx_top_k_off_the_cpu_says_why(monkeypatch):
   # six equal values gave index 5, the same six padded to 8 gave 3), so it is refused there.
   (t,) = export.symbolic_shape("t")
   cj = jax.make_jaxpr(lambda x: lax.approx_max_k(x, 1))(jax.ShapeDtypeStruct((2, t), jnp.float32))
+  monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
   pad_jaxpr(cj, ("t",), {"t": 8})  # the CPU: an exact sort-based top-k
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   with pytest.raises(PaddingUnsupportedError,
