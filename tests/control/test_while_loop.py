@@ -57,8 +57,8 @@ def test_greedy_decode_matches_exact_jit(batch, t, max_new, stop_at):
   assert extra in ((0,) if jax.default_backend() == "cpu" else (0, 1)), st
   if stop_at is not None and batch == 1:
     assert int(want[1]) <= stop_at + 1 < max_new  # it really stopped early
-  if t + max_new > 16 and stop_at is None:
-    assert st["buckets_crossed"] >= 1
+  if t + max_new > 16 and stop_at is None and jax.default_backend() == "cpu":
+    assert st["buckets_crossed"] >= 1  # (off the CPU it starts at the cap's bucket)
 
 
 def test_zero_iterations():

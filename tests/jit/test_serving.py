@@ -295,7 +295,8 @@ for t in (3, 9, 20, 3, 9, 20):
 f.wait()
 s = f.stats()
 import os
-jax_entries = [n for n in os.listdir({cache!r}) if n != "dynjax-executables"]
+jax_entries = [n for n in os.listdir({cache!r})  # (a GPU's XLA adds its autotune folder)
+               if n != "dynjax-executables" and not n.startswith("xla_gpu_")]
 print("COMPILES", s["compiles"], "LOADED", s["loaded_from_store"], "WAITS",
       s["waited_for_compile"], "JAXCACHE", len(jax_entries))
 """
