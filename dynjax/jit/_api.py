@@ -77,7 +77,9 @@ def jit(
     overflow: a size above the largest bucket: ``"error"`` (raise
       :class:`dynjax.OutOfBucketsError`), ``"exact"`` (run unpadded), ``"grow"`` (use the
       policy's rule past its max).
-    static_argnames, donate_argnames: as in ``jax.jit``.
+    static_argnames, donate_argnames: as in ``jax.jit``.  Argument leaves that are not
+      arrays (an Equinox module's activation function, a string) are static without being
+      named, as ``eqx.filter_jit`` keeps them: part of the executable's key, hashed.
     static_argnums, donate_argnums: as in ``jax.jit``: positions of parameters, added to the
       ``*_argnames`` (dynjax keys everything by name).
     return_padded: return :class:`dynjax.Padded` values (buffer + true shape) instead of
