@@ -1218,24 +1218,30 @@ def _random_flat_rule(ctx, eqn, invals):
   shape = eqn.params["shape"]
   if not any(is_dynamic_dim(d) for d in shape):
     return [PaddedValue(o) for o in _bind(ctx, eqn, [invals[0].val])]
-  if ka.shape != ():
-    raise unsupported(eqn, "random bits over a dynamic shape from a batch of keys")
   if not jp.threefry_partitionable() or "fry" not in str(ka.dtype):
     raise unsupported(
       eqn, "random bits over a dynamic shape need the threefry PRNG with jax_threefry_partitionable"
     )
   # With partitionable threefry the bits of element i of a flat draw do not depend on the draw's
   # length, and a shaped draw is the flat draw in row-major order: draw flat, then place.
+  # A batch of keys (``jax.vmap`` over ``jax.random.split(key, b)``: Equinox's per-example
+  # dropout) draws each key's own flat draw (its leading axes: the keys', padded or not;
+  # a padded row's key is garbage and so are its bits, which nobody reads).
   n = math.prod(ctx.padded_shape(shape))
   params = dict(eqn.params, shape=(n,))
-  flat = eqn.primitive.bind(invals[0].val, **params)
+  keys = invals[0].val
+  flat = eqn.primitive.bind(keys, **params)
   ctx.note(eqn, "bit-identical draw: flat draw placed at true row-major positions")
   out_p = ctx.padded_shape(shape)
   lin = None
   for a, d in enumerate(shape):
     ia = lax.broadcasted_iota(jnp.int32, out_p, a)
     lin = ia if lin is None else lin * ctx.true_dim(d) + ia
-  return [PaddedValue(flat[jnp.clip(lin, 0, n - 1)])]
+  lin = jnp.clip(lin, 0, n - 1)
+  if keys.ndim == 0:
+    return [PaddedValue(flat[lin])]
+  placed = jnp.take(flat, lin.reshape(-1), axis=-1)
+  return [PaddedValue(placed.reshape(*keys.shape, *out_p))]
 
 
 register(P.random_bits_p, P.random_split_p)(_random_flat_rule)

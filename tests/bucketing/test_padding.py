@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax import export, lax
 
+import dynjax
 from dynjax import _jax_private as jp
 from dynjax._errors import PaddingUnsupportedError
 from dynjax.bucketing._padding import pad_jaxpr, rule_coverage
@@ -575,6 +576,38 @@ def test_random_bits_are_bit_identical_and_normal():
   # and statistically normal
   vals = np.asarray(ref[0]).ravel()
   assert abs(vals.mean()) < 0.3 and abs(vals.std() - 1) < 0.3
+
+
+def _per_example_dropout(key, x):
+  # Equinox's idiom: the model vmapped over the batch, one key an example.
+  def one(k, xi):
+    return jnp.where(jax.random.bernoulli(k, 0.7, xi.shape), xi / 0.7, 0.0)
+
+  return jax.vmap(one)(jax.random.split(key, x.shape[0]), x)
+
+
+def test_random_bits_from_a_batch_of_keys_are_bit_identical(compiles):
+  # Each key's flat draw, placed at true row-major positions: the keys' own axis padded too
+  # (split(key, b) over a dynamic b). It fell back before (the Equinox/Haiku probe).
+  f = dynjax.jit(_per_example_dropout, dims={"x": "b, t, 4"}, on_fallback="error",
+                 buckets={"b": dynjax.buckets.pow2(1, 8), "t": dynjax.buckets.pow2(4, 64)})
+  key = jax.random.key(0)
+  n = compiles()
+  for b, t in ((2, 5), (3, 9), (1, 3), (4, 16)):
+    x = np.random.default_rng(t).normal(size=(b, t, 4)).astype(np.float32)
+    want = np.asarray(jax.jit(_per_example_dropout)(key, x))
+    np.testing.assert_array_equal(np.asarray(f(key, x)), want)
+    assert 0.5 < (want != 0).mean() < 0.9
+  assert compiles() - n == 4 + 3  # the references' four, dynjax's three buckets
+
+  def normal_per_key(key, x):  # a fixed batch of keys, the draw's own shape dynamic
+    return jax.vmap(lambda k: jax.random.normal(k, x.shape))(jax.random.split(key, 3)) + x
+
+  g = dynjax.jit(normal_per_key, dims={"x": "t, 4"}, on_fallback="error")
+  for t in (3, 7, 12):
+    x = np.ones((t, 4), np.float32)
+    for k in (jax.random.key(1), jax.random.PRNGKey(1)):  # typed and raw uint32 keys
+      np.testing.assert_array_equal(np.asarray(g(k, x)), np.asarray(jax.jit(normal_per_key)(k, x)))
 
 
 def test_dim_expr_evaluation_traced():
