@@ -395,14 +395,15 @@ def _policy(mode, args):
   return dynjax.buckets.pow2(16, args.max_len)
 
 
-def _warmup_from_shapes(args, build, clock):
+def _warmup_from_shapes(args, build, clock, workers=None):
   """``*warm*`` modes: right after the imports, before the requests or weights exist, the
   server builds its function and starts ``warmup(background=True)`` from abstract arguments
   (Flax's ``jax.eval_shape(module.init, ...)`` idiom): the first bucket compiles (a restart:
-  the stored buckets load) while the process reads its weights."""
+  the stored buckets load) while the process reads its weights.  ``workers``: buckets built
+  at once (``wa2`` tag: 2; default one at a time)."""
   module, shapes, tokens, lengths = _abstract_model(args)
   f = build(module)
-  f.warmup(shapes, tokens, lengths, background=True)
+  f.warmup(shapes, tokens, lengths, background=True, max_workers=workers)
   clock.mark("warmup_started")
   return f
 
@@ -488,7 +489,8 @@ def _child_dynjax(args, clock, mode):
 
   f = None
   if "warm" in mode:  # a server's start-up: build (or load) in the background, from shapes
-    f = _warmup_from_shapes(args, build, clock)
+    wa = re.search(r"wa(\d+)", mode)  # experiment: the warm-up builds N buckets at once
+    f = _warmup_from_shapes(args, build, clock, int(wa.group(1)) if wa else None)
   module, variables, reqs = _jax_setup(args, clock)
   f = f or build(module)
 
