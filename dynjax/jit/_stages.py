@@ -140,6 +140,9 @@ class Compiled:
           f"these arguments need bucket {need} but this executable is bucket "
           f"{self.bucket}; call the dynjax function itself to dispatch any shape")
     leaves = tree_flatten(dyn, is_leaf=is_padded)[0]
+    statics = d.statics.get(fam.fid)  # leaves that are not arrays: in the key, not passed
+    if statics is not None:
+      leaves = statics.keep(leaves)
     shapes = {i: getattr(leaves[i], "shape", ()) for i in fam.spec_idx}
     own, out_shapes, true_elems = fam.size_info(traced.sizes, observe=False)
     device = any(on_device(leaves[i]) for i in fam.spec_idx)

@@ -66,6 +66,20 @@ def test_an_activation_function_leaf_is_static_and_the_call_bucketed(compiles):
   np.testing.assert_allclose(f(other, x_at(5)), reference(other)(other.w, x_at(5)), **TOL)
 
 
+def test_stages_take_a_module_with_a_function_leaf():
+  # f.trace(...).lower().compile() and the Compiled's call: the static leaf is in the key and
+  # not passed to the executable (the Compiled's call passed it and failed until session 25).
+  model = Block(jnp.asarray(W), inference=False)
+  f = dynjax.jit(lambda model, x: model(x), dims={"x": "b, t, 4"}, padding="auto")
+  compiled = f.trace(model, x_at(5)).lower().compile()
+  for t in (3, 5):
+    np.testing.assert_allclose(compiled(model, x_at(t)), reference(model)(model.w, x_at(t)),
+                               **TOL)
+  other = Block(jnp.asarray(W), act=jax.nn.relu, inference=False)
+  with pytest.raises(dynjax.ShapeMismatchError, match="another static signature"):
+    compiled(other, x_at(5))
+
+
 def test_python_numbers_the_function_branches_on_become_static(compiles):
   # jax.jit traces p and inference, so ``if self.inference:`` raises; eqx.filter_jit keeps them
   # static.  dynjax traces them as jax.jit does and, where that cannot trace, keeps them static.
