@@ -1225,22 +1225,19 @@ def _random_flat_rule(ctx, eqn, invals):
   # With partitionable threefry the bits of element i of a flat draw do not depend on the draw's
   # length, and a shaped draw is the flat draw in row-major order: draw flat, then place.
   # A batch of keys (``jax.vmap`` over ``jax.random.split(key, b)``: Equinox's per-example
-  # dropout) draws each key's own flat draw (its leading axes: the keys', padded or not;
-  # a padded row's key is garbage and so are its bits, which nobody reads).
+  # dropout) draws each key's own flat draw on the last axis (the leading axes are the keys',
+  # padded or not; a padded row's key is garbage and so are its bits, which nobody reads).
   n = math.prod(ctx.padded_shape(shape))
   params = dict(eqn.params, shape=(n,))
   keys = invals[0].val
-  flat = eqn.primitive.bind(keys, **params)
+  flat = eqn.primitive.bind(keys, **params)  # keys.shape + (n,)
   ctx.note(eqn, "bit-identical draw: flat draw placed at true row-major positions")
   out_p = ctx.padded_shape(shape)
   lin = None
   for a, d in enumerate(shape):
     ia = lax.broadcasted_iota(jnp.int32, out_p, a)
     lin = ia if lin is None else lin * ctx.true_dim(d) + ia
-  lin = jnp.clip(lin, 0, n - 1)
-  if keys.ndim == 0:
-    return [PaddedValue(flat[lin])]
-  placed = jnp.take(flat, lin.reshape(-1), axis=-1)
+  placed = jnp.take(flat, jnp.clip(lin, 0, n - 1).reshape(-1), axis=-1)
   return [PaddedValue(placed.reshape(*keys.shape, *out_p))]
 
 

@@ -282,7 +282,13 @@ class Dispatcher:
     self.fast[(static, treedef)] = (fam, statics)
     if fam.top is not None and statics is None:
       self.top[static] = fam
-    return self.run(fam, leaves if statics is None else statics.keep(leaves))
+    return self.run(fam, self.arg_leaves(fam, leaves))
+
+  def arg_leaves(self, fam, leaves) -> list:
+    """The call's flat leaves as ``fam``'s executables take them: without its static leaves
+    (leaves that are not arrays: they key the family, the executables never see them)."""
+    statics = self.statics.get(fam.fid)
+    return leaves if statics is None else statics.keep(leaves)
 
   def inline(self, static, dyn):
     """A call with traced arguments (inside ``jax.jit``, ``jax.grad``, ``jax.vmap`` or another
@@ -482,8 +488,8 @@ class Dispatcher:
         paths = statics.keep(paths)
       if not auto and fam is not None:
         return fam
-      fam = Family(self, self.binder.flat_fun(static, treedef, scalars), paths, specs, avals, run_tree,
-                   key, next(self._fids), first_leaves=leaves)
+      fam = Family(self, self.binder.flat_fun(static, treedef, scalars), paths, specs, avals,
+                   run_tree, key, next(self._fids), first_leaves=leaves)
       if statics is not None:
         self.statics[fam.fid] = statics
       for i, (x, a) in enumerate(zip(leaves, avals, strict=True)):

@@ -139,10 +139,7 @@ class Compiled:
       raise ShapeMismatchError(
           f"these arguments need bucket {need} but this executable is bucket "
           f"{self.bucket}; call the dynjax function itself to dispatch any shape")
-    leaves = tree_flatten(dyn, is_leaf=is_padded)[0]
-    statics = d.statics.get(fam.fid)  # leaves that are not arrays: in the key, not passed
-    if statics is not None:
-      leaves = statics.keep(leaves)
+    leaves = d.arg_leaves(fam, tree_flatten(dyn, is_leaf=is_padded)[0])
     shapes = {i: getattr(leaves[i], "shape", ()) for i in fam.spec_idx}
     own, out_shapes, true_elems = fam.size_info(traced.sizes, observe=False)
     device = any(on_device(leaves[i]) for i in fam.spec_idx)
@@ -161,9 +158,6 @@ def trace(d, static, dyn) -> Traced:
   """The Traced of a call's arguments (their family, traced once, and true sizes)."""
   leaves, treedef = tree_flatten(dyn, is_leaf=is_padded)
   fam = d.family(static, dyn, leaves, treedef)
-  statics = d.statics.get(fam.fid)  # leaves that are not arrays: keyed, not traced
-  if statics is not None:
-    leaves = statics.keep(leaves)
-  shapes = [x.shape if hasattr(x, "shape") else () for x in leaves]
+  shapes = [x.shape if hasattr(x, "shape") else () for x in d.arg_leaves(fam, leaves)]
   sizes = _symbolic.solve_sizes(fam.sig, shapes) if fam.sig.var_order else ()
   return Traced(d, fam, sizes)

@@ -73,14 +73,16 @@ def _right_padded(rng, b, t, low=1):
   return tok, lens
 
 
+def _trial(name, fun, dims, buckets, calls, **extra) -> Trial:
+  """``fun`` under dynjax against ``jax.jit(fun)``, the buckets ``calls`` should build."""
+  return Trial(name, _maker(fun, dims, buckets), lambda: jax.jit(fun), calls,
+               _bucket_count(calls, buckets), **extra)
+
+
 def _fwd_and_train(name, forward, train_step, calls, fwd_calls, dims, fwd_dims, buckets,
                    **extra):
-  return (
-    Trial(f"{name} forward", _maker(forward, fwd_dims, buckets), lambda: jax.jit(forward),
-          fwd_calls, _bucket_count(fwd_calls, buckets), **extra),
-    Trial(f"{name} train", _maker(train_step, dims, buckets), lambda: jax.jit(train_step),
-          calls, _bucket_count(calls, buckets), **extra),
-  )
+  return (_trial(f"{name} forward", forward, fwd_dims, buckets, fwd_calls, **extra),
+          _trial(f"{name} train", train_step, dims, buckets, calls, **extra))
 
 
 # ===========================================================================================
@@ -539,10 +541,8 @@ def _packed_trials(rng):
     seg = (tok > 0).astype(np.int32)
     pos = np.where(tok > 0, np.arange(t)[None, :], 0).astype(np.int32)
     len_calls.append(({"b": b, "t": t}, (params, tok, seg, pos)))
-  trials.append(Trial("packed_lm seq_lengths forward", _maker(forward_by_lengths, fwd_dims,
-                                                              buckets),
-                      lambda: jax.jit(forward_by_lengths), len_calls,
-                      _bucket_count(len_calls, buckets)))
+  trials.append(_trial("packed_lm seq_lengths forward", forward_by_lengths, fwd_dims, buckets,
+                       len_calls))
   return trials
 
 
@@ -647,10 +647,8 @@ def _audio_trials(rng):
   def forward_np_table(params, mel, attention_mask):
     return np_model.apply(params, mel, attention_mask)
 
-  trials.append(Trial("conv_audio numpy table forward", _maker(forward_np_table, fwd_dims,
-                                                               buckets),
-                      lambda: jax.jit(forward_np_table), fwd_calls,
-                      _bucket_count(fwd_calls, buckets)))
+  trials.append(_trial("conv_audio numpy table forward", forward_np_table, fwd_dims, buckets,
+                       fwd_calls))
   return trials
 
 
