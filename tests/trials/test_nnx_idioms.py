@@ -63,7 +63,8 @@ def test_cached_partial_of_an_nnx_jit_step_trains_like_nnx_jit(compiles):
     got = step(tokens)
     n += compiles() - before  # dynjax's calls only, not the reference's
     np.testing.assert_allclose(got, ref(tokens), rtol=1e-5, atol=1e-5)
-    _, bad = probe_nnx.max_err(probe_nnx._pure(mine), probe_nnx._pure(theirs))
+    # SGD: every leaf compared, the attention key bias too (only Adam magnifies its noise)
+    _, bad = probe_nnx.max_err(probe_nnx._pure(mine), probe_nnx._pure(theirs), loose=())
     assert not bad, bad
   assert n == f.stats()["compiles"] == 2  # one per bucket (8, 16)
   assert f.stats()["fallbacks"] == []
@@ -96,7 +97,7 @@ def test_a_trace_failure_inside_flax_names_the_users_line_that_called_it():
   assert "flax/nnx/nn/attention.py:" in reason
   assert ("called from " in reason and "probe_nnx.py:" in reason
           and "(return self.out(self.block(self.embed(token))))" in reason), reason
-  _, bad = probe_nnx.max_err(probe_nnx._pure([model]), probe_nnx._pure([ref_model]))
+  _, bad = probe_nnx.max_err(probe_nnx._pure([model]), probe_nnx._pure([ref_model]), loose=())
   assert not bad, bad  # the cache index and contents written back as nnx.jit writes them
 
 
