@@ -23,7 +23,7 @@ from dynjax._config import config
 from dynjax._errors import SpecError
 from dynjax.bucketing._policies import BucketPolicy
 from dynjax.jit import _args, _options, _stages, _stats
-from dynjax.jit._args import Binder, parameters
+from dynjax.jit._args import Binder, parameters, positional_names
 from dynjax.jit._cache import enable_compile_log
 from dynjax.jit._dispatch import Dispatcher, is_signature_error, top_key
 
@@ -194,14 +194,17 @@ class Wrapped:
     self.__name__ = getattr(fun, "__name__", type(fun).__name__)
     self.__doc__ = getattr(fun, "__doc__", None)
     self.__wrapped__ = fun
-    param_names = [p.name for p in parameters(fun)]
+    params = parameters(fun)
+    param_names = [p.name for p in params]
     for kind in ("static", "donate"):  # jax's positions, as names
       options[f"{kind}_argnames"] = _options.names(options[f"{kind}_argnames"],
                                                    f"{kind}_argnames") + _options.argnums(
-          options.pop(f"{kind}_argnums"), param_names, f"{kind}_argnums", self.__name__)
+          options.pop(f"{kind}_argnums"), positional_names(params), f"{kind}_argnums",
+          self.__name__, var_args=any(p.kind is p.VAR_POSITIONAL for p in params))
     static = options["static_argnames"]
     dyn_names = tuple(n for n in param_names if n not in static)
-    opts = _options.check(self.__name__, param_names, dyn_names, **options)
+    opts = _options.check(self.__name__, param_names, dyn_names, **options,
+                          var_keyword=any(p.kind is p.VAR_KEYWORD for p in params))
     if opts.cache_dir:
       _jax_private.enable_persistent_cache(opts.cache_dir)
     if config.log_compiles:

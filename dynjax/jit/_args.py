@@ -18,6 +18,8 @@ import numpy as np
 from dynjax._errors import SpecError
 from dynjax._padded import Padded
 
+_VAR_POS = inspect.Parameter.VAR_POSITIONAL
+_VAR_KW = inspect.Parameter.VAR_KEYWORD
 tree_flatten = jax.tree_util.tree_flatten
 tree_unflatten = jax.tree_util.tree_unflatten
 LEAF_TREEDEF = jax.tree_util.tree_structure(0)
@@ -158,17 +160,26 @@ class Binder:
   def __init__(self, fun, name: str, static: tuple[str, ...]):
     self.fun = fun
     self.name = name
-    self.params = parameters(fun)
-    self.names = [p.name for p in self.params]
-    self.static_pos = tuple(i for i, p in enumerate(self.params) if p.name in static)
-    self.dyn_names = tuple(p.name for p in self.params if p.name not in static)
-    self.nparams = len(self.params)
-    self.defaults = tuple(p.default for p in self.params)
+    self.params = params = parameters(fun)
+    kinds = [p.kind for p in params]
+    # ``*args`` binds as one parameter holding a tuple, ``**kwargs`` as one holding a dict
+    # (``jax.jit(model.apply)``: dims={"args": (None, "b, t")} or "auto").
+    self.var_pos = kinds.index(_VAR_POS) if _VAR_POS in kinds else None
+    self.var_kw = kinds.index(_VAR_KW) if _VAR_KW in kinds else None
+    self.names = [p.name for p in params]
+    self.static_pos = tuple(i for i, p in enumerate(params) if p.name in static)
+    # static_argnames that no parameter names go into **kwargs, as under jax.jit.
+    self.kw_static = (tuple(n for n in static if n not in self.names)
+                      if self.var_kw is not None else ())
+    self.static_names = tuple(params[i].name for i in self.static_pos) + self.kw_static
+    self.dyn_names = tuple(p.name for p in params if p.name not in static)
+    self.nparams = len(params)
+    self.defaults = tuple(p.default for p in params)
     self.omitted = (OMITTED,) * self.nparams
     # Calls with only positional arguments may leave out trailing parameters with defaults
     # (keyword-only ones too, e.g. the Flax wrapper's rngs=None).
     positional = 0
-    while positional < self.nparams and self.params[positional].kind in (
+    while positional < self.nparams and kinds[positional] in (
         inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD):
       positional += 1
     first_default = self.nparams
@@ -177,34 +188,61 @@ class Binder:
     # args of length n in [first_default, positional] bind in order, the rest take defaults.
     self.defaults_from = first_default if first_default <= positional else self.nparams
     self.positional = positional
+    self.signature = inspect.Signature(params)
 
   def split(self, args, kwargs):
     """(static key, dynamic values in parameter order). ~1 us with positional args only (also
-    when trailing parameters take their defaults: ``inspect`` binding costs ~40 us on the GPU
-    host)."""
+    when trailing parameters take their defaults, and into ``*args``); ``inspect`` binding
+    (~40 us on the GPU host) only with keywords or left-out positionals."""
     params = self.params
     n = len(args)
-    if not kwargs and self.defaults_from <= n < self.nparams and n <= self.positional:
-      args = args + self.omitted[n:]
-    if kwargs or len(args) != len(params):
-      try:
-        bound = inspect.Signature(params).bind(*args, **kwargs)
-      except TypeError as e:
-        raise TypeError(f"{self.name}(): {e}") from None
-      values = tuple(bound.arguments.get(p.name, OMITTED) for p in params)
+    if self.var_pos is not None or self.var_kw is not None:
+      values = self._split_var(args, kwargs)
     else:
-      values = args
-    if not self.static_pos:
+      if not kwargs and self.defaults_from <= n < self.nparams and n <= self.positional:
+        args = args + self.omitted[n:]
+      if kwargs or len(args) != len(params):
+        values = self._bind(args, kwargs)
+      else:
+        values = args
+    if not self.static_names:
       return (), values
     static = tuple(values[i] for i in self.static_pos)
+    if self.kw_static:
+      values = list(values)
+      extra = values[self.var_kw]
+      static += tuple(extra.get(k, OMITTED) for k in self.kw_static)
+      values[self.var_kw] = {k: v for k, v in extra.items() if k not in self.kw_static}
     try:
       hash(static)
     except TypeError:
-      names = [params[i].name for i in self.static_pos]
-      raise SpecError(f"static arguments {names} must be hashable; got "
+      raise SpecError(f"static arguments {list(self.static_names)} must be hashable; got "
                       f"{[type(s).__name__ for s in static]}") from None
     dyn = tuple(v for i, v in enumerate(values) if i not in self.static_pos)
     return static, dyn
+
+  def _bind(self, args, kwargs) -> tuple:
+    try:
+      bound = self.signature.bind(*args, **kwargs)
+    except TypeError as e:
+      raise TypeError(f"{self.name}(): {e}") from None
+    return tuple(bound.arguments.get(p.name, OMITTED) for p in self.params)
+
+  def _split_var(self, args, kwargs) -> tuple:
+    """Values of a function with ``*args`` / ``**kwargs``: those two always a tuple and a
+    dict (empty when the call passes none), so a call's tree does not depend on how it was
+    written.  Positional calls that fill the named parameters before ``*args`` bind here
+    without ``inspect`` (~1 us)."""
+    vp, vk = self.var_pos, self.var_kw
+    if not kwargs and vp is not None and len(args) >= vp:
+      values = list(args[:vp]) + [tuple(args[vp:])] + [OMITTED] * (self.nparams - vp - 1)
+    else:
+      values = list(self._bind(args, kwargs))
+      if vp is not None and values[vp] is OMITTED:
+        values[vp] = ()
+    if vk is not None and values[vk] is OMITTED:
+      values[vk] = {}
+    return tuple(values)
 
   def call_args(self, static, dyn) -> tuple[list, dict]:
     """The call's arguments again, from a static key and the dynamic values: positional
@@ -217,6 +255,14 @@ class Binder:
       value = next(st) if i in self.static_pos else next(dyn)
       if value is not OMITTED:
         values[p.name] = value
+    if self.kw_static:
+      name = self.params[self.var_kw].name
+      extra = dict(values.get(name, {}))
+      for k in self.kw_static:
+        value = next(st)
+        if value is not OMITTED:
+          extra[k] = value
+      values[name] = extra
     return call_in_order(self.params, values)
 
   def flat_fun(self, static, treedef, scalars: bool = False):
@@ -253,7 +299,9 @@ class Binder:
                           f"pytree with {n_leaves} leaves; give a pytree of specs matching it")
         texts.append(spec)
       elif (n_leaves == 1 and isinstance(spec, list | tuple) and spec
-            and all(isinstance(s, str) for s in spec)):
+            and all(isinstance(s, str) for s in spec)
+            and jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(
+                value, is_leaf=is_padded))):
         raise SpecError(f"dims[{name!r}] = {spec!r} is a list, but argument {name!r} is one "
                         f"array; write its axes as one spec string: "
                         f"dims={{{name!r}: {', '.join(spec)!r}}}")
@@ -277,11 +325,16 @@ class Binder:
 def call_in_order(params, values) -> tuple[list, dict]:
   """``(args, kwargs)`` calling ``params`` with ``values`` (name -> value) as ``jax.jit`` calls
   a function: positional parameters positionally up to the first one missing from ``values``
-  (the caller left it out: not passed, its default applies), the rest by keyword."""
+  (the caller left it out: not passed, its default applies), the rest by keyword; a ``*args``
+  value (a tuple) extends the positional ones, a ``**kwargs`` value (a dict) the keywords."""
   args, kwargs, by_name = [], {}, False
   for p in params:
     if p.name not in values:
       by_name = True
+    elif p.kind is _VAR_POS:
+      args.extend(values[p.name])
+    elif p.kind is _VAR_KW:
+      kwargs.update(values[p.name])
     elif p.kind is inspect.Parameter.KEYWORD_ONLY or by_name:
       kwargs[p.name] = values[p.name]
     else:
@@ -291,16 +344,16 @@ def call_in_order(params, values) -> tuple[list, dict]:
 
 def parameters(fun) -> tuple[inspect.Parameter, ...]:
   try:
-    params = tuple(inspect.signature(fun).parameters.values())
+    return tuple(inspect.signature(fun).parameters.values())
   except (TypeError, ValueError):
     raise SpecError(f"dynjax.jit: cannot read the signature of {fun!r}") from None
-  bad = [p.name for p in params
-         if p.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)]
-  if bad:
-    raise SpecError(f"dynjax.jit: {getattr(fun, '__name__', fun)} has *args/**kwargs "
-                    f"parameters {bad}; dynjax needs named parameters. Wrap it in a function "
-                    "with explicit parameters.")
-  return params
+
+
+def positional_names(params) -> list[str]:
+  """The parameters a call's positions fill, in order, up to ``*args`` (``static_argnums``)."""
+  return [p.name for p in itertools.takewhile(
+      lambda p: p.kind in (inspect.Parameter.POSITIONAL_ONLY,
+                           inspect.Parameter.POSITIONAL_OR_KEYWORD), params)]
 
 
 # -- leaves ---------------------------------------------------------------------------------

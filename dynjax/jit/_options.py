@@ -61,12 +61,16 @@ def check(name: str, param_names: list[str], dyn_names: tuple[str, ...], *, dims
           padding, overflow, static_argnames, donate_argnames, return_padded, constraints,
           max_executables, cache_dir, check, async_compile, in_shardings, out_shardings,
           serving, compile_workers, compiler_options, on_fallback,
-          attention=None, cast_once=True, host_outputs=None, ragged_dot=None) -> Options:
-  """Validates every option of ``dynjax.jit(fun, ...)``; ``SpecError`` names what is wrong."""
+          attention=None, cast_once=True, host_outputs=None, ragged_dot=None,
+          var_keyword: bool = False) -> Options:
+  """Validates every option of ``dynjax.jit(fun, ...)``; ``SpecError`` names what is wrong.
+  ``var_keyword``: ``fun`` takes ``**kwargs``, where static_argnames may also point (as
+  ``jax.jit`` allows: ``jax.jit(model.apply, static_argnames="train")``)."""
   static = names(static_argnames, "static_argnames")
   donate = names(donate_argnames, "donate_argnames")
   for what, group in (("static_argnames", static), ("donate_argnames", donate)):
-    unknown = [n for n in group if n not in param_names]
+    unknown = [n for n in group if n not in param_names
+               and not (var_keyword and what == "static_argnames")]
     if unknown:
       raise SpecError(f"{what}: {unknown} are not parameters of {name}; its "
                       f"parameters are {param_names}")
@@ -122,9 +126,10 @@ def names(value, what: str) -> tuple[str, ...]:
   return out
 
 
-def argnums(value, param_names: list[str], what: str, name: str) -> tuple[str, ...]:
+def argnums(value, param_names: list[str], what: str, name: str,
+            var_args: bool = False) -> tuple[str, ...]:
   """The parameter names at ``jax.jit``-style positions (an int or ints; negative from the
-  end)."""
+  end) among ``param_names``, the parameters a call's positions fill (up to ``*args``)."""
   nums = (value,) if isinstance(value, int) else value
   try:
     nums = tuple(nums)
@@ -135,9 +140,16 @@ def argnums(value, param_names: list[str], what: str, name: str) -> tuple[str, .
   for i in nums:
     if not isinstance(i, int) or isinstance(i, bool):
       raise SpecError(f"{what}: expected parameter positions (int), got {i!r}")
+    if var_args and not -len(param_names) <= i < len(param_names):
+      raise SpecError(
+          f"{what}={value!r}: position {i} of {name} falls in its *args (its named positional "
+          f"parameters are {param_names}); dynjax takes static arguments by parameter. "
+          "Non-array leaves (Python bools, strings, None, functions) are static already; "
+          "for a Python number, pass it by keyword and name it in static_argnames, or wrap "
+          "the function in one with named parameters")
     if not -len(param_names) <= i < len(param_names):
-      raise SpecError(f"{what}={value!r}: {name} has {len(param_names)} parameters "
-                      f"{param_names}; position {i} is not one of them")
+      raise SpecError(f"{what}={value!r}: {name} has {len(param_names)} positional "
+                      f"parameters {param_names}; position {i} is not one of them")
     out.append(param_names[i])
   return tuple(out)
 

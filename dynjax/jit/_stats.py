@@ -209,7 +209,7 @@ def explain(d) -> str:
   waste = stats_dict(d)["padded_fraction"]
   for fam in d.families.values():
     sig = fam.sig
-    names = [d.binder.params[i].name for i in d.binder.static_pos]
+    names = d.binder.static_names
     at = ", ".join(f"{n}={v!r}" for n, v in zip(names, fam.key[0], strict=True)
                    if v is not _args.OMITTED)
     lines.append(f"family {fam.fid}: mode={fam.mode}" + (f" (static {at})" if at else ""))

@@ -115,6 +115,59 @@ def test_flax_left_out_train_flag_and_mask():
   assert f.stats()["fallbacks"] == []
 
 
+def test_model_apply_with_args_and_kwargs_as_jax_jit_takes_it():
+  """``jax.jit(model.apply)``: Flax's ``apply(variables, *args, rngs=None, method=None,
+  mutable=False, ..., **kwargs)``; ``*args`` binds as one tuple argument (dims by
+  ``{"args": (...)}``, or "auto"), a static_argname that no parameter names goes into
+  ``**kwargs`` as under ``jax.jit``."""
+  nn = pytest.importorskip("flax.linen")
+
+  class Tagger(nn.Module):
+    @nn.compact
+    def __call__(self, x, mask=None, train: bool = False):
+      h = nn.BatchNorm(use_running_average=not train)(nn.Dense(4)(x))
+      h = h if mask is None else h * mask[..., None]
+      return nn.Dense(2)(h.mean(1) if train else h)
+
+  model = Tagger()
+  x = _x(2, 5)[..., None] * np.ones(3, np.float32)
+  v = model.init(jax.random.key(0), x)
+  by_spec = dynjax.jit(model.apply, dims={"args": ("b, t, 3",)})
+  auto = dynjax.jit(model.apply)
+  train = dynjax.jit(model.apply, static_argnames="train", dims={"args": ("b, t, 3", "b, t")})
+  want_train = jax.jit(model.apply, static_argnames=("train", "mutable"))
+  for t in (3, 7, 12, 13):
+    xt, m = _x(2, t, seed=t)[..., None] * np.ones(3, np.float32), np.ones((2, t), np.float32)
+    _same(by_spec(v, xt), jax.jit(model.apply)(v, xt))
+    _same(auto(v, xt), jax.jit(model.apply)(v, xt))
+    _same(train(v, xt, m, train=True, mutable=["batch_stats"]),
+          want_train(v, xt, m, train=True, mutable=("batch_stats",)))
+    _same(train(v, xt, m), model.apply(v, xt, m))  # train left out: its default
+  for f in (by_spec, auto, train):
+    assert f.stats()["fallbacks"] == []
+  assert by_spec.stats()["per_bucket_calls"] == {"b=2, t=4": 1, "b=2, t=8": 1, "b=2, t=16": 2}
+  assert by_spec.stats()["compiles"] == 3
+  heads = [line for line in train.explain().splitlines() if line.startswith("family")]
+  assert heads == ["family 0: mode=auto (static train=True)", "family 1: mode=auto"]
+  assert train.stats()["compiles"] == 6  # two families (train=True, left out), 3 buckets each
+
+
+def test_star_args_and_kwargs_functions():
+  def total(*xs, scale=1.0, **named):
+    return sum(x.sum(-1) for x in xs) * scale + sum(v.sum(-1) for v in named.values())
+
+  f = dynjax.jit(total, dims={"xs": ("b, t", "b, t"), "named": {"z": "b, t"}})
+  for t in (3, 6):
+    a, b, z = _x(t=t), _x(t=t, seed=1), _x(t=t, seed=2)
+    _same(f(a, b, z=z), total(a, b, z=z))
+    _same(f(a, b, scale=2.0, z=z), total(a, b, scale=2.0, z=z))
+  assert f.stats()["fallbacks"] == []
+  g = dynjax.jit(total)  # dims="auto": one family per tree of arguments
+  for n in (1, 3):
+    xs = [_x(t=4 + i) for i in range(n)]
+    _same(g(*xs), total(*xs))
+
+
 def test_under_jax_transformations_the_function_is_traced_in_like_a_nested_jit():
   def lse(x):
     return jax.nn.logsumexp(x, -1).sum()
@@ -161,7 +214,8 @@ def test_static_and_donate_argnums_as_in_jax_jit():
   f(_x(), 2)  # rev left out: another family, its static values in explain()
   heads = [line for line in f.explain().splitlines() if line.startswith("family")]
   assert heads == ["family 0: mode=auto (static n=3, rev=True)", "family 1: mode=auto (static n=2)"]
-  with pytest.raises(dynjax.SpecError, match=r"static_argnums=5: scaled has 3 parameters"):
+  with pytest.raises(dynjax.SpecError, match=r"static_argnums=5: scaled has 3 positional "
+                     r"parameters"):
     dynjax.jit(scaled, static_argnums=5)
   g = dynjax.jit(lambda x, y: x + y, dims={"x": "t"}, donate_argnums=0)
   _same(g(np.ones(3, np.float32), np.float32(1)), np.full(3, 2.0, np.float32))

@@ -104,9 +104,12 @@ def test_unhashable_static_arg():
     f(np.ones(3), [1, 2])
 
 
-def test_varargs_rejected():
-  with pytest.raises(dynjax.SpecError, match=r"has \*args/\*\*kwargs parameters \['args'\]"):
-    dynjax.jit(lambda *args: args)
+def test_static_argnums_into_varargs_says_what_to_do():
+  with pytest.raises(dynjax.SpecError, match=r"static_argnums=1: position 1 of <lambda> falls "
+                     r"in its \*args \(its named positional parameters are \['x'\]\)"):
+    dynjax.jit(lambda x, *args: args, static_argnums=1)
+  with pytest.raises(dynjax.SpecError, match=r"donate_argnames: \['y'\] are not parameters"):
+    dynjax.jit(lambda x, **kw: x, donate_argnames="y")
 
 
 def test_wrong_call_signature():
