@@ -135,7 +135,10 @@ def shape_fn(shapes: Sequence[Sequence], var_order: Sequence[str], *, device: bo
 
 
 def compile_dim(d, var_order: Sequence[str]) -> Callable[[Sequence[int]], int]:
-  """A fast function ``sizes_tuple -> int`` for one dimension (int or symbolic)."""
+  """A fast function ``sizes_tuple -> int`` for one dimension (int, symbolic, or the text of
+  one as jax prints it)."""
+  if isinstance(d, str):
+    return _compile(_indexed(d, var_order), "_s")
   if not is_symbolic(d):
     value = int(d)
     return lambda sizes: value

@@ -262,4 +262,7 @@ TESTS = {
   "tests/trials/test_keras_idioms.py::test_keras_model_is_exact_and_bucketed[conv_autoencoder]": 13.1,
   "tests/trials/test_keras_idioms.py::test_keras_model_is_exact_and_bucketed[batchnorm_conv]": 11.8,
   "tests/trials/test_keras_idioms.py::test_keras_model_is_exact_and_bucketed[keras_attention]": 7.1,
+  # session 26: jax.jit(model.apply) with *args/**kwargs; ResNet blocks' shape identities
+  "tests/jit/test_calls.py::test_model_apply_with_args_and_kwargs_as_jax_jit_takes_it": 2.3,
+  "tests/jit/test_shape_identities.py::test_a_strided_residual_block_is_bucketed_exactly": 5.0,
 }

@@ -217,6 +217,7 @@ class Family:
     self._warned_guards = False
     self._warned_trust_bucket = False  # _guards.trust_bucket_holds warns once
     self._unequal: tuple = ()  # guards ``lhs != rhs``: (text, fn(sizes) -> lhs - rhs, where)
+    self._identities: tuple[str, ...] = ()  # equality rules of _guards.unify_shapes
     for attempt in range(MAX_GUARDS + 1):
       sym = _symbolic.symbolic_avals(self.sig, self.avals)
       try:
@@ -311,7 +312,7 @@ class Family:
     bad = list(guard_texts(names, {i: (lo, hi) for i, lo, hi in self._guard_bounds
                                    if not lo <= sizes[i] <= hi}))
     bad += [f"{text} ({where})" for text, diff, where in self._unequal if diff(sizes) == 0]
-    bad += [f"{text} (constraints=)" for text in broken_declared(self, sizes)]
+    bad += broken_declared(self, sizes)  # labelled: constraints=, or inferred
     at = ", ".join(f"{v} = {n}" for v, n in zip(self.sig.var_order, sizes, strict=True))
     what = (f"dynjax.jit({self.name}): sizes {at} violate the guard(s) {', '.join(bad)} "
             "inferred while tracing")

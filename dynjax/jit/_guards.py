@@ -226,6 +226,96 @@ _CLASH = ("incompatible", "same shape", "mismatch")
 _MIN_CONST = re.compile(r"\bmin\((-?\d+), ([A-Za-z_]\w*)\)|\bmin\(([A-Za-z_]\w*), (-?\d+)\)")
 
 
+IDENTITY_SCAN = 1 << 16  # sizes over which an unbounded variable's identity is checked
+_CALL = re.compile(r"^-?\s*(\d+\*)?(floordiv|mod|max|min|non_negative)\(")
+_CONST_TAIL = re.compile(r"^(.*\)) ([+-]) (\d+)$")
+
+
+def _shape_groups(text: str) -> list[list[str]]:
+  """The top-level parenthesized groups of ``text`` with a comma, split at their own commas:
+  the shapes in "add got incompatible shapes for broadcasting: (2, a, 16), (2, b, 16)"."""
+  groups, depth, start = [], 0, None
+  for i, ch in enumerate(text):
+    if ch == "(":
+      if depth == 0:
+        start = i
+      depth += 1
+    elif ch == ")" and depth:
+      depth -= 1
+      if depth == 0:
+        items, d, cut = [], 0, start + 1
+        for j in range(start + 1, i):
+          d += text[j] == "("
+          d -= text[j] == ")"
+          if text[j] == "," and d == 0:
+            items.append(text[cut:j].strip())
+            cut = j + 1
+        items.append(text[cut:i].strip())
+        if len(items) > 1:
+          groups.append([x for x in items if x])
+  return groups
+
+
+def _equal_over(lhs: str, rhs: str, var: str, lo: int, hi: int) -> bool:
+  try:
+    fn = _symbolic.dim_fn([lhs, rhs], (var,))
+    return all(a == b for a, b in map(fn, range(lo, hi + 1)))
+  except Exception:  # noqa: BLE001 - text we cannot evaluate
+    return False
+
+
+def _rule(lhs_text: str, rhs_text: str) -> str | None:
+  """``lhs == rhs`` written as jax takes an equality constraint, a normalization rule whose
+  left side is one term (``floordiv(...) + 1 == e`` as ``floordiv(...) == e - 1``); None when
+  ``lhs`` is not one operation's term plus a constant (a bare variable would rewrite every
+  use of it)."""
+  m = _CONST_TAIL.match(lhs_text)
+  core, c = (m.group(1), int(m.group(3)) * (1 if m.group(2) == "+" else -1)) if m else (
+      lhs_text, 0)
+  if not _CALL.match(core):
+    return None
+  if c == 0:
+    return f"{core} == {rhs_text}"
+  return f"{core} == {rhs_text} {'-' if c > 0 else '+'} {abs(c)}"
+
+
+def unify_shapes(fam, e: BaseException, bounds: dict) -> list[tuple[str, int, int]]:
+  """Equality rules for two shapes JAX could not unify where their dims are one variable's
+  same size written two ways: a ResNet block's strided 3x3 conv (SAME) and its strided 1x1
+  projection both give ``ceil(h / 2)``, as ``floordiv(h - 1, 2) + 1`` and ``- floordiv(- h,
+  2)``, and ``residual + y`` fails ("add got incompatible shapes").  A pair counts only where
+  the two agree at every size of the variable's range (the policy's max, else
+  :data:`IDENTITY_SCAN`, which then bounds the variable: its guard).  Returns ``(rule, var
+  index, top, lhs, rhs)`` for each pair, the rule in jax's constraint syntax (``_rule``)."""
+  out, seen = [], set()
+  order = fam.sig.var_order
+  while e is not None and id(e) not in seen:
+    seen.add(id(e))
+    text = str(e)
+    if any(w in text.lower() for w in _CLASH):
+      groups = _shape_groups(text)
+      for a, b in zip(groups, groups[1:], strict=False):
+        if len(a) != len(b):
+          continue
+        for x, y in zip(a, b, strict=True):
+          names = _symbolic.dim_vars_of(x) | _symbolic.dim_vars_of(y)
+          if x == y or len(names) != 1 or not names <= set(order):
+            continue
+          var = names.pop()
+          i = order.index(var)
+          lo, hi = bounds.get(i, (1, math.inf))
+          pol = fam.ctx.policies.for_var(var)
+          top = pol.max if pol.max is not None and fam.ctx.opts.overflow != "grow" else None
+          top = min(hi, top if top is not None else IDENTITY_SCAN)
+          rule = _rule(x, y) or _rule(y, x)
+          if rule and top >= lo and _equal_over(x, y, var, lo, int(top)):
+            out.append((rule, i, int(top), x, y))
+      if out:
+        return out
+    e = e.__cause__ or e.__context__
+  return out
+
+
 def capped_bucket(fam, bkey: tuple) -> tuple:
   """``bkey`` with each variable at most its ``var <= c`` guard from ``min(c, var)``: the
   executables were traced for sizes up to ``c`` (``min(c, t)`` is ``t`` only there), so a
@@ -250,7 +340,7 @@ def add_guard(fam, e: BaseException) -> bool:
   if cmp is None:
     cap = capped_size(e, fam.sig.var_order)
     if cap is None:
-      return False
+      return _add_identities(fam, e, bounds)
     i = fam.sig.var_order.index(cap[0])
     lo, hi = bounds.get(i, (1, math.inf))
     new = (lo, min(hi, cap[1]))
@@ -271,7 +361,7 @@ def add_guard(fam, e: BaseException) -> bool:
   if new == (lo, hi) or new[0] > new[1]:
     return False  # no progress, or no size left
   bounds[i] = new
-  guards = guard_texts(fam.sig.var_order, bounds)
+  guards = guard_texts(fam.sig.var_order, bounds) + fam._identities
   try:
     sig = _signature(fam, guards)
   except Exception:  # noqa: BLE001 - jax refuses the constraint: no guard, run exact
@@ -282,6 +372,33 @@ def add_guard(fam, e: BaseException) -> bool:
     fam._size_caps = tuple(sorted({**dict(fam._size_caps), i: new[1]}.items()))
   fam._guard_bounds = tuple((j, lo, hi) for j, (lo, hi) in sorted(bounds.items()))
   logger.info("dynjax: %s traces under the inferred guards %s", fam.name, guards)
+  return True
+
+
+def _add_identities(fam, e: BaseException, bounds: dict) -> bool:
+  """Re-trace under the equality rules :func:`unify_shapes` finds in ``e`` (each checked on
+  every call, as ``constraints=`` are: ``Family.declared``)."""
+  found = [f for f in unify_shapes(fam, e, bounds) if f[0] not in fam._identities]
+  if not found:
+    return False
+  for _, i, top, _, _ in found:
+    lo, hi = bounds.get(i, (1, math.inf))
+    bounds[i] = (lo, min(hi, top))
+  rules = fam._identities + tuple(dict.fromkeys(f[0] for f in found))
+  try:
+    sig = _signature(fam, guard_texts(fam.sig.var_order, bounds) + rules)
+  except Exception:  # noqa: BLE001 - jax refuses the rule (two with one left side): run exact
+    return False
+  fam.sig, fam._identities = sig, rules
+  fam.guards = guard_texts(sig.var_order, bounds) + rules
+  fam._guard_bounds = tuple((j, lo, hi) for j, (lo, hi) in sorted(bounds.items()))
+  # Checked per call from the two texts as jax printed them: parsed in the new scope, its
+  # rule would make them one expression.
+  order = sig.var_order
+  fam.declared = fam.declared + tuple(
+      (f"{x} == {y} (inferred: two shapes of one size)", _symbolic.compile_dim(x, order), "==",
+       _symbolic.compile_dim(y, order)) for _, _, _, x, y in found)
+  logger.info("dynjax: %s traces under the inferred shape identities %s", fam.name, rules)
   return True
 
 
@@ -341,10 +458,11 @@ def trust_bucket_holds(fam, bkey) -> bool:
 _RELATION = re.compile(r"^(.*?)(>=|<=|==)(.*)$")
 
 
-def declared_checks(constraints, sig) -> tuple:
+def declared_checks(constraints, sig, origin: str = "constraints=") -> tuple:
   """``(text, lhs(sizes), op, rhs(sizes))`` of each ``constraints=[...]`` the user gave that
-  names only the family's dimension variables.  The padded executables were traced under them
-  (jax decides comparisons with them), so they are guards too: sizes outside them run exact
+  names only the family's dimension variables (``text`` labelled by ``origin``; also the
+  rules :func:`unify_shapes` infers).  The padded executables were traced under them (jax
+  decides comparisons with them), so they are guards too: sizes outside them run exact
   (``Family.guard_ok``), as jax.export would refuse them."""
   from jax import export  # noqa: PLC0415
 
@@ -356,7 +474,7 @@ def declared_checks(constraints, sig) -> tuple:
     try:
       lhs, rhs = (export.symbolic_shape(side.strip(), scope=sig.scope)[0]
                   for side in (m.group(1), m.group(3)))
-      out.append((text, _symbolic.compile_dim(lhs, sig.var_order), m.group(2),
+      out.append((f"{text} ({origin})", _symbolic.compile_dim(lhs, sig.var_order), m.group(2),
                   _symbolic.compile_dim(rhs, sig.var_order)))
     except Exception:  # noqa: BLE001 - other variables (no spec names them): nothing to check
       continue
@@ -367,5 +485,6 @@ _HOLDS = {">=": operator.ge, "<=": operator.le, "==": operator.eq}
 
 
 def broken_declared(fam, sizes) -> list[str]:
-  """The user's ``constraints=[...]`` that true ``sizes`` break (none: ``[]``)."""
+  """The ``constraints=[...]`` (the user's, and inferred rules) that true ``sizes`` break
+  (none: ``[]``), each labelled by where it came from."""
   return [text for text, lhs, op, rhs in fam.declared if not _HOLDS[op](lhs(sizes), rhs(sizes))]
