@@ -214,10 +214,10 @@ class Family:
     self.guards: tuple[str, ...] = ()
     self._guard_bounds: tuple[tuple[int, int, float], ...] = ()  # (var index, lo, hi)
     self._size_caps: tuple[tuple[int, int], ...] = ()  # (var index, c): _guards.capped_bucket
-    self._warned_guards = False
-    self._warned_trust_bucket = False  # _guards.trust_bucket_holds warns once
+    self._warned_guards = self._warned_trust_bucket = False  # (_guards.trust_bucket_holds)
     self._unequal: tuple = ()  # guards ``lhs != rhs``: (text, fn(sizes) -> lhs - rhs, where)
     self._identities: tuple[str, ...] = ()  # equality rules of _guards.unify_shapes
+    self._moduli: tuple[tuple[int, int], ...] = ()  # (var index, m): buckets at multiples
     for attempt in range(MAX_GUARDS + 1):
       sym = _symbolic.symbolic_avals(self.sig, self.avals)
       try:
@@ -341,7 +341,7 @@ class Family:
         break
       probe = [p.bucket(b + 1) or p.grow(b + 1) if v in low else b
                for v, b, p in zip(self.sig.var_order, probe, pols, strict=True)]
-    return tuple(probe)
+    return capped_bucket(self, tuple(probe))  # (and at multiples of an identity's m)
 
   def fall_back(self, reason: str) -> None:
     """The family runs exact from now on (one compile per shape), with one warning; or

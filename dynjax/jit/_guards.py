@@ -221,8 +221,9 @@ def capped_size(e: BaseException | None, var_order) -> tuple[str, int] | None:
 
 # JAX's words where two shapes that should agree do not ("add got incompatible shapes for
 # broadcasting", "Incompatible types for broadcasting", dot_general's "... to have the same
-# shape, got (min(128, t), 8) and (t, 8)": HF Flax RoFormer's sinusoidal table)
-_CLASH = ("incompatible", "same shape", "mismatch")
+# shape, got (min(128, t), 8) and (t, 8)": HF Flax RoFormer's sinusoidal table; a transpose's
+# "Expected cotangent type float32[b,x,4] but got float32[b,y,4]")
+_CLASH = ("incompatible", "same shape", "mismatch", "but got")
 _MIN_CONST = re.compile(r"\bmin\((-?\d+), ([A-Za-z_]\w*)\)|\bmin\(([A-Za-z_]\w*), (-?\d+)\)")
 
 
@@ -232,21 +233,22 @@ _CONST_TAIL = re.compile(r"^(.*\)) ([+-]) (\d+)$")
 
 
 def _shape_groups(text: str) -> list[list[str]]:
-  """The top-level parenthesized groups of ``text`` with a comma, split at their own commas:
-  the shapes in "add got incompatible shapes for broadcasting: (2, a, 16), (2, b, 16)"."""
+  """The top-level bracketed groups of ``text`` with a comma, split at their own commas: the
+  shapes in "add got incompatible shapes for broadcasting: (2, a, 16), (2, b, 16)", or in
+  "Expected cotangent type float32[b,a,4] but got float32[b,c,4]"."""
   groups, depth, start = [], 0, None
   for i, ch in enumerate(text):
-    if ch == "(":
+    if ch in "([":
       if depth == 0:
         start = i
       depth += 1
-    elif ch == ")" and depth:
+    elif ch in ")]" and depth:
       depth -= 1
       if depth == 0:
         items, d, cut = [], 0, start + 1
         for j in range(start + 1, i):
-          d += text[j] == "("
-          d -= text[j] == ")"
+          d += text[j] in "(["
+          d -= text[j] in ")]"
           if text[j] == "," and d == 0:
             items.append(text[cut:j].strip())
             cut = j + 1
@@ -256,12 +258,25 @@ def _shape_groups(text: str) -> list[list[str]]:
   return groups
 
 
-def _equal_over(lhs: str, rhs: str, var: str, lo: int, hi: int) -> bool:
+MAX_MODULUS = 1024  # the largest m of an identity that holds for multiples of m only
+
+
+def _equal_sizes(lhs: str, rhs: str, var: str, lo: int, hi: int) -> int | None:
+  """1 when ``lhs == rhs`` at every size ``lo..hi`` of ``var``; ``m`` when exactly at its
+  multiples of ``m`` (``2 <= m <= MAX_MODULUS``: a Keras conv autoencoder's two stride-2
+  convs and two ``UpSampling1D(2)`` give ``4*ceil(ceil(t / 2) / 2)``, which is ``t`` for
+  multiples of 4: ``jax.jit`` fails at the others too); None otherwise."""
   try:
     fn = _symbolic.dim_fn([lhs, rhs], (var,))
-    return all(a == b for a, b in map(fn, range(lo, hi + 1)))
+    equal = [n for n in range(lo, hi + 1) if (lambda v: v[0] == v[1])(fn(n))]
   except Exception:  # noqa: BLE001 - text we cannot evaluate
-    return False
+    return None
+  if len(equal) == hi - lo + 1:
+    return 1
+  m = math.gcd(*equal) if equal else 0
+  if m < 2 or m > MAX_MODULUS or len(equal) != hi // m - (lo - 1) // m:
+    return None  # not equal at every multiple of m in the range
+  return m
 
 
 def _rule(lhs_text: str, rhs_text: str) -> str | None:
@@ -279,14 +294,17 @@ def _rule(lhs_text: str, rhs_text: str) -> str | None:
   return f"{core} == {rhs_text} {'-' if c > 0 else '+'} {abs(c)}"
 
 
-def unify_shapes(fam, e: BaseException, bounds: dict) -> list[tuple[str, int, int]]:
+def unify_shapes(fam, e: BaseException, bounds: dict) -> list[tuple]:
   """Equality rules for two shapes JAX could not unify where their dims are one variable's
   same size written two ways: a ResNet block's strided 3x3 conv (SAME) and its strided 1x1
   projection both give ``ceil(h / 2)``, as ``floordiv(h - 1, 2) + 1`` and ``- floordiv(- h,
   2)``, and ``residual + y`` fails ("add got incompatible shapes").  A pair counts only where
   the two agree at every size of the variable's range (the policy's max, else
-  :data:`IDENTITY_SCAN`, which then bounds the variable: its guard).  Returns ``(rule, var
-  index, top, lhs, rhs)`` for each pair, the rule in jax's constraint syntax (``_rule``)."""
+  :data:`IDENTITY_SCAN`, which then bounds the variable: its guard), or at every multiple of
+  some ``m`` there and nowhere else (``_equal_sizes``: sizes that are not run exact, where
+  ``jax.jit`` fails as well, and buckets round up to multiples of ``m``).  Returns ``(rules,
+  var index, top, lhs, rhs, m)`` for each pair (``m`` 1: every size), ``rules`` the one or two
+  ways to write it in jax's constraint syntax (``_rule``: either side's term on the left)."""
   out, seen = [], set()
   order = fam.sig.var_order
   while e is not None and id(e) not in seen:
@@ -307,9 +325,10 @@ def unify_shapes(fam, e: BaseException, bounds: dict) -> list[tuple[str, int, in
           pol = fam.ctx.policies.for_var(var)
           top = pol.max if pol.max is not None and fam.ctx.opts.overflow != "grow" else None
           top = min(hi, top if top is not None else IDENTITY_SCAN)
-          rule = _rule(x, y) or _rule(y, x)
-          if rule and top >= lo and _equal_over(x, y, var, lo, int(top)):
-            out.append((rule, i, int(top), x, y))
+          rules = tuple(r for r in (_rule(x, y), _rule(y, x)) if r)
+          m = _equal_sizes(x, y, var, lo, int(top)) if rules and top >= lo else None
+          if m is not None:
+            out.append((rules, i, int(top), x, y, m))
       if out:
         return out
     e = e.__cause__ or e.__context__
@@ -322,6 +341,9 @@ def capped_bucket(fam, bkey: tuple) -> tuple:
   larger bucket does not hold the trace; ``c`` serves as that variable's bucket (a call of
   ``t <= c`` whose policy bucket is past ``c`` runs at ``c``).  A guard from a comparison
   (``if t >= 4``) decides a branch by the true size, which any larger bucket keeps."""
+  for i, m in fam._moduli:  # an identity of multiples of m: buckets at multiples of m
+    if bkey[i] % m:
+      bkey = bkey[:i] + (bkey[i] + m - bkey[i] % m,) + bkey[i + 1:]
   for i, c in fam._size_caps:
     if bkey[i] > c:
       bkey = bkey[:i] + (c,) + bkey[i + 1:]
@@ -378,26 +400,41 @@ def add_guard(fam, e: BaseException) -> bool:
 def _add_identities(fam, e: BaseException, bounds: dict) -> bool:
   """Re-trace under the equality rules :func:`unify_shapes` finds in ``e`` (each checked on
   every call, as ``constraints=`` are: ``Family.declared``)."""
-  found = [f for f in unify_shapes(fam, e, bounds) if f[0] not in fam._identities]
-  if not found:
-    return False
-  for _, i, top, _, _ in found:
+  found = unify_shapes(fam, e, bounds)
+  order = fam.sig.var_order
+  moduli = dict(fam._moduli)
+  for _, i, top, _, _, m in found:
     lo, hi = bounds.get(i, (1, math.inf))
     bounds[i] = (lo, min(hi, top))
-  rules = fam._identities + tuple(dict.fromkeys(f[0] for f in found))
-  try:
-    sig = _signature(fam, guard_texts(fam.sig.var_order, bounds) + rules)
-  except Exception:  # noqa: BLE001 - jax refuses the rule (two with one left side): run exact
-    return False
-  fam.sig, fam._identities = sig, rules
+    if m > 1:
+      moduli[i] = math.lcm(moduli.get(i, 1), m)
+  rules = list(fam._identities) + [
+      r for r in (f"mod({order[i]}, {m}) == 0" for i, m in sorted(moduli.items()))
+      if r not in fam._identities]
+  new = []  # each pair's first way of writing that jax takes beside the rules so far
+  for cands, *rest in found:
+    for r in cands:
+      if r in rules:
+        break
+      try:  # jax refuses two rules with one left side: then the other side's term
+        _signature(fam, guard_texts(order, bounds) + tuple(rules + [r]))
+      except Exception:  # noqa: BLE001
+        continue
+      rules.append(r)
+      new.append((r, *rest))
+      break
+  if not new:
+    return False  # nothing jax takes, or no progress: run exact
+  found, rules = new, tuple(rules)
+  sig = _signature(fam, guard_texts(order, bounds) + rules)
+  fam.sig, fam._identities, fam._moduli = sig, rules, tuple(sorted(moduli.items()))
   fam.guards = guard_texts(sig.var_order, bounds) + rules
   fam._guard_bounds = tuple((j, lo, hi) for j, (lo, hi) in sorted(bounds.items()))
   # Checked per call from the two texts as jax printed them: parsed in the new scope, its
   # rule would make them one expression.
-  order = sig.var_order
   fam.declared = fam.declared + tuple(
       (f"{x} == {y} (inferred: two shapes of one size)", _symbolic.compile_dim(x, order), "==",
-       _symbolic.compile_dim(y, order)) for _, _, _, x, y in found)
+       _symbolic.compile_dim(y, order)) for _, _, _, x, y, _ in found)
   logger.info("dynjax: %s traces under the inferred shape identities %s", fam.name, rules)
   return True
 

@@ -71,16 +71,22 @@ def test_a_strided_residual_block_is_bucketed_exactly(compiles):
   assert "floordiv" in text and "==" in text  # the rules it traced under, in explain()
 
 
-def test_the_rule_needs_the_two_sizes_equal_at_every_size():
-  """``x[:, ::2] + x[:, 1::2]``: ceil(t / 2) against floor(t / 2), equal only for even t:
-  no rule; the family falls back as before, saying why."""
-  f = dynjax.jit(lambda x: x[:, ::2] + x[:, 1::2], dims={"x": "b, t"})
+def test_the_rule_needs_the_two_sizes_equal_at_every_size_or_every_multiple():
+  """``x[:, ::3] + x[:, 1::2]`` (ceil(t / 3) against floor(t / 2)) is equal at 2..5 and 7,
+  no pattern: no rule, the family falls back as before, saying why.  ``x[:, ::2] + x[:,
+  1::2]`` is equal at every even length (jax.jit fails at odd ones): even lengths pad."""
+  f = dynjax.jit(lambda x: x[:, ::3] + x[:, 1::2], dims={"x": "b, t"})
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
-    out = f(np.ones((2, 6), np.float32))
-  np.testing.assert_array_equal(out, np.full((2, 3), 2, np.float32))
+    out = f(np.ones((2, 4), np.float32))
+  np.testing.assert_array_equal(out, np.full((2, 2), 2, np.float32))
   assert "incompatible shapes" in f.stats()["fallbacks"][0]
   assert any("running unpadded" in str(w.message) for w in caught)
+  g = dynjax.jit(lambda x: x[:, ::2] + x[:, 1::2], dims={"x": "b, t"})
+  for t in (6, 10, 2):
+    x = np.arange(2 * t, dtype=np.float32).reshape(2, t)
+    np.testing.assert_array_equal(g(x), x[:, ::2] + x[:, 1::2])
+  assert g.stats()["per_bucket_calls"] == {"b=2, t=8": 1, "b=2, t=16": 1, "b=2, t=2": 1}
 
 
 def test_shape_groups_and_rules_as_jax_prints_them():
@@ -91,8 +97,9 @@ def test_shape_groups_and_rules_as_jax_prints_them():
   assert _guards._rule("floordiv(h - 1, 2) + 1", "- floordiv(- h, 2)") == (
       "floordiv(h - 1, 2) == - floordiv(- h, 2) - 1")
   assert _guards._rule("h + 1", "h") is None  # a bare variable: never a rule
-  assert _guards._equal_over("floordiv(h - 1, 2) + 1", "- floordiv(- h, 2)", "h", 1, 4096)
-  assert not _guards._equal_over("floordiv(h, 2)", "- floordiv(- h, 2)", "h", 1, 4096)
+  assert _guards._equal_sizes("floordiv(h - 1, 2) + 1", "- floordiv(- h, 2)", "h", 1, 4096) == 1
+  assert _guards._equal_sizes("floordiv(h, 2)", "- floordiv(- h, 2)", "h", 1, 4096) == 2
+  assert _guards._equal_sizes("floordiv(h, 2)", "- floordiv(- h, 3)", "h", 1, 4096) is None
 
 
 def test_an_unbounded_size_past_the_checked_range_runs_exact(monkeypatch):
@@ -115,3 +122,38 @@ def test_an_unbounded_size_past_the_checked_range_runs_exact(monkeypatch):
   with pytest.raises(dynjax.PaddingFallbackError, match=r"h <= 40"):
     dynjax.jit(res, dims={"x": "b, h, w, 3"}, buckets=dynjax.buckets.pow2(min=8),
                on_fallback="error")(_image(rng, 1, 50, 11))
+
+
+def _conv1d(x, w, stride):
+  return lax.conv_general_dilated(x, w, (stride,), "SAME",
+                                  dimension_numbers=("NWC", "WIO", "NWC"))
+
+
+def test_an_autoencoder_whose_sizes_meet_at_multiples_is_bucketed_at_multiples(compiles):
+  """Keras's Conv1D autoencoder (two stride-2 convs, two ``UpSampling1D(2)``, the loss
+  ``mean(square(x - y))``): ``4*ceil(ceil(t / 2) / 2)`` is ``t`` for multiples of 4 only, so
+  ``jax.jit`` itself fails at other lengths.  The family traces under ``mod(t, 4) == 0``,
+  runs other lengths exact (to jax's own error) and rounds buckets up to multiples of 4."""
+  rng = np.random.default_rng(2)
+  w1, w2, w3 = (jnp.asarray(rng.normal(size=s) * 0.5, jnp.float32)
+                for s in ((3, 1, 4), (3, 4, 4), (3, 4, 1)))
+
+  def loss(x):
+    h = jax.nn.relu(_conv1d(jax.nn.relu(_conv1d(x, w1, 2)), w2, 2))
+    y = _conv1d(jnp.repeat(jnp.repeat(h, 2, axis=1), 2, axis=1), w3, 1)
+    return jnp.mean(jnp.square(x - y))
+
+  f = dynjax.jit(loss, dims={"x": "b, t, 1"}, buckets={"t": dynjax.buckets.linear(6, max=60)})
+  for t in (8, 12, 16, 44):  # linear buckets 12, 12, 18 -> 20, 48
+    x = jnp.asarray(rng.normal(size=(2, t, 1)), jnp.float32)
+    _close(f(x), jax.jit(loss)(x))
+  s = f.stats()
+  assert s["per_bucket_calls"] == {"b=2, t=12": 2, "b=2, t=20": 1, "b=2, t=48": 1}
+  assert s["fallbacks"] == [] and s["exact_calls"] == 0
+  x = jnp.ones((2, 10, 1), jnp.float32)
+  with pytest.raises(TypeError, match="incompatible shapes"):
+    jax.jit(loss)(x)
+  with pytest.warns(UserWarning, match=r"violate the guard\(s\) t == "), pytest.raises(
+      TypeError, match="incompatible shapes"):
+    f(x)  # run exact: jax's own error, as jax.jit raises it
+  assert "mod(t, 4) == 0" in f.explain()
