@@ -50,6 +50,15 @@ _DEVICE_NAMESPACE = {
     "non_negative": lambda a: jnp.maximum(a, 0),
     "__builtins__": {},
 }
+# The same helpers over numpy arrays of sizes (a guard's check at 65,536 sizes at once).
+_NUMPY_NAMESPACE = {
+    "floordiv": np.floor_divide,
+    "mod": np.mod,
+    "max": np.maximum,
+    "min": np.minimum,
+    "non_negative": lambda a: np.maximum(a, 0),
+    "__builtins__": {},
+}
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
@@ -84,7 +93,8 @@ def _compile(body: str, params: str, device: bool = False) -> Callable:
   ``body`` is text from jax's own printer of dimension expressions (``t + 1``,
   ``floordiv(t, 2)``); compiled once, a call costs ~0.3 us.
   """
-  ns = _DEVICE_NAMESPACE if device else _EXPR_NAMESPACE
+  ns = (_NUMPY_NAMESPACE if device == "numpy" else _DEVICE_NAMESPACE if device
+        else _EXPR_NAMESPACE)
   return eval(f"lambda {params}: {body}", dict(ns))  # noqa: S307 - jax's printer, not user text
 
 
@@ -108,18 +118,20 @@ def _tuple_text(items: Sequence[str]) -> str:
   return "(" + "".join(f"{x}, " for x in items) + ")"
 
 
-def dim_fn(dims: Sequence, var_order: Sequence[str], *, device: bool = False
-           ) -> Callable[..., tuple]:
+def dim_fn(dims: Sequence, var_order: Sequence[str], *, device: bool = False,
+           arrays: bool = False) -> Callable[..., tuple]:
   """``fn(*sizes) -> tuple`` of the values of ``dims`` (ints, expressions or their text).
 
   ``sizes`` are positional, in ``var_order``; with ``device=True`` they may be traced int32
-  scalars (``max``/``floordiv`` become ``jnp`` ops).
+  scalars (``max``/``floordiv`` become ``jnp`` ops), with ``arrays=True`` int64 numpy arrays
+  (every size at once).
 
   Example:
     >>> dim_fn(["t + 1", 4], ("t",))(7)
     (8, 4)
   """
-  return _compile(_tuple_text([str(d) for d in dims]), ", ".join(var_order), device)
+  return _compile(_tuple_text([str(d) for d in dims]), ", ".join(var_order),
+                  "numpy" if arrays else device)
 
 
 def shape_fn(shapes: Sequence[Sequence], var_order: Sequence[str], *, device: bool = False

@@ -266,14 +266,16 @@ def _equal_sizes(lhs: str, rhs: str, var: str, lo: int, hi: int) -> int | None:
   multiples of ``m`` (``2 <= m <= MAX_MODULUS``: a Keras conv autoencoder's two stride-2
   convs and two ``UpSampling1D(2)`` give ``4*ceil(ceil(t / 2) / 2)``, which is ``t`` for
   multiples of 4: ``jax.jit`` fails at the others too); None otherwise."""
-  try:
-    fn = _symbolic.dim_fn([lhs, rhs], (var,))
-    equal = [n for n in range(lo, hi + 1) if (lambda v: v[0] == v[1])(fn(n))]
+  try:  # every size at once, over numpy arrays (~2 ms for 65,536 sizes)
+    sizes = np.arange(lo, hi + 1, dtype=np.int64)
+    a, b = (np.broadcast_to(v, sizes.shape)
+            for v in _symbolic.dim_fn([lhs, rhs], (var,), arrays=True)(sizes))
+    equal = sizes[a == b]
   except Exception:  # noqa: BLE001 - text we cannot evaluate
     return None
   if len(equal) == hi - lo + 1:
     return 1
-  m = math.gcd(*equal) if equal else 0
+  m = int(np.gcd.reduce(equal)) if len(equal) else 0
   if m < 2 or m > MAX_MODULUS or len(equal) != hi // m - (lo - 1) // m:
     return None  # not equal at every multiple of m in the range
   return m
