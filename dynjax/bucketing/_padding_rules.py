@@ -418,6 +418,8 @@ def _shift_symbolic_padding(ctx, eqn, x, aval, specs, fill):
   ResNet's buckets in 2.4 s each with the gather (XLA CPU), and ran them slower.
   """
   pads = []
+  config = [(0, 0, 0)] * x.ndim  # every shifted axis in one pad and one slice (one copy)
+  starts, sizes = [0] * x.ndim, list(x.shape)
   for a, (lo, hi), win, stride, out_dim in specs:
     if not has_dim_expr((lo, hi)):
       pads.append((int(lo), int(hi)))
@@ -427,13 +429,14 @@ def _shift_symbolic_padding(ctx, eqn, x, aval, specs, fill):
       raise unsupported(eqn, f"size-dependent negative padding {lo}")
     n = x.shape[a] + lo_max
     if lo_max:
-      config = [(0, 0, 0)] * x.ndim
       config[a] = (lo_max, lo_max, 0)
-      x = lax.pad(x, jnp.asarray(fill, x.dtype), config)
-      x = lax.dynamic_slice_in_dim(x, lo_max - ctx.true_dim(lo), n, axis=a)
+      starts[a], sizes[a] = lo_max - ctx.true_dim(lo), n
     n_out = ctx.padded_dim(out_dim)
     pads.append((0, max(0, (n_out - 1) * int(stride) + win - n)))
     ctx.note(eqn, f"size-dependent padding {lo} of axis {a} applied as a true-size shift")
+  if any(c != (0, 0, 0) for c in config):
+    x = lax.pad(x, jnp.asarray(fill, x.dtype), config)
+    x = lax.dynamic_slice(x, [jnp.asarray(i, jnp.int32) for i in starts], sizes)
   return x, pads
 
 

@@ -19,6 +19,8 @@ import numpy as np
 
 from dynjax import _symbolic
 from dynjax._errors import user_stacklevel
+from dynjax.jit import _facts
+from dynjax.jit._facts import _CLASH, _signature, guard_texts  # noqa: F401 - re-exported
 
 logger = logging.getLogger("dynjax")
 MAX_GUARDS = 8  # re-traces under inferred guards per family; one more falls back
@@ -141,17 +143,6 @@ def _user_frame(e: BaseException, skip: tuple[str, ...] = ()):
   return None
 
 
-def guard_texts(var_order, bounds: dict) -> tuple[str, ...]:
-  """``jax.export`` constraints of ``{var index: (lo, hi)}`` bounds (``hi`` may be inf)."""
-  out = []
-  for i, (lo, hi) in sorted(bounds.items()):
-    if lo > 1:
-      out.append(f"{var_order[i]} >= {lo}")
-    if hi != math.inf:
-      out.append(f"{var_order[i]} <= {hi}")
-  return tuple(out)
-
-
 def inconclusive_comparison(e: BaseException | None) -> tuple[str, int] | None:
   """``(var, split)`` from the first "Symbolic dimension comparison 'A' OP 'B' is
   inconclusive" in an exception chain, when it compares ``var`` (or ``var + c``) with an
@@ -219,122 +210,7 @@ def capped_size(e: BaseException | None, var_order) -> tuple[str, int] | None:
   return None
 
 
-# JAX's words where two shapes that should agree do not ("add got incompatible shapes for
-# broadcasting", "Incompatible types for broadcasting", dot_general's "... to have the same
-# shape, got (min(128, t), 8) and (t, 8)": HF Flax RoFormer's sinusoidal table; a transpose's
-# "Expected cotangent type float32[b,x,4] but got float32[b,y,4]")
-_CLASH = ("incompatible", "same shape", "mismatch", "but got")
 _MIN_CONST = re.compile(r"\bmin\((-?\d+), ([A-Za-z_]\w*)\)|\bmin\(([A-Za-z_]\w*), (-?\d+)\)")
-
-
-IDENTITY_SCAN = 1 << 16  # sizes over which an unbounded variable's identity is checked
-_CALL = re.compile(r"^-?\s*(\d+\*)?(floordiv|mod|max|min|non_negative)\(")
-_CONST_TAIL = re.compile(r"^(.*\)) ([+-]) (\d+)$")
-
-
-def _shape_groups(text: str) -> list[list[str]]:
-  """The top-level bracketed groups of ``text`` with a comma, split at their own commas: the
-  shapes in "add got incompatible shapes for broadcasting: (2, a, 16), (2, b, 16)", or in
-  "Expected cotangent type float32[b,a,4] but got float32[b,c,4]"."""
-  groups, depth, start = [], 0, None
-  for i, ch in enumerate(text):
-    if ch in "([":
-      if depth == 0:
-        start = i
-      depth += 1
-    elif ch in ")]" and depth:
-      depth -= 1
-      if depth == 0:
-        items, d, cut = [], 0, start + 1
-        for j in range(start + 1, i):
-          d += text[j] in "(["
-          d -= text[j] in ")]"
-          if text[j] == "," and d == 0:
-            items.append(text[cut:j].strip())
-            cut = j + 1
-        items.append(text[cut:i].strip())
-        if len(items) > 1:
-          groups.append([x for x in items if x])
-  return groups
-
-
-MAX_MODULUS = 1024  # the largest m of an identity that holds for multiples of m only
-
-
-def _equal_sizes(lhs: str, rhs: str, var: str, lo: int, hi: int) -> int | None:
-  """1 when ``lhs == rhs`` at every size ``lo..hi`` of ``var``; ``m`` when exactly at its
-  multiples of ``m`` (``2 <= m <= MAX_MODULUS``: a Keras conv autoencoder's two stride-2
-  convs and two ``UpSampling1D(2)`` give ``4*ceil(ceil(t / 2) / 2)``, which is ``t`` for
-  multiples of 4: ``jax.jit`` fails at the others too); None otherwise."""
-  try:  # every size at once, over numpy arrays (~2 ms for 65,536 sizes)
-    sizes = np.arange(lo, hi + 1, dtype=np.int64)
-    a, b = (np.broadcast_to(v, sizes.shape)
-            for v in _symbolic.dim_fn([lhs, rhs], (var,), arrays=True)(sizes))
-    equal = sizes[a == b]
-  except Exception:  # noqa: BLE001 - text we cannot evaluate
-    return None
-  if len(equal) == hi - lo + 1:
-    return 1
-  m = int(np.gcd.reduce(equal)) if len(equal) else 0
-  if m < 2 or m > MAX_MODULUS or len(equal) != hi // m - (lo - 1) // m:
-    return None  # not equal at every multiple of m in the range
-  return m
-
-
-def _rule(lhs_text: str, rhs_text: str) -> str | None:
-  """``lhs == rhs`` written as jax takes an equality constraint, a normalization rule whose
-  left side is one term (``floordiv(...) + 1 == e`` as ``floordiv(...) == e - 1``); None when
-  ``lhs`` is not one operation's term plus a constant (a bare variable would rewrite every
-  use of it)."""
-  m = _CONST_TAIL.match(lhs_text)
-  core, c = (m.group(1), int(m.group(3)) * (1 if m.group(2) == "+" else -1)) if m else (
-      lhs_text, 0)
-  if not _CALL.match(core):
-    return None
-  if c == 0:
-    return f"{core} == {rhs_text}"
-  return f"{core} == {rhs_text} {'-' if c > 0 else '+'} {abs(c)}"
-
-
-def unify_shapes(fam, e: BaseException, bounds: dict) -> list[tuple]:
-  """Equality rules for two shapes JAX could not unify where their dims are one variable's
-  same size written two ways: a ResNet block's strided 3x3 conv (SAME) and its strided 1x1
-  projection both give ``ceil(h / 2)``, as ``floordiv(h - 1, 2) + 1`` and ``- floordiv(- h,
-  2)``, and ``residual + y`` fails ("add got incompatible shapes").  A pair counts only where
-  the two agree at every size of the variable's range (the policy's max, else
-  :data:`IDENTITY_SCAN`, which then bounds the variable: its guard), or at every multiple of
-  some ``m`` there and nowhere else (``_equal_sizes``: sizes that are not run exact, where
-  ``jax.jit`` fails as well, and buckets round up to multiples of ``m``).  Returns ``(rules,
-  var index, top, lhs, rhs, m)`` for each pair (``m`` 1: every size), ``rules`` the one or two
-  ways to write it in jax's constraint syntax (``_rule``: either side's term on the left)."""
-  out, seen = [], set()
-  order = fam.sig.var_order
-  while e is not None and id(e) not in seen:
-    seen.add(id(e))
-    text = str(e)
-    if any(w in text.lower() for w in _CLASH):
-      groups = _shape_groups(text)
-      for a, b in zip(groups, groups[1:], strict=False):
-        if len(a) != len(b):
-          continue
-        for x, y in zip(a, b, strict=True):
-          names = _symbolic.dim_vars_of(x) | _symbolic.dim_vars_of(y)
-          if x == y or len(names) != 1 or not names <= set(order):
-            continue
-          var = names.pop()
-          i = order.index(var)
-          lo, hi = bounds.get(i, (1, math.inf))
-          pol = fam.ctx.policies.for_var(var)
-          top = pol.max if pol.max is not None and fam.ctx.opts.overflow != "grow" else None
-          top = min(hi, top if top is not None else IDENTITY_SCAN)
-          rules = tuple(r for r in (_rule(x, y), _rule(y, x)) if r)
-          m = _equal_sizes(x, y, var, lo, int(top)) if rules and top >= lo else None
-          if m is not None:
-            out.append((rules, i, int(top), x, y, m))
-      if out:
-        return out
-    e = e.__cause__ or e.__context__
-  return out
 
 
 def capped_bucket(fam, bkey: tuple) -> tuple:
@@ -364,7 +240,7 @@ def add_guard(fam, e: BaseException) -> bool:
   if cmp is None:
     cap = capped_size(e, fam.sig.var_order)
     if cap is None:
-      return _add_identities(fam, e, bounds)
+      return _facts.add_identities(fam, e, bounds)
     i = fam.sig.var_order.index(cap[0])
     lo, hi = bounds.get(i, (1, math.inf))
     new = (lo, min(hi, cap[1]))
@@ -397,57 +273,6 @@ def add_guard(fam, e: BaseException) -> bool:
   fam._guard_bounds = tuple((j, lo, hi) for j, (lo, hi) in sorted(bounds.items()))
   logger.info("dynjax: %s traces under the inferred guards %s", fam.name, guards)
   return True
-
-
-def _add_identities(fam, e: BaseException, bounds: dict) -> bool:
-  """Re-trace under the equality rules :func:`unify_shapes` finds in ``e`` (each checked on
-  every call, as ``constraints=`` are: ``Family.declared``)."""
-  found = unify_shapes(fam, e, bounds)
-  order = fam.sig.var_order
-  moduli = dict(fam._moduli)
-  for _, i, top, _, _, m in found:
-    lo, hi = bounds.get(i, (1, math.inf))
-    bounds[i] = (lo, min(hi, top))
-    if m > 1:
-      moduli[i] = math.lcm(moduli.get(i, 1), m)
-  rules = list(fam._identities) + [
-      r for r in (f"mod({order[i]}, {m}) == 0" for i, m in sorted(moduli.items()))
-      if r not in fam._identities]
-  new = []  # each pair's first way of writing that jax takes beside the rules so far
-  for cands, *rest in found:
-    for r in cands:
-      if r in rules:
-        break
-      try:  # jax refuses two rules with one left side: then the other side's term
-        _signature(fam, guard_texts(order, bounds) + tuple(rules + [r]))
-      except Exception:  # noqa: BLE001
-        continue
-      rules.append(r)
-      new.append((r, *rest))
-      break
-  if not new:
-    return False  # nothing jax takes, or no progress: run exact
-  found, rules = new, tuple(rules)
-  sig = _signature(fam, guard_texts(order, bounds) + rules)
-  fam.sig, fam._identities, fam._moduli = sig, rules, tuple(sorted(moduli.items()))
-  fam.guards = guard_texts(sig.var_order, bounds) + rules
-  fam._guard_bounds = tuple((j, lo, hi) for j, (lo, hi) in sorted(bounds.items()))
-  # Checked per call from the two texts as jax printed them: parsed in the new scope, its
-  # rule would make them one expression.
-  fam.declared = fam.declared + tuple(
-      (f"{x} == {y} (inferred: two shapes of one size)", _symbolic.compile_dim(x, order), "==",
-       _symbolic.compile_dim(y, order)) for _, _, _, x, y, _ in found)
-  logger.info("dynjax: %s traces under the inferred shape identities %s", fam.name, rules)
-  return True
-
-
-def _signature(fam, guards: tuple[str, ...]):
-  """The family's signature with ``guards`` added to its constraints (same specs)."""
-  specs = [(path, None if spec is None else spec.text, len(aval.shape))
-           for path, spec, aval in zip(fam.leaf_paths, fam.sig.leaves, fam.avals,
-                                       strict=True)]
-  texts = [text for _, text, _ in specs]
-  return _symbolic.build_signature(specs, fam._constraints(texts) + guards)
 
 
 def equality_guards(fam, equalities) -> str | None:

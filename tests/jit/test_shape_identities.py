@@ -18,7 +18,7 @@ import pytest
 from jax import lax
 
 import dynjax
-from dynjax.jit import _guards
+from dynjax.jit import _facts
 
 
 def _conv(x, w, stride, padding="SAME"):
@@ -92,18 +92,18 @@ def test_the_rule_needs_the_two_sizes_equal_at_every_size_or_every_multiple():
 def test_shape_groups_and_rules_as_jax_prints_them():
   text = ("add got incompatible shapes for broadcasting: (2, floordiv(h - 1, 2) + 1, 16), "
           "(2, - floordiv(- h, 2), 16).")
-  assert _guards._shape_groups(text) == [["2", "floordiv(h - 1, 2) + 1", "16"],
+  assert _facts._shape_groups(text) == [["2", "floordiv(h - 1, 2) + 1", "16"],
                                          ["2", "- floordiv(- h, 2)", "16"]]
-  assert _guards._rule("floordiv(h - 1, 2) + 1", "- floordiv(- h, 2)") == (
+  assert _facts._rule("floordiv(h - 1, 2) + 1", "- floordiv(- h, 2)") == (
       "floordiv(h - 1, 2) == - floordiv(- h, 2) - 1")
-  assert _guards._rule("h + 1", "h") is None  # a bare variable: never a rule
-  assert _guards._equal_sizes("floordiv(h - 1, 2) + 1", "- floordiv(- h, 2)", "h", 1, 4096) == 1
-  assert _guards._equal_sizes("floordiv(h, 2)", "- floordiv(- h, 2)", "h", 1, 4096) == 2
-  assert _guards._equal_sizes("floordiv(h, 2)", "- floordiv(- h, 3)", "h", 1, 4096) is None
+  assert _facts._rule("h + 1", "h") is None  # a bare variable: never a rule
+  assert _facts._equal_sizes("floordiv(h - 1, 2) + 1", "- floordiv(- h, 2)", "h", 1, 4096) == 1
+  assert _facts._equal_sizes("floordiv(h, 2)", "- floordiv(- h, 2)", "h", 1, 4096) == 2
+  assert _facts._equal_sizes("floordiv(h, 2)", "- floordiv(- h, 3)", "h", 1, 4096) is None
 
 
 def test_an_unbounded_size_past_the_checked_range_runs_exact(monkeypatch):
-  monkeypatch.setattr(_guards, "IDENTITY_SCAN", 40)
+  monkeypatch.setattr(_facts, "IDENTITY_SCAN", 40)
   rng = np.random.default_rng(1)
   ws = _weights(rng)
 
