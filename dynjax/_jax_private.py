@@ -238,8 +238,12 @@ def dim_interval(expr, box: dict) -> tuple[int, int]:
         if alo >= 0 and blo == bhi:
           return (0, min(bhi - 1, ahi)) if ahi < bhi else (0, bhi - 1)
         return 0, bhi - 1
+      if bhi < 0:  # Python's mod by a negative divisor lies in (b, 0]
+        return blo + 1, 0
       raise ValueError(f"cannot bound {f}")
     if f.operation == "floordiv":
+      if bhi < 0:  # floordiv(a, b) == floordiv(-a, -b) (a reshape's -1 by a negated product)
+        (alo, ahi), (blo, bhi) = (-ahi, -alo), (-bhi, -blo)
       if blo > 0:
         qs = [alo // blo, alo // bhi, ahi // blo, ahi // bhi]
         return min(qs), max(qs)

@@ -205,3 +205,178 @@ def _signature(fam, guards: tuple[str, ...]):
   return _symbolic.build_signature(specs, fam._constraints(texts) + guards)
 
 
+
+
+# -- facts over several sizes: comparisons JAX cannot decide, remainders it cannot prove 0 --
+_INCONCLUSIVE = re.compile(
+    r"Symbolic dimension comparison '([^']+)' (<=|>=|<|>) '([^']+)' is inconclusive")
+_REMAINDER = re.compile(r"The remainder (.+?) should be 0")
+_OPS = {">=": np.greater_equal, "<=": np.less_equal, ">": np.greater, "<": np.less,
+        "==": np.equal}
+GRID_POINTS = 1 << 20  # sizes checked at most (a grid of each variable's sizes, sampled past it)
+
+
+def _sizes_of(top: int) -> np.ndarray:
+  """One variable's sizes a fact is checked at: 1..64, then ~30 geometric points to ``top``
+  with the four sizes after each (every residue mod 4 near it)."""
+  geo = np.unique(np.geomspace(65, max(65, top), 30).astype(np.int64))
+  pts = np.unique(np.concatenate([np.arange(1, 65), *(geo + k for k in range(4))]))
+  return pts[pts <= top]
+
+
+def _holds(text_lhs: str, op: str, text_rhs: str, fam, bounds: dict) -> tuple | None:
+  """``(var indices, tops)`` when ``lhs OP rhs`` holds at every size checked (one variable:
+  all of ``lo..top``; several: a grid of :func:`_sizes_of` each, at most GRID_POINTS); None
+  when it fails somewhere, or names sizes the family does not have."""
+  order = fam.sig.var_order
+  names = sorted(_symbolic.dim_vars_of(text_lhs) | _symbolic.dim_vars_of(text_rhs))
+  if not names or not set(names) <= set(order):
+    return None
+  axes, idx, tops = [], [], []
+  for v in names:
+    i = order.index(v)
+    lo, hi = bounds.get(i, (1, math.inf))
+    pol = fam.ctx.policies.for_var(v)
+    top = pol.max if pol.max is not None and fam.ctx.opts.overflow != "grow" else None
+    top = int(min(hi, top if top is not None else IDENTITY_SCAN))
+    pts = np.arange(lo, top + 1) if len(names) == 1 else _sizes_of(top)
+    axes.append(pts[pts >= lo])
+    idx.append(i)
+    tops.append(top)
+  if math.prod(len(a) for a in axes) > GRID_POINTS:
+    rng = np.random.default_rng(0)
+    grid = [rng.choice(a, GRID_POINTS) for a in axes]
+  else:
+    grid = [g.ravel() for g in np.meshgrid(*axes, indexing="ij")]
+  try:
+    a, b = _symbolic.dim_fn([text_lhs, text_rhs], names, arrays=True)(*grid)
+    ok = bool(np.all(_OPS[op](a, b)))
+  except Exception:  # noqa: BLE001 - text we cannot evaluate
+    return None
+  return (idx, tops) if ok else None
+
+
+def needed_facts(fam, e: BaseException, bounds: dict) -> list[tuple[str, str, str, str]]:
+  """``(constraint, lhs, op, rhs)`` of what the failed trace ``e`` needed and every size checked
+  satisfies: a comparison JAX found inconclusive over several sizes (a ViT's patch grid
+  ``floordiv(h - 4, 4)*floordiv(w - 4, 4) + ... + 1 >= 0`` when flattened by ``reshape(n, h *
+  w, c)``), or over one size that holds at all of them (no guard splits it); or the
+  remainder of a reshape JAX could not prove 0 (Swin's ``window_reverse`` after padding to a
+  multiple of the window as ``(ws - h % ws) % ws``)."""
+  seen, out = set(), []
+  while e is not None and id(e) not in seen:
+    seen.add(id(e))
+    text = str(e)
+    m = _INCONCLUSIVE.search(text)
+    if m is not None:
+      lhs, op, rhs = (g.strip() for g in m.groups())
+      found = _holds(lhs, op, rhs, fam, bounds)
+      if found is not None:
+        c = {">": f"{lhs} >= {rhs} + 1", "<": f"{lhs} <= {rhs} - 1"}.get(op, f"{lhs} {op} {rhs}")
+        out.append((c, lhs, op, rhs, found))
+      return out
+    m = _REMAINDER.search(text)
+    if m is not None:
+      rem = m.group(1).strip()
+      found = _holds(rem, "==", "0", fam, bounds)
+      if found is not None:
+        out.append((f"{rem} == 0", rem, "==", "0", found))
+      return out
+    e = e.__cause__ or e.__context__
+  return out
+
+
+def add_facts(fam, e: BaseException, bounds: dict) -> bool:
+  """Re-trace under the facts :func:`needed_facts` finds in ``e``; each also checked on every
+  call (``Family.declared``) and at each bucket (``held_bucket``: a grid is not every size)."""
+  found = [f for f in needed_facts(fam, e, bounds) if f[0] not in fam._identities]
+  return bool(found) and _adopt(fam, found, bounds, "inferred: holds at every size checked")
+
+
+def _dims_of(jaxpr, out: set) -> None:
+  for eqn in jaxpr.eqns:
+    for v in eqn.outvars:
+      for d in getattr(v.aval, "shape", ()):
+        if _symbolic.is_symbolic(d):
+          out.add(d)
+    for p in eqn.params.values():
+      for sub in (p if isinstance(p, tuple | list) else (p,)):
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+          _dims_of(inner, out)
+
+
+def add_constant_dims(fam, closed) -> bool:
+  """Rules for the dims of a traced jaxpr that are one constant at every size checked although
+  JAX cannot simplify them (Swin's ``window_reverse`` reshapes to ``(-1, hp, wp, c)`` after
+  a ``-1``: its channels come out as ``- floordiv(48*b*..., - b*...)``, 3 at every size): the
+  padding pass needs dims it can bound.  Only dims with a ``floordiv``/``mod`` by a symbolic
+  divisor are checked (none in most models).  True when the family should re-trace."""
+  if not getattr(fam.ctx, "checks_guards", False):
+    return False
+  try:
+    dims: set = set()
+    _dims_of(closed.jaxpr, dims)
+    bounds = {j: (lo, hi) for j, lo, hi in fam._guard_bounds}
+    found = []
+    for d in sorted(dims, key=str):
+      text = str(d)
+      if not _symbolic_divisor(text):
+        continue
+      names = sorted(_symbolic.dim_vars_of(text))
+      at_one = _symbolic.dim_fn([text], names)(*([1] * len(names)))[0]
+      rule = _rule(text, str(at_one))
+      if rule is None or rule in fam._identities:
+        continue
+      held = _holds(text, "==", str(at_one), fam, bounds)
+      if held is not None:
+        found.append((rule, text, "==", str(at_one), held))
+    return bool(found) and _adopt(fam, found, bounds, "inferred: one size at every size checked")
+  except Exception:  # noqa: BLE001 - a dim we cannot read: trace as it is
+    return False
+
+
+_DIV = re.compile(r"\b(floordiv|mod)\(")
+
+
+def _symbolic_divisor(text: str) -> bool:
+  """Whether ``text`` has a ``floordiv``/``mod`` whose divisor names a variable."""
+  for m in _DIV.finditer(text):
+    depth, comma = 0, None
+    for j in range(m.end(), len(text)):
+      ch = text[j]
+      if ch == "(":
+        depth += 1
+      elif ch == ")":
+        if depth == 0:
+          if comma is not None and re.search(r"[A-Za-z_]", text[comma:j]):
+            return True
+          break
+        depth -= 1
+      elif ch == "," and depth == 0:
+        comma = j
+  return False
+
+
+def _adopt(fam, found, bounds: dict, origin: str) -> bool:
+  """Adds ``found`` (``(constraint, lhs, op, rhs, (var indices, tops))``) to the family's
+  constraints and per-call and per-bucket checks; the variables bounded by their tops."""
+  for _, _, _, _, (idx, tops) in found:
+    for i, top in zip(idx, tops, strict=True):
+      lo, hi = bounds.get(i, (1, math.inf))
+      bounds[i] = (lo, min(hi, top))
+  order = fam.sig.var_order
+  rules = fam._identities + tuple(dict.fromkeys(f[0] for f in found))
+  try:
+    sig = _signature(fam, guard_texts(order, bounds) + rules)
+  except Exception:  # noqa: BLE001 - jax refuses it (an equality whose left side is no term)
+    return False
+  fam.sig, fam._identities = sig, rules
+  fam.guards = guard_texts(order, bounds) + rules
+  fam._guard_bounds = tuple((j, lo, hi) for j, (lo, hi) in sorted(bounds.items()))
+  checks = tuple((f"{c} ({origin})", _symbolic.compile_dim(lhs, order), op,
+                  _symbolic.compile_dim(rhs, order)) for c, lhs, op, rhs, _ in found)
+  fam.declared = fam.declared + checks
+  fam._bucket_checks = getattr(fam, "_bucket_checks", ()) + checks
+  logger.info("dynjax: %s traces under the inferred facts %s", fam.name, rules)
+  return True

@@ -8,8 +8,7 @@ compiles one bucket on request (:meth:`Family.lower_bucket`, :meth:`Family.compi
 *when* buckets compile is the compiler's business (``jit/_serving.py``).  Modes: ``trust``
 (jit at the bucket shape), ``auto`` (jit of the padding pass's ``(sizes, *padded)`` function),
 ``exact`` (one AOT compile per exact shape: ``padding="exact"``, nothing dynamic, or a
-fallback), ``program`` (the function uses ``dynjax.while_loop``/``cond``/``recursive``: a
-host program on the VM, see ``dynjax.control``).
+fallback), ``program`` (``dynjax.while_loop``/``cond``/``recursive`` inside: the VM's).
 """
 
 from __future__ import annotations
@@ -43,12 +42,14 @@ from dynjax.bucketing._policies import BucketPolicy
 from dynjax.jit import _args, _casts, _forward, _placement, _rewrites, _sharding
 from dynjax.jit._guards import (
   MAX_GUARDS,
+  add_constant_dims,
   add_guard,
   broken_declared,
   capped_bucket,
   declared_checks,
   equality_guards,
   guard_texts,
+  held_bucket,
   trace_failure_hint,
   trust_bucket_holds,
 )
@@ -223,7 +224,8 @@ class Family:
       try:
         with _jax_private.undecided_equalities() as equalities, _rebind.family_tracing():
           closed, out_shape = jax.make_jaxpr(self.flat_fun, return_shape=True)(*sym)
-        break
+        if attempt >= MAX_GUARDS or not add_constant_dims(self, closed):
+          break  # (else: re-trace under rules that name dims constant at every size checked)
       except Exception as e:  # noqa: BLE001 - any trace failure means: run exact
         if needs_program(e):
           self.mode = "program"  # dynjax.while_loop/cond/recursive inside: run on the VM
@@ -279,11 +281,9 @@ class Family:
         self.rewrites = tuple(plan.rewrites)
         self.probe_plan = (probe, plan)
 
-  # -- guards: size conditions inferred while tracing ------------------------------------
-  # Where symbolic tracing needs a comparison it cannot decide (``lax.top_k(x, 3)`` asks
-  # whether ``t < 3``), the family decides it the way torch.compile guards do: it assumes the
-  # side that holds for more of the sizes the policy allows (``t >= 3``), re-traces under that
-  # constraint and records it.  Sizes outside a guard run exact (``guard_ok`` says which).
+  # -- guards: size conditions inferred while tracing (jit/_guards.py, jit/_facts.py) -------
+  # As torch.compile's guards: re-traced under them, checked per call (``guard_ok``); sizes
+  # outside them run exact.
 
   def _under_guards(self, reason: str) -> str:
     if not self.guards:
@@ -422,7 +422,7 @@ class Family:
       return None
     if self._unequal and self.mode == "trust" and not trust_bucket_holds(self, bkey):
       return None  # re-traced at the bucket's sizes, the Python would take the other side
-    return capped_bucket(self, tuple(bkey))  # at most a guard's upper bound (t <= c)
+    return held_bucket(self, tuple(bkey))  # at most a guard's upper bound (t <= c), facts
 
   def raise_overflow(self, sizes) -> None:
     lines = []

@@ -20,7 +20,12 @@ import numpy as np
 from dynjax import _symbolic
 from dynjax._errors import user_stacklevel
 from dynjax.jit import _facts
-from dynjax.jit._facts import _CLASH, _signature, guard_texts  # noqa: F401 - re-exported
+from dynjax.jit._facts import (  # noqa: F401 - re-exported
+  _CLASH,
+  _signature,
+  add_constant_dims,
+  guard_texts,
+)
 
 logger = logging.getLogger("dynjax")
 MAX_GUARDS = 8  # re-traces under inferred guards per family; one more falls back
@@ -228,6 +233,16 @@ def capped_bucket(fam, bkey: tuple) -> tuple:
   return bkey
 
 
+def held_bucket(fam, bkey: tuple) -> tuple | None:
+  """``capped_bucket``, or None (run exact) where the bucket breaks a fact the family checked
+  over a grid of sizes only (``_facts.add_facts``): the padded program is traced under it."""
+  bkey = capped_bucket(fam, bkey)
+  for _, lhs, op, rhs in getattr(fam, "_bucket_checks", ()):
+    if not _HOLDS[op](lhs(bkey), rhs(bkey)):
+      return None
+  return bkey
+
+
 def add_guard(fam, e: BaseException) -> bool:
   """Adds the guard that decides the comparison ``e`` found inconclusive, or ``var <= c``
   where ``e`` met ``min(c, var)`` (:func:`capped_size`); False when there is none to add
@@ -240,7 +255,7 @@ def add_guard(fam, e: BaseException) -> bool:
   if cmp is None:
     cap = capped_size(e, fam.sig.var_order)
     if cap is None:
-      return _facts.add_identities(fam, e, bounds)
+      return _facts.add_identities(fam, e, bounds) or _facts.add_facts(fam, e, bounds)
     i = fam.sig.var_order.index(cap[0])
     lo, hi = bounds.get(i, (1, math.inf))
     new = (lo, min(hi, cap[1]))
@@ -345,7 +360,8 @@ def declared_checks(constraints, sig, origin: str = "constraints=") -> tuple:
   return tuple(out)
 
 
-_HOLDS = {">=": operator.ge, "<=": operator.le, "==": operator.eq}
+_HOLDS = {">=": operator.ge, "<=": operator.le, "==": operator.eq, ">": operator.gt,
+          "<": operator.lt}
 
 
 def broken_declared(fam, sizes) -> list[str]:

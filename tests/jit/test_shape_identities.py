@@ -157,3 +157,51 @@ def test_an_autoencoder_whose_sizes_meet_at_multiples_is_bucketed_at_multiples(c
       TypeError, match="incompatible shapes"):
     f(x)  # run exact: jax's own error, as jax.jit raises it
   assert "mod(t, 4) == 0" in f.explain()
+
+
+# -- facts checked over sizes (jit/_facts.py): the helper's vision probe's three fallbacks ----
+_DN = ("NHWC", "HWIO", "NHWC")
+
+
+def _vit_grid(x):  # big_vision: a VALID patch conv, then the grid flattened
+  y = lax.conv_general_dilated(x, jnp.ones((4, 4, 3, 8)), (4, 4), "VALID", dimension_numbers=_DN)
+  n, h, w, c = y.shape
+  return y.reshape(n, h * w, c).mean(1)
+
+
+def _unet_skip(x):  # padded to a multiple of 4 as (-h) % 4, pooled, transposed conv, skip
+  h, w = x.shape[1:3]
+  x = jnp.pad(x, ((0, 0), (0, (-h) % 4), (0, (-w) % 4), (0, 0)))
+  d = lax.reduce_window(x, -jnp.inf, lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID")
+  u = lax.conv_transpose(d, jnp.ones((2, 2, 3, 3)), (2, 2), "SAME", dimension_numbers=_DN)
+  return jnp.concatenate([x, u], -1)[:, :h, :w]
+
+
+def _swin_windows(x):  # the PyTorch Swin's pad, window_partition and window_reverse
+  b, h, w, c = x.shape
+  x = jnp.pad(x, ((0, 0), (0, (4 - h % 4) % 4), (0, (4 - w % 4) % 4), (0, 0)))
+  hp, wp = x.shape[1:3]
+  win = x.reshape(b, hp // 4, 4, wp // 4, 4, c).transpose(0, 1, 3, 2, 4, 5).reshape(-1, 16, c)
+  bb = win.shape[0] // ((hp // 4) * (wp // 4))
+  win = win * jnp.arange(16, dtype=x.dtype)[:, None]  # something done per window
+  return win.reshape(bb, hp // 4, wp // 4, 4, 4, -1).transpose(0, 1, 3, 2, 4, 5).reshape(
+      bb, hp, wp, -1)[:, :h, :w]
+
+
+@pytest.mark.parametrize("fn, needs", [
+    (_vit_grid, "holds at every size checked"),
+    (_unet_skip, "two shapes of one size"),
+    (_swin_windows, "one size at every size checked"),
+], ids=["vit", "unet", "swin"])
+def test_facts_a_trace_needs_are_checked_over_sizes_and_then_per_call(fn, needs):
+  rng = np.random.default_rng(3)
+  f = dynjax.jit(fn, dims={"x": "b, h, w, 3"}, on_fallback="error")
+  for s in ((37, 45), (50, 31), (64, 64)):
+    x = jnp.asarray(rng.normal(size=(2, *s, 3)), jnp.float32)
+    _close(f(x), jax.jit(fn)(x))
+  st = f.stats()
+  assert st["per_bucket_calls"] == {"b=2, h=64, w=32": 1, "b=2, h=64, w=64": 2}
+  assert st["exact_calls"] == 0
+  fam = next(iter(f._dispatcher.families.values()))
+  labels = " ".join(text for text, *_ in fam.declared)
+  assert needs in labels, labels
