@@ -61,9 +61,10 @@ TRACE_FAILURE_HINTS = (
      "into a dynamic-length array are bucketed): give that axis an integer in dims if it never "
      "varies, or compute that part with ops that accept a symbolic size"),
     ("Cannot divide evenly the sizes of shapes",
-     "JAX cannot prove the reshape's divisibility: a length padded to a multiple of k as "
-     "t + (-t % k) (jnp.pad(x, (0, -t % k))) is not known to divide by k, but one padded to "
-     "-(-t // k) * k is: write the padding that way and the reshape traces"),
+     "JAX cannot prove the reshape's divisibility, and dynjax found lengths where it fails "
+     "(a remainder that is 0 at every length it checks becomes a checked constraint): pad to "
+     "the multiple the reshape divides by; a length padded to -(-t // k) * k is known to "
+     "divide by k"),
     # Python and NumPy ask a symbolic size for ``__index__`` (session 24: openai/whisper's
     # ``sinusoids(n_ctx, d)[:x.shape[1]]`` as a NumPy table; ``range(t)``, ``np.ones(t)``)
     ("cannot be interpreted as an integer", SIZE_AS_INTEGER),
