@@ -124,34 +124,52 @@ def unify_shapes(fam, e: BaseException, bounds: dict) -> list[tuple]:
   ``jax.jit`` fails as well, and buckets round up to multiples of ``m``).  Returns ``(rules,
   var index, top, lhs, rhs, m)`` for each pair (``m`` 1: every size), ``rules`` the one or two
   ways to write it in jax's constraint syntax (``_rule``: either side's term on the left)."""
-  out, seen = [], set()
+  out = []
   order = fam.sig.var_order
+  for x, y in _clash_pairs(e):
+    names = _symbolic.dim_vars_of(x) | _symbolic.dim_vars_of(y)
+    if len(names) != 1 or not names <= set(order):
+      continue  # several sizes: add_clash_facts
+    var = names.pop()
+    i = order.index(var)
+    lo, hi = bounds.get(i, (1, math.inf))
+    pol = fam.ctx.policies.for_var(var)
+    top = pol.max if pol.max is not None and fam.ctx.opts.overflow != "grow" else None
+    top = min(hi, top if top is not None else IDENTITY_SCAN)
+    rules = tuple(r for r in (_rule(x, y), _rule(y, x)) if r)
+    m = _equal_sizes(x, y, var, lo, int(top)) if rules and top >= lo else None
+    if m is not None:
+      out.append((rules, i, int(top), x, y, m))
+  return out
+
+
+def _clash_pairs(e: BaseException) -> list[tuple[str, str]]:
+  """The differing dims of the two shapes of the first clash in ``e``'s chain (texts)."""
+  seen = set()
   while e is not None and id(e) not in seen:
     seen.add(id(e))
     text = str(e)
     if any(w in text.lower() for w in _CLASH):
       groups = _shape_groups(text)
-      for a, b in zip(groups, groups[1:], strict=False):
-        if len(a) != len(b):
-          continue
-        for x, y in zip(a, b, strict=True):
-          names = _symbolic.dim_vars_of(x) | _symbolic.dim_vars_of(y)
-          if x == y or len(names) != 1 or not names <= set(order):
-            continue
-          var = names.pop()
-          i = order.index(var)
-          lo, hi = bounds.get(i, (1, math.inf))
-          pol = fam.ctx.policies.for_var(var)
-          top = pol.max if pol.max is not None and fam.ctx.opts.overflow != "grow" else None
-          top = min(hi, top if top is not None else IDENTITY_SCAN)
-          rules = tuple(r for r in (_rule(x, y), _rule(y, x)) if r)
-          m = _equal_sizes(x, y, var, lo, int(top)) if rules and top >= lo else None
-          if m is not None:
-            out.append((rules, i, int(top), x, y, m))
-      if out:
-        return out
+      pairs = [(x, y) for a, b in zip(groups, groups[1:], strict=False) if len(a) == len(b)
+               for x, y in zip(a, b, strict=True) if x != y]
+      if pairs:
+        return pairs
     e = e.__cause__ or e.__context__
-  return out
+  return []
+
+
+def add_clash_facts(fam, e: BaseException, bounds: dict) -> bool:
+  """Equality rules for clashing dims over several sizes (or one size and a constant) that
+  agree at every size of a grid (Swin's PatchMerging: a channel count 16 against ``-
+  floordiv(256*b*..., ...)``, its window reshape's ``-1``); checked per call and bucket."""
+  found = []
+  for x, y in _clash_pairs(e):
+    rules = [r for r in (_rule(x, y), _rule(y, x)) if r and r not in fam._identities]
+    held = _holds(x, "==", y, fam, bounds) if rules else None
+    if held is not None:
+      found.append((rules[0], x, "==", y, held))
+  return bool(found) and _adopt(fam, found, bounds, "inferred: one size at every size checked")
 
 
 def add_identities(fam, e: BaseException, bounds: dict) -> bool:
@@ -211,9 +229,11 @@ def _signature(fam, guards: tuple[str, ...]):
 _INCONCLUSIVE = re.compile(
     r"Symbolic dimension comparison '([^']+)' (<=|>=|<|>) '([^']+)' is inconclusive")
 _REMAINDER = re.compile(r"The remainder (.+?) should be 0")
+_DIVISOR = re.compile(r"Possible division by 0 in division by (.+?)(?:\.?$|\)? at )", re.M)
 _OPS = {">=": np.greater_equal, "<=": np.less_equal, ">": np.greater, "<": np.less,
         "==": np.equal}
-GRID_POINTS = 1 << 20  # sizes checked at most (a grid of each variable's sizes, sampled past it)
+_NOT = {">=": "<", "<=": ">", ">": "<=", "<": ">="}
+GRID_POINTS = 1 << 16  # sizes checked at most (a grid of each variable's sizes, sampled past it)
 
 
 def _sizes_of(top: int) -> np.ndarray:
@@ -262,7 +282,8 @@ def needed_facts(fam, e: BaseException, bounds: dict) -> list[tuple[str, str, st
   ``floordiv(h - 4, 4)*floordiv(w - 4, 4) + ... + 1 >= 0`` when flattened by ``reshape(n, h *
   w, c)``), or over one size that holds at all of them (no guard splits it); or the
   remainder of a reshape JAX could not prove 0 (Swin's ``window_reverse`` after padding to a
-  multiple of the window as ``(ws - h % ws) % ws``)."""
+  multiple of the window as ``(ws - h % ws) % ws``), or the sign of the divisor of its ``-1``
+  (JAX's "Possible division by 0")."""
   seen, out = set(), []
   while e is not None and id(e) not in seen:
     seen.add(id(e))
@@ -270,10 +291,21 @@ def needed_facts(fam, e: BaseException, bounds: dict) -> list[tuple[str, str, st
     m = _INCONCLUSIVE.search(text)
     if m is not None:
       lhs, op, rhs = (g.strip() for g in m.groups())
-      found = _holds(lhs, op, rhs, fam, bounds)
-      if found is not None:
-        c = {">": f"{lhs} >= {rhs} + 1", "<": f"{lhs} <= {rhs} - 1"}.get(op, f"{lhs} {op} {rhs}")
-        out.append((c, lhs, op, rhs, found))
+      for o in (op, _NOT[op]):  # true at every size checked, or false at every one
+        found = _holds(lhs, o, rhs, fam, bounds)
+        if found is not None:
+          c = {">": f"{lhs} >= {rhs} + 1", "<": f"{lhs} <= {rhs} - 1"}.get(o, f"{lhs} {o} {rhs}")
+          out.append((c, lhs, o, rhs, found))
+          break
+      return out
+    m = _DIVISOR.search(text)
+    if m is not None:  # a reshape's -1 divides by the other dims' product: its sign
+      div = m.group(1).strip()
+      for c, op, rhs in ((f"{div} >= 1", ">=", "1"), (f"{div} <= -1", "<=", "-1")):
+        found = _holds(div, op, rhs, fam, bounds)
+        if found is not None:
+          out.append((c, div, op, rhs, found))
+          break
       return out
     m = _REMAINDER.search(text)
     if m is not None:
@@ -306,14 +338,31 @@ def _dims_of(jaxpr, out: set) -> None:
           _dims_of(inner, out)
 
 
+GUARD_BUDGET_S = 20.0  # seconds of re-tracing under inferred guards and facts, a family
+
+
+def over_budget(fam) -> bool:
+  """Whether the family has spent :data:`GUARD_BUDGET_S` since its first inferred guard: then
+  it stops inferring (and falls back).  Each re-trace under more rules can cost more (a full
+  Swin's nested window sizes: JAX's symbolic comparisons grow with the expressions), and a
+  user waits on them."""
+  import time  # noqa: PLC0415
+
+  t0 = getattr(fam, "_guard_t0", None)
+  if t0 is None:
+    fam._guard_t0 = time.perf_counter()
+    return False
+  return time.perf_counter() - t0 > GUARD_BUDGET_S
+
+
 def add_constant_dims(fam, closed) -> bool:
   """Rules for the dims of a traced jaxpr that are one constant at every size checked although
   JAX cannot simplify them (Swin's ``window_reverse`` reshapes to ``(-1, hp, wp, c)`` after
   a ``-1``: its channels come out as ``- floordiv(48*b*..., - b*...)``, 3 at every size): the
   padding pass needs dims it can bound.  Only dims with a ``floordiv``/``mod`` by a symbolic
   divisor are checked (none in most models).  True when the family should re-trace."""
-  if not getattr(fam.ctx, "checks_guards", False):
-    return False
+  if not getattr(fam.ctx, "checks_guards", False) or not fam._identities or over_budget(fam):
+    return False  # (only after a rule: a -1's divisor that a fact made provable)
   try:
     dims: set = set()
     _dims_of(closed.jaxpr, dims)
@@ -324,9 +373,11 @@ def add_constant_dims(fam, closed) -> bool:
       if not _symbolic_divisor(text):
         continue
       names = sorted(_symbolic.dim_vars_of(text))
-      at_one = _symbolic.dim_fn([text], names)(*([1] * len(names)))[0]
+      fn = _symbolic.dim_fn([text], names)
+      at_one = fn(*([1] * len(names)))[0]
       rule = _rule(text, str(at_one))
-      if rule is None or rule in fam._identities:
+      if rule is None or rule in fam._identities or any(  # a quick look before the grid
+          fn(*s)[0] != at_one for s in _PROBE_SIZES[len(names)]):
         continue
       held = _holds(text, "==", str(at_one), fam, bounds)
       if held is not None:
@@ -337,6 +388,10 @@ def add_constant_dims(fam, closed) -> bool:
 
 
 _DIV = re.compile(r"\b(floordiv|mod)\(")
+
+
+_PROBE_SIZES = {k: [tuple(int(v) for v in row) for row in
+                    np.random.default_rng(k).integers(1, 300, size=(16, k))] for k in range(1, 9)}
 
 
 def _symbolic_divisor(text: str) -> bool:

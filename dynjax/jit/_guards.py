@@ -249,14 +249,15 @@ def add_guard(fam, e: BaseException) -> bool:
   where ``e`` met ``min(c, var)`` (:func:`capped_size`); False when there is none to add
   (not such an error, not ``var OP const``, too many, or no progress)."""
   # Only a dispatcher that checks ``guard_ok`` on every call may run guarded executables.
-  if not getattr(fam.ctx, "checks_guards", False):
+  if not getattr(fam.ctx, "checks_guards", False) or _facts.over_budget(fam):
     return False
   bounds = {j: (lo, hi) for j, lo, hi in fam._guard_bounds}
   cmp = inconclusive_comparison(e)
   if cmp is None:
     cap = capped_size(e, fam.sig.var_order)
     if cap is None:
-      return _facts.add_identities(fam, e, bounds) or _facts.add_facts(fam, e, bounds)
+      return (_facts.add_identities(fam, e, bounds) or _facts.add_clash_facts(fam, e, bounds)
+              or _facts.add_facts(fam, e, bounds))
     i = fam.sig.var_order.index(cap[0])
     lo, hi = bounds.get(i, (1, math.inf))
     new = (lo, min(hi, cap[1]))
