@@ -106,8 +106,8 @@ def _rule(lhs_text: str, rhs_text: str) -> str | None:
   m = _CONST_TAIL.match(lhs_text)
   core, c = (m.group(1), int(m.group(3)) * (1 if m.group(2) == "+" else -1)) if m else (
       lhs_text, 0)
-  if not _CALL.match(core):
-    return None
+  if not _CALL.match(core) or core.lstrip("- ").split("*")[-1] in rhs_text:
+    return None  # (a rule whose right side holds its own left term never stops rewriting)
   if c == 0:
     return f"{core} == {rhs_text}"
   return f"{core} == {rhs_text} {'-' if c > 0 else '+'} {abs(c)}"
@@ -188,7 +188,7 @@ def add_identities(fam, e: BaseException, bounds: dict) -> bool:
       if r not in fam._identities]
   new = []  # each pair's first way of writing that jax takes beside the rules so far
   for cands, *rest in found:
-    for r in cands:
+    for r in (r for r in cands if len(r) <= MAX_RULE_CHARS):
       if r in rules:
         break
       try:  # jax refuses two rules with one left side: then the other side's term
@@ -338,7 +338,7 @@ def _dims_of(jaxpr, out: set) -> None:
           _dims_of(inner, out)
 
 
-GUARD_BUDGET_S = 20.0  # seconds of re-tracing under inferred guards and facts, a family
+GUARD_BUDGET_S = 10.0  # seconds of re-tracing under inferred guards and facts, a family
 
 
 def over_budget(fam) -> bool:
@@ -413,9 +413,16 @@ def _symbolic_divisor(text: str) -> bool:
   return False
 
 
+MAX_RULE_CHARS = 400  # a longer constraint is not adopted: JAX's symbolic comparisons under
+# it can take minutes a trace (a full Flax Swin's second stage: ~1,500-character remainders)
+
+
 def _adopt(fam, found, bounds: dict, origin: str) -> bool:
   """Adds ``found`` (``(constraint, lhs, op, rhs, (var indices, tops))``) to the family's
   constraints and per-call and per-bucket checks; the variables bounded by their tops."""
+  found = [f for f in found if len(f[0]) <= MAX_RULE_CHARS]
+  if not found:
+    return False
   for _, _, _, _, (idx, tops) in found:
     for i, top in zip(idx, tops, strict=True):
       lo, hi = bounds.get(i, (1, math.inf))

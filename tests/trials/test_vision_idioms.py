@@ -14,9 +14,9 @@ Three public idioms fell back until dynjax inferred the facts their traces need 
 * U-Net padded to a multiple of 4 as ``(-h) % 4``: the ``nn.ConvTranspose`` output and the
   skip are one size written two ways, ``concatenate`` refused them: a shape identity.
 * Swin padded to a multiple of the window as ``(ws - h % ws) % ws``: ``window_reverse``'s
-  ``reshape(b, hp, wp, -1)`` could not prove ``hp`` divides by the window (a remainder that is
-  0 at every size checked), and its ``-1`` came out as an expression that is 3 at every size
-  (a constant dim).
+  ``reshape(b, hp, wp, -1)`` cannot prove ``hp`` divides by the window.  One stage's windows
+  pad now (a remainder 0 at every size checked, a ``-1`` that is 3 at every size); the full
+  model's second stage needs facts too long to adopt, and still falls back.
 
 Training steps run with both sides in float64: in float32 the gradient of a BatchNorm bias
 that feeds another BatchNorm (0 in exact arithmetic) is rounding noise that differs with the
@@ -84,7 +84,19 @@ def test_train_step_with_batch_stats_is_exact_and_bucketed(name):
   _bucketed(_run(name, "train", on_fallback="error", x64=True))
 
 
-@pytest.mark.parametrize("name", ["vit", "unet", "swin"])
+@pytest.mark.parametrize("name", ["vit", "unet"])
 def test_public_idioms_that_fell_back_are_bucketed_under_inferred_facts(name):
   rec = _run(name, "flax", on_fallback="error")
   _bucketed(rec)
+
+
+def test_the_full_swin_still_falls_back_naming_the_reshape():
+  """The window reshapes of the full model's second stage (after PatchMerging) need facts
+  whose expressions are too long for JAX's symbolic comparisons (minutes a trace):
+  ``_facts.MAX_RULE_CHARS`` refuses them, so it falls back at once, as before, with the
+  advice; ``tests/jit/test_shape_identities.py`` pads one stage's windows."""
+  rec = _run("swin", "flax")
+  assert rec["exact"], rec["bad"]  # unpadded, one compile per shape
+  (fallback,) = rec["fallbacks"]
+  assert "Cannot divide evenly the sizes of shapes" in fallback, fallback
+  assert rec["exact_calls"] == rec["calls"] == len(SIZES)
