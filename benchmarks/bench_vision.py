@@ -3,8 +3,8 @@
 
   python benchmarks/bench_vision.py --out $OUT [--requests 24] [--depth 18] [--small]
 
-The model is flax's ``examples/imagenet/models.py`` ResNet (``ResNetBlock``, BatchNorm in
-inference, a 7x7 stride-2 stem, a SAME 3x3 max pool, global mean, Dense), batch 8, images of
+The model is flax's ``examples/imagenet/models.py`` ResNet (``_vision_models.py``;
+``ResNetBlock``, BatchNorm in inference, a 7x7 stride-2 stem, a SAME 3x3 max pool, global mean, Dense), batch 8, images of
 one size within a request and sizes that vary between requests (photos resized to a shorter
 side, as a detector's or classifier's server gets them). Under ``dynjax.jit`` the strided
 blocks' residual adds need the shape identities dynjax infers (README "Shape identities").
@@ -25,7 +25,6 @@ and the largest error against ``jit_exact`` relative to the logits' scale. Write
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import sys
 import time
@@ -39,47 +38,11 @@ CLASSES = 10
 
 
 def _flax_resnet(stage_sizes, width):
-  import flax.linen as nn
-  import jax.numpy as jnp
+  """flax's ``examples/imagenet/models.py`` ResNet (``benchmarks/_vision_models.py``: the
+  vision probe's copy); call it with ``train=False``."""
+  from benchmarks._vision_models import models
 
-  class ResNetBlock(nn.Module):  # flax/examples/imagenet/models.py
-    filters: int
-    conv: type
-    norm: type
-    act: object
-    strides: tuple = (1, 1)
-
-    @nn.compact
-    def __call__(self, x):
-      residual = x
-      y = self.conv(self.filters, (3, 3), self.strides)(x)
-      y = self.norm()(y)
-      y = self.act(y)
-      y = self.conv(self.filters, (3, 3))(y)
-      y = self.norm(scale_init=nn.initializers.zeros_init())(y)
-      if residual.shape != y.shape:
-        residual = self.conv(self.filters, (1, 1), self.strides, name="conv_proj")(residual)
-        residual = self.norm(name="norm_proj")(residual)
-      return self.act(residual + y)
-
-  class ResNet(nn.Module):
-    @nn.compact
-    def __call__(self, x, train: bool = False):
-      conv = functools.partial(nn.Conv, use_bias=False, dtype=jnp.float32)
-      norm = functools.partial(nn.BatchNorm, use_running_average=not train, momentum=0.9,
-                               epsilon=1e-5, dtype=jnp.float32)
-      x = conv(width, (7, 7), (2, 2), padding=[(3, 3), (3, 3)], name="conv_init")(x)
-      x = nn.relu(norm(name="bn_init")(x))
-      x = nn.max_pool(x, (3, 3), strides=(2, 2), padding="SAME")
-      for i, block_size in enumerate(stage_sizes):
-        for j in range(block_size):
-          strides = (2, 2) if i > 0 and j == 0 else (1, 1)
-          x = ResNetBlock(width * 2 ** i, strides=strides, conv=conv, norm=norm,
-                          act=nn.relu)(x)
-      x = jnp.mean(x, axis=(1, 2))
-      return nn.Dense(CLASSES)(x)
-
-  return ResNet()
+  return models()["resnet"](stage_sizes=stage_sizes, num_filters=width, num_classes=CLASSES)
 
 
 def _torch_resnet(stage_sizes, width):
@@ -177,7 +140,7 @@ def main(argv=None) -> dict:
   v = jax.tree.map(lambda a: a + 0.05 * jnp.asarray(rng.normal(size=a.shape), a.dtype), v)
 
   def apply(variables, x):
-    return model.apply(variables, x)
+    return model.apply(variables, x, train=False)
 
   step = dynjax.buckets.linear(args.step, min=args.step, max=-(-args.hi * 16 // 9 // args.step)
                                * args.step)
