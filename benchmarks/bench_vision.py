@@ -4,8 +4,8 @@
   python benchmarks/bench_vision.py --out $OUT [--requests 24] [--depth 18] [--small]
 
 The model is flax's ``examples/imagenet/models.py`` ResNet (``_vision_models.py``;
-``ResNetBlock``, BatchNorm in inference, a 7x7 stride-2 stem, a SAME 3x3 max pool, global mean, Dense), batch 8, images of
-one size within a request and sizes that vary between requests (photos resized to a shorter
+``ResNetBlock``, BatchNorm in inference, a 7x7 stride-2 stem, a SAME 3x3 max pool, global
+mean, Dense), batch 8, images of one size within a request and sizes that vary between requests (photos resized to a shorter
 side, as a detector's or classifier's server gets them). Under ``dynjax.jit`` the strided
 blocks' residual adds need the shape identities dynjax infers (README "Shape identities").
 
