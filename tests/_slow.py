@@ -200,7 +200,7 @@ TESTS = {
   "tests/trials/test_clients.py::test_speech_ctc_train_is_padded_under_an_inferred_guard": 10.4,
   "tests/trials/test_clients.py::test_speech_ctc_train_with_constraint_is_padded": 3.1,
   "tests/trials/test_clients.py::test_speech_forward_is_padded": 7.6,
-  "tests/trials/test_clients.py::test_speech_slice_paddings_fall_back": 2.2,
+  "tests/trials/test_clients.py::test_speech_slice_paddings_are_padded_under_a_shape_identity": 2.2,
   # session 24: six more real clients (tests/trials/_clients2.py), -n 2 on the shared box
   "tests/trials/test_clients2.py::test_client_is_exact_and_bucketed[bigru_tagger train]": 55.8,
   "tests/trials/test_clients2.py::test_client_is_exact_and_bucketed[bigru_tagger forward]": 25.6,
