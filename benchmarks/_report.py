@@ -47,3 +47,11 @@ def turn_medians(fns: dict, args_of, iters: int) -> dict:
       jax.block_until_ready(f(*args_of(name)))
       ts[name].append(time.perf_counter() - t1)
   return {name: float(np.median(v)) * 1e3 for name, v in ts.items()}
+
+
+def short_reason(reason: str, width: int = 200) -> str:
+  """A fallback reason on one table line: dynjax's advice and JAX's own explanation cut."""
+  text = reason.replace("\n", " ")
+  for cut in ("The function runs unpadded", "This error arises"):
+    text = text.split(cut)[0]
+  return text.replace("the padding pass has no exact rule: ", "")[:width]

@@ -39,7 +39,7 @@ import warnings
 
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._report import write_json  # noqa: E402
+from benchmarks._report import short_reason, write_json  # noqa: E402
 
 VOCAB, D, HEADS, FF, MAXLEN, B = 32, 16, 2, 32, 64, 3
 LENGTHS = (5, 9, 16, 23, 40)
@@ -544,13 +544,6 @@ def run_case(name, spec, lengths, on_fallback="warn"):
           "compiles": st["compiles"], "calls": st["calls"]}
 
 
-def _short(reason: str) -> str:
-  text = reason.replace("\n", " ")
-  for cut in ("The function runs unpadded", "This error arises"):
-    text = text.split(cut)[0]
-  return text.replace("the padding pass has no exact rule: ", "")[:200]
-
-
 def main(argv=None) -> dict:
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--cases", default="", help="comma-separated name prefixes (empty: all)")
@@ -585,7 +578,7 @@ def main(argv=None) -> dict:
     rec["seconds"] = round(time.perf_counter() - t0, 1)
     report["cases"][name] = rec
     ok = {True: "yes", False: "NO", None: "ERROR"}[rec["exact"]]
-    fb = "; ".join(_short(x) for x in rec["fallbacks"])
+    fb = "; ".join(short_reason(x) for x in rec["fallbacks"])
     fb = f"{len(rec['fallbacks'])}: {fb}" if fb else "0"
     print(f"| {name} | {ok} | {rec.get('max_abs_err', float('nan')):.1e} | "
           f"{rec.get('compiles', '-')} | {fb} | {rec['seconds']} |", flush=True)

@@ -42,7 +42,7 @@ import numpy as np
 
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._report import write_json  # noqa: E402
+from benchmarks._report import short_reason, write_json  # noqa: E402
 from benchmarks._vision_models import NUM_CLASSES, SEG_CLASSES, B, models  # noqa: E402
 
 SIZES = ((37, 45), (50, 31), (64, 64), (23, 77), (41, 41))
@@ -239,13 +239,6 @@ CASES = [(n, m) for n in models() for m in ("flax", "apply")] + [
                          "unet_ceilpad", "vit", "vit_h>=4", "swin", "swin_ceilpad")]
 
 
-def short(reason: str) -> str:
-  text = reason.replace("\n", " ")
-  for cut in ("The function runs unpadded", "This error arises"):
-    text = text.split(cut)[0]
-  return text.replace("the padding pass has no exact rule: ", "")[:220]
-
-
 def main(argv=None) -> dict:
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--cases", default="", help="comma-separated model[:mode] prefixes")
@@ -288,7 +281,7 @@ def main(argv=None) -> dict:
     rec["verdict"] = ok
     rec["seconds"] = round(time.perf_counter() - t0, 1)
     report["cases"][label] = rec
-    fb = "; ".join(short(x) for x in rec["fallbacks"])
+    fb = "; ".join(short_reason(x, 220) for x in rec["fallbacks"])
     fb = f"{len(rec['fallbacks'])}: {fb}" if fb else "0"
     via = {"flax": "dynjax.flax.jit", "apply": "dynjax.jit(apply)", "train": "train step"}[mode]
     nb = len([k for k in rec.get("per_bucket_calls", {}) if not k.startswith("exact")])
