@@ -87,15 +87,18 @@ def vars_of_dims(dims) -> set[str]:
   return out
 
 
-def _compile(body: str, params: str, device: bool = False) -> Callable:
-  """The one compiler of dimension expressions: ``lambda params: body`` over jax's helper names.
+def _compile(body: str, params: str, ns: Mapping = _EXPR_NAMESPACE) -> Callable:
+  """The one compiler of dimension expressions: ``lambda params: body`` over jax's helper names
+  (``ns``: on Python ints, traced int32 scalars or numpy arrays).
 
   ``body`` is text from jax's own printer of dimension expressions (``t + 1``,
   ``floordiv(t, 2)``); compiled once, a call costs ~0.3 us.
   """
-  ns = (_NUMPY_NAMESPACE if device == "numpy" else _DEVICE_NAMESPACE if device
-        else _EXPR_NAMESPACE)
   return eval(f"lambda {params}: {body}", dict(ns))  # noqa: S307 - jax's printer, not user text
+
+
+def _namespace(device: bool, arrays: bool = False) -> Mapping:
+  return _NUMPY_NAMESPACE if arrays else _DEVICE_NAMESPACE if device else _EXPR_NAMESPACE
 
 
 def _indexed(text: str, var_order: Sequence[str]) -> str:
@@ -131,7 +134,7 @@ def dim_fn(dims: Sequence, var_order: Sequence[str], *, device: bool = False,
     (8, 4)
   """
   return _compile(_tuple_text([str(d) for d in dims]), ", ".join(var_order),
-                  "numpy" if arrays else device)
+                  _namespace(device, arrays))
 
 
 def shape_fn(shapes: Sequence[Sequence], var_order: Sequence[str], *, device: bool = False
@@ -143,7 +146,7 @@ def shape_fn(shapes: Sequence[Sequence], var_order: Sequence[str], *, device: bo
     ((2, 10), (3,))
   """
   body = _tuple_text([_tuple_text([str(d) for d in s]) for s in shapes])
-  return _compile(body, ", ".join(var_order), device)
+  return _compile(body, ", ".join(var_order), _namespace(device))
 
 
 def compile_dim(d, var_order: Sequence[str]) -> Callable[[Sequence[int]], int]:

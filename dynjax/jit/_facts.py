@@ -1,16 +1,22 @@
 """Facts a family's trace needs that JAX's symbolic shapes cannot prove, checked over sizes.
 
-Two kinds, both found in the message of a failed symbolic trace and each added to the family's
-``jax.export`` constraints only where it holds at every size dynjax checks (every size of one
-variable's range; a grid of sizes over several), then checked on every call (sizes where it
-fails run exact, as ``constraints=`` do):
+Each is found in the message of a failed symbolic trace (or in the dims of a traced jaxpr) and
+added to the family's ``jax.export`` constraints only where it holds at every size dynjax
+checks (every size of one variable's range; a grid of sizes over several), then checked on
+every call (sizes where it fails run exact, as ``constraints=`` do) and, where only a grid was
+checked, at every bucket:
 
-* **shape identities** (:func:`unify_shapes`): two clashing shapes whose dims are one size
-  written two ways (a ResNet block's strided conv and its strided projection, a U-Net's skip
-  connection), as an equality rule; or equal exactly at the multiples of ``m`` (a conv
-  autoencoder), with ``mod(v, m) == 0`` and buckets at multiples of ``m``;
-* guards written by :mod:`dynjax.jit._guards` (bounds, caps, undecided equalities) use the
-  helpers here (:func:`guard_texts`, :func:`_signature`).
+* **shape identities** (:func:`unify_shapes`, :func:`add_identities`): two clashing shapes
+  whose dims are one size written two ways (a ResNet block's strided conv and its strided
+  projection, a U-Net's skip connection), as an equality rule; or equal exactly at the
+  multiples of ``m`` (a conv autoencoder), with ``mod(v, m) == 0`` and buckets at multiples;
+  clashes over several sizes (:func:`add_clash_facts`);
+* **facts over a grid** (:func:`add_facts`): comparisons JAX finds inconclusive, reshape
+  remainders it cannot prove 0, the sign of a ``-1``'s divisor;
+* **constant dims** (:func:`add_constant_dims`): dims one constant at every size checked.
+
+:mod:`dynjax.jit._guards` (bounds, caps, undecided equalities) calls these and shares the
+helpers here (:func:`guard_texts`, :func:`_signature`).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+import time
 
 import numpy as np
 
@@ -113,6 +120,15 @@ def _rule(lhs_text: str, rhs_text: str) -> str | None:
   return f"{core} == {rhs_text} {'-' if c > 0 else '+'} {abs(c)}"
 
 
+def _top(fam, i: int, bounds: dict) -> int:
+  """The largest size of variable ``i`` a fact is checked at: its policy's max (unless
+  ``overflow="grow"``), else :data:`IDENTITY_SCAN` (which then bounds it: a guard), and at
+  most its guard's upper bound."""
+  pol = fam.ctx.policies.for_var(fam.sig.var_order[i])
+  top = pol.max if pol.max is not None and fam.ctx.opts.overflow != "grow" else None
+  return int(min(bounds.get(i, (1, math.inf))[1], top if top is not None else IDENTITY_SCAN))
+
+
 def unify_shapes(fam, e: BaseException, bounds: dict) -> list[tuple]:
   """Equality rules for two shapes JAX could not unify where their dims are one variable's
   same size written two ways: a ResNet block's strided 3x3 conv (SAME) and its strided 1x1
@@ -132,14 +148,11 @@ def unify_shapes(fam, e: BaseException, bounds: dict) -> list[tuple]:
       continue  # several sizes: add_clash_facts
     var = names.pop()
     i = order.index(var)
-    lo, hi = bounds.get(i, (1, math.inf))
-    pol = fam.ctx.policies.for_var(var)
-    top = pol.max if pol.max is not None and fam.ctx.opts.overflow != "grow" else None
-    top = min(hi, top if top is not None else IDENTITY_SCAN)
+    lo, top = bounds.get(i, (1, math.inf))[0], _top(fam, i, bounds)
     rules = tuple(r for r in (_rule(x, y), _rule(y, x)) if r)
-    m = _equal_sizes(x, y, var, lo, int(top)) if rules and top >= lo else None
+    m = _equal_sizes(x, y, var, lo, top) if rules and top >= lo else None
     if m is not None:
-      out.append((rules, i, int(top), x, y, m))
+      out.append((rules, i, top, x, y, m))
   return out
 
 
@@ -200,17 +213,14 @@ def add_identities(fam, e: BaseException, bounds: dict) -> bool:
       break
   if not new:
     return False  # nothing jax takes, or no progress: run exact
-  found, rules = new, tuple(rules)
-  sig = _signature(fam, guard_texts(order, bounds) + rules)
-  fam.sig, fam._identities, fam._moduli = sig, rules, tuple(sorted(moduli.items()))
-  fam.guards = guard_texts(sig.var_order, bounds) + rules
-  fam._guard_bounds = tuple((j, lo, hi) for j, (lo, hi) in sorted(bounds.items()))
-  # Checked per call from the two texts as jax printed them: parsed in the new scope, its
-  # rule would make them one expression.
-  fam.declared = fam.declared + tuple(
-      (f"{x} == {y} (inferred: two shapes of one size)", _symbolic.compile_dim(x, order), "==",
-       _symbolic.compile_dim(y, order)) for _, _, _, x, y, _ in found)
-  logger.info("dynjax: %s traces under the inferred shape identities %s", fam.name, rules)
+  # Checked per call from the two texts as jax printed them (parsed in the new scope, its
+  # rule would make them one expression); every size of the range was checked: no bucket
+  # check needed.
+  checks = [(f"{x} == {y}", x, "==", y) for _, _, _, x, y, _ in new]
+  if not _commit(fam, tuple(rules), bounds, checks, "inferred: two shapes of one size",
+                 per_bucket=False):
+    return False
+  fam._moduli = tuple(sorted(moduli.items()))
   return True
 
 
@@ -221,8 +231,6 @@ def _signature(fam, guards: tuple[str, ...]):
                                        strict=True)]
   texts = [text for _, text, _ in specs]
   return _symbolic.build_signature(specs, fam._constraints(texts) + guards)
-
-
 
 
 # -- facts over several sizes: comparisons JAX cannot decide, remainders it cannot prove 0 --
@@ -255,10 +263,7 @@ def _holds(text_lhs: str, op: str, text_rhs: str, fam, bounds: dict) -> tuple | 
   axes, idx, tops = [], [], []
   for v in names:
     i = order.index(v)
-    lo, hi = bounds.get(i, (1, math.inf))
-    pol = fam.ctx.policies.for_var(v)
-    top = pol.max if pol.max is not None and fam.ctx.opts.overflow != "grow" else None
-    top = int(min(hi, top if top is not None else IDENTITY_SCAN))
+    lo, top = bounds.get(i, (1, math.inf))[0], _top(fam, i, bounds)
     pts = np.arange(lo, top + 1) if len(names) == 1 else _sizes_of(top)
     axes.append(pts[pts >= lo])
     idx.append(i)
@@ -276,8 +281,8 @@ def _holds(text_lhs: str, op: str, text_rhs: str, fam, bounds: dict) -> tuple | 
   return (idx, tops) if ok else None
 
 
-def needed_facts(fam, e: BaseException, bounds: dict) -> list[tuple[str, str, str, str]]:
-  """``(constraint, lhs, op, rhs)`` of what the failed trace ``e`` needed and every size checked
+def needed_facts(fam, e: BaseException, bounds: dict) -> list[tuple]:
+  """``(constraint, lhs, op, rhs, (var indices, tops))`` of what the failed trace ``e`` needed and every size checked
   satisfies: a comparison JAX found inconclusive over several sizes (a ViT's patch grid
   ``floordiv(h - 4, 4)*floordiv(w - 4, 4) + ... + 1 >= 0`` when flattened by ``reshape(n, h *
   w, c)``), or over one size that holds at all of them (no guard splits it); or the
@@ -346,8 +351,6 @@ def over_budget(fam) -> bool:
   it stops inferring (and falls back).  Each re-trace under more rules can cost more (a full
   Swin's nested window sizes: JAX's symbolic comparisons grow with the expressions), and a
   user waits on them."""
-  import time  # noqa: PLC0415
-
   t0 = getattr(fam, "_guard_t0", None)
   if t0 is None:
     fam._guard_t0 = time.perf_counter()
@@ -427,18 +430,26 @@ def _adopt(fam, found, bounds: dict, origin: str) -> bool:
     for i, top in zip(idx, tops, strict=True):
       lo, hi = bounds.get(i, (1, math.inf))
       bounds[i] = (lo, min(hi, top))
-  order = fam.sig.var_order
   rules = fam._identities + tuple(dict.fromkeys(f[0] for f in found))
+  return _commit(fam, rules, bounds, [f[:4] for f in found], origin, per_bucket=True)
+
+
+def _commit(fam, rules: tuple, bounds: dict, checks, origin: str, per_bucket: bool) -> bool:
+  """The family re-signed under ``rules`` and the guard ``bounds``; ``checks`` (``(text, lhs,
+  op, rhs)``, expression texts) checked per call (``Family.declared``) and, ``per_bucket``,
+  at each bucket (``_guards.held_bucket``).  False where jax refuses the constraints."""
+  order = fam.sig.var_order
+  guards = guard_texts(order, bounds)
   try:
-    sig = _signature(fam, guard_texts(order, bounds) + rules)
+    sig = _signature(fam, guards + rules)
   except Exception:  # noqa: BLE001 - jax refuses it (an equality whose left side is no term)
     return False
-  fam.sig, fam._identities = sig, rules
-  fam.guards = guard_texts(order, bounds) + rules
+  fam.sig, fam._identities, fam.guards = sig, rules, guards + rules
   fam._guard_bounds = tuple((j, lo, hi) for j, (lo, hi) in sorted(bounds.items()))
-  checks = tuple((f"{c} ({origin})", _symbolic.compile_dim(lhs, order), op,
-                  _symbolic.compile_dim(rhs, order)) for c, lhs, op, rhs, _ in found)
-  fam.declared = fam.declared + checks
-  fam._bucket_checks = getattr(fam, "_bucket_checks", ()) + checks
-  logger.info("dynjax: %s traces under the inferred facts %s", fam.name, rules)
+  compiled = tuple((f"{text} ({origin})", _symbolic.compile_dim(lhs, order), op,
+                    _symbolic.compile_dim(rhs, order)) for text, lhs, op, rhs in checks)
+  fam.declared = fam.declared + compiled
+  if per_bucket:
+    fam._bucket_checks = getattr(fam, "_bucket_checks", ()) + compiled
+  logger.info("dynjax: %s traces under the inferred rules %s", fam.name, rules)
   return True
