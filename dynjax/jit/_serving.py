@@ -16,8 +16,7 @@ it while its own bucket compiles in the background (progressive serving):
 - Tiers on GPU: tier 0 compiles with cheap autotuning (``QUICK_GPU_OPTIONS``), tier 1
   recompiles with XLA's defaults when the compile queue is idle (no tier-0 compile running or
   wanted) and traffic has a gap or is steady, one at a time, the most used bucket first;
-  ``wait()`` forces them.
-  A tier-1 executable replaces its tier-0 file in ``cache_dir`` the moment it is stored.
+  ``wait()`` forces them.  A tier-1 executable replaces its tier-0 file in ``cache_dir``.
 - Lowering holds the GIL, so it runs on one lane thread with a 0.5 ms switch interval
   (:func:`quick_switches`); the plan's buckets are lowered while the first one compiles.
 - ``cache_dir``: stored executables load at the first call (and in ``warmup``).
@@ -212,7 +211,8 @@ class Compiler:
       if kept is not None:
         self.counters.reused_lowering()
         return kept
-    fut = fam.prelowered.pop(bkey, None)
+    with self._lock:  # against _prelower's check of what is building
+      fut = fam.prelowered.pop(bkey, None)
     if fut is not None and not fut.cancel():  # started (or done): wait for it
       try:
         return fut.result()
@@ -307,22 +307,23 @@ class Compiler:
     Lowering is Python (tracing, MLIR building) and holds the GIL: done by the compile
     workers once serving has started, it stalled every request (H100, BERT-base: ~0.3 s of
     GIL per bucket, ~100 ms requests for a second after the first compile).  While the first
-    bucket compiles, XLA has released the GIL and no request is being served yet, so the
-    lowering there is free.
+    bucket compiles no request is served yet, so the lowering there is free.
     """
     fam.prelowering = True
     stored = set(stored_buckets(fam))
-    # Not a bucket a build already lowers (a blocking warmup's: lowered twice, the spare
-    # module kept by its tier-up).
-    cands = [b for b in plan_buckets(fam, first, PRELOWER_MAX)
-             if b != first and b not in stored and (fam.fid, b) not in self.cache
-             and not self.cache.building((fam.fid, b))]
-    if not cands:
+    plan = [b for b in plan_buckets(fam, first, PRELOWER_MAX) if b != first and b not in stored]
+    if not plan:
       return
     lane = self.lane()
-    # A compile job that starts before its bucket's turn cancels the lane job (a queued
-    # future cancels) and lowers it itself.
-    fam.prelowered.update((b, lane.submit(lowering, fam, b)) for b in cands)
+    # Not a bucket a build lowers (a blocking warmup's), built, or queued here already; under
+    # the lock lowered() pops under, as a build registers as building before it pops (an H100
+    # warmup lowered a bucket twice without it).  A compile job that starts before its turn
+    # cancels the lane job (a queued future cancels) and lowers it itself.
+    with self._lock:
+      for b in plan:
+        if not (b in fam.prelowered or self.cache.building((fam.fid, b))
+                or (fam.fid, b) in self.cache):  # building first: it turns into cached
+          fam.prelowered[b] = lane.submit(lowering, fam, b)
 
   def lane(self) -> concurrent.futures.ThreadPoolExecutor:
     """The one thread that lowers buckets while serving.
@@ -330,9 +331,8 @@ class Compiler:
     Lowering holds the GIL (Python tracing, and MLIR passes in C++ that cannot be
     preempted); several compile workers lowering at once left the serving thread a fifth of
     the GIL (H100, BERT-base, auto re-plans: ~300 ms requests).  One lane costs no lowering
-    throughput (the GIL serialises lowering anyway), and while it runs the interpreter's
-    switch interval drops to 0.5 ms (:func:`quick_switches`) so a serving thread waiting for
-    the GIL gets it back within 0.5 ms of Python instead of 5 ms.
+    throughput (the GIL serialises it anyway); while it runs the switch interval is 0.5 ms
+    (:func:`quick_switches`): a serving thread gets the GIL back within 0.5 ms, not 5 ms.
     """
     lane = self._lane
     if lane is None:

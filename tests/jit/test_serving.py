@@ -904,6 +904,26 @@ def test_kept_lowerings_are_bounded_and_a_blocking_warmup_tiers_up(monkeypatch):
   assert f.stats()["lowerings_reused"] == 1
 
 
+def test_pre_lowering_twice_lowers_each_planned_bucket_once(monkeypatch):
+  # Two builds could both start the plan's pre-lowering (each checked fam.prelowering before
+  # either set it); the second replaced the first one's queued futures, and each planned
+  # bucket was lowered twice (an H100 warmup counted 6 lowerings for 5 buckets).
+  monkeypatch.setattr(serving_mod, "on_gpu", lambda: True)
+  p = _params()
+  f = _serving(compile_workers=1)
+  f(p, _x(5))
+  fam = next(iter(f._dispatcher.families.values()))
+  comp = f._dispatcher.compiler
+  comp.lane().submit(lambda: None).result()  # the first call's own pre-lowering is done
+  before, queued = f.stats()["lowerings"], dict(fam.prelowered)
+  fam.prelowering = False
+  comp._prelower(fam, (2, 64))
+  comp._prelower(fam, (2, 64))
+  comp.lane().submit(lambda: None).result()
+  assert fam.prelowered and all(fam.prelowered[b] is fut for b, fut in queued.items())
+  assert f.stats()["lowerings"] - before == len(fam.prelowered) - len(queued)
+
+
 @pytest.mark.parametrize("fails", [1, 2])
 def test_a_stored_executable_that_fails_its_first_run_is_compiled_again(tmp_path, monkeypatch,
                                                                        fails):
