@@ -154,14 +154,14 @@ class Family:
     self.cast_memo = _casts.Memo()
     self.host_out, self.host_out_reason = _placement.plan(self, None if first_leaves is None else
         _placement.host_request(first_leaves, self.dyn_leaves)) if padded else (False, None)
+    self._store, self._store_ready = None, False
+    self.store()  # now: it may take the output placement its cache_dir holds (_store)
     self.buckets: dict[tuple, BucketEntry] = {}
     self.host_buffers = _placement.HostBuffers()  # padded numpy inputs, reused
     self.executors: dict[tuple, Any] = {}  # hot-path key -> dispatch.Executor
     self.tuple_hist: Counter = Counter()  # true size tuples seen (explain, compile values)
     self.per_sizes: dict[tuple, tuple] = {}  # sizes -> (bucket, output shapes, true elems)
     self.bucket_time: dict[tuple, float] = {}  # measured seconds per call, per bucket
-    self._store = None
-    self._store_ready = False
     self.tiered: set = set()  # buckets whose tier-1 recompile was queued
     self.preloaded = False  # stored executables queued for loading (serving)
     self.prelowering = False  # the plan's buckets were handed to the lowering lane

@@ -18,7 +18,8 @@ dims all numpy), or, for a family first met abstractly (``warmup``/``trace`` wit
 pinned host memory, ``False`` never.  Never for sharded families, donated arguments,
 ``return_padded=True`` or PRNG-key outputs.  A device request that reaches such an executable
 gets its outputs moved back to the device (correct; one transfer each, as the host round trip
-of an unpadded output).  The choice is part of the executable store's fingerprint.
+of an unpadded output).  The choice is part of the executable store's fingerprint; a restart
+whose store holds the other placement only takes that one (:func:`alternative`).
 """
 
 from __future__ import annotations
@@ -136,10 +137,25 @@ def plan(fam, request: bool | None) -> tuple[bool, str]:
   if dev.platform not in AUTO_PLATFORMS:
     return False, f"measured on GPU only ({dev.platform})"
   if request is None:
-    return opts.serving, ("serving=True" if opts.serving else
-                          "first met abstractly, serving=False")
-  return request, "the first call was a host request" if request else \
-      "the first call was a device request"
+    return opts.serving, BY_REQUEST[2 + (not opts.serving)]
+  return request, BY_REQUEST[not request]
+
+
+# The default's choices by the family's first call (``plan``): either placement is allowed.
+BY_REQUEST = ("the first call was a host request", "the first call was a device request",
+              "serving=True", "first met abstractly, serving=False")
+
+
+def alternative(fam) -> bool | None:
+  """The other placement (host outputs?) a family may take instead of its planned one, or
+  None where its plan is not the default's choice by its first call.  Taken where the store
+  under ``cache_dir`` holds executables of that placement only (``_store.family_store``): a
+  restart whose first request is numpy, on the store of a process that warmed up from shapes
+  without ``serving=True``, compiled every bucket again (either placement gives the same
+  results; the other costs ~0.1 ms a request on the H100, a compile seconds)."""
+  if fam.ctx.opts.host_outputs is not None or fam.host_out_reason not in BY_REQUEST:
+    return None
+  return not fam.host_out
 
 
 def jit_kwargs(fam, bkey) -> dict:

@@ -38,6 +38,7 @@ import numpy as np
 
 from dynjax import _jax_private
 from dynjax._fingerprint import fingerprint_parts, versions
+from dynjax.jit import _placement
 
 _FORMAT = 2
 
@@ -314,6 +315,21 @@ def family_store(fam, padded: bool) -> ExecutableStore | None:
     logger.info("dynjax: %s is not stored (fingerprint failed: %s: %s)",
                 fam.name, type(e).__name__, e)
     return None
+  store = _store_of(fam, root, parts)
+  other = _placement.alternative(fam)
+  if other is not None and not store.stored():
+    alt = _store_of(fam, root, {**parts, "host_outputs": other})
+    if alt.stored():  # a restart serves what it has (before any of its buckets lowers)
+      fam.host_out = other
+      fam.host_out_reason += (f"; its cache_dir holds executables with "
+                              f"{'pinned host' if other else 'device'} outputs only")
+      logger.info("dynjax: %s takes the output placement its cache_dir holds: %s", fam.name,
+                  fam.host_out_reason)
+      return alt
+  return store
+
+
+def _store_of(fam, root: str, parts: dict) -> ExecutableStore:
   fp = fingerprint_parts(parts)
   describe = {"function": fam.name, "fingerprint": fp,
               **{k: (v if len(str(v)) < 400 else str(v)[:400] + "...")

@@ -15,6 +15,7 @@ import pytest
 import dynjax
 from dynjax._errors import SpecError
 from dynjax.jit import _placement
+from dynjax.jit import _serving as serving_mod
 
 
 def fn(p, x):
@@ -326,3 +327,47 @@ def test_reused_buffers_under_threads_and_not_for_calls_that_do_not_wait():
   out = g(xs[0])
   np.testing.assert_array_equal(out.unpad(), xs[0] * 2)
   assert _family(g).host_buffers.free == {}
+
+
+@pytest.mark.parametrize("first", ["shapes", "device"])
+def test_a_restart_takes_the_placement_its_store_holds(auto_on_cpu, tmp_path, compiles, first):
+  # A process warmed up from shapes without serving=True (or first called with device arrays)
+  # stores executables with device outputs; its restart's first request is numpy, which
+  # plans pinned host outputs: another fingerprint, so it compiled every bucket again.  It
+  # takes the stored placement now (the same results; no compile), and says so.
+  kw = dict(dims={"x": "b, t, 8"}, cache_dir=str(tmp_path), buckets=dynjax.buckets.pow2(4, 16))
+  f = dynjax.jit(fn, **kw)
+  if first == "shapes":
+    f.warmup(P, jax.ShapeDtypeStruct((4, 16, 8), jnp.float32))
+  else:
+    f(P, jnp.asarray(_x(4, 16)))
+  assert not _family(f).host_out
+  stored = len(serving_mod.stored_buckets(_family(f)))
+  assert stored >= 1
+  g = dynjax.jit(fn, **kw)
+  start = compiles()
+  _same(g(P, _x(3, 13)), REF(P, _x(3, 13)), device=False)
+  _same(g(P, jnp.asarray(_x(3, 13))), REF(P, _x(3, 13)), device=True)
+  assert compiles() == start and g.stats()["loaded_from_store"] == 1
+  fam = _family(g)
+  assert not fam.host_out and not any(e.host_out for e in fam.buckets.values())
+  assert ("device memory (the first call was a host request; its cache_dir holds executables "
+          "with device outputs only)") in g.explain()
+  # and back: a store of pinned host outputs serves a restart whose first call is on device
+  h = dynjax.jit(fn, **{**kw, "cache_dir": str(tmp_path / "h")})
+  _same(h(P, _x(3, 13)), REF(P, _x(3, 13)), device=False)
+  assert _family(h).host_out
+  k = dynjax.jit(fn, **{**kw, "cache_dir": str(tmp_path / "h")})
+  start = compiles()
+  _same(k(P, jnp.asarray(_x(3, 13))), REF(P, _x(3, 13)), device=True)
+  assert compiles() == start and _family(k).host_out
+
+
+def test_an_explicit_placement_keeps_its_own_store(auto_on_cpu, tmp_path, compiles):
+  kw = dict(dims={"x": "b, t, 8"}, cache_dir=str(tmp_path))
+  f = dynjax.jit(fn, host_outputs=False, **kw)
+  _same(f(P, _x(3, 13)), REF(P, _x(3, 13)), device=False)
+  g = dynjax.jit(fn, host_outputs=True, **kw)  # asked for: compiled anew, as asked
+  start = compiles()
+  _same(g(P, _x(3, 13)), REF(P, _x(3, 13)), device=False)
+  assert compiles() == start + 1 and _family(g).host_out
