@@ -291,8 +291,18 @@ def _pool_fn(padding):
                     buckets={"b": [8], "t": [128]}, padding=padding)
 
 
+@pytest.fixture(params=["numpy", "pinned"])
+def pinned(request, monkeypatch):
+  """Reused padded buffers as numpy arrays, or pinned host ones (GPU only by default: here
+  on this CPU, for every pooled size)."""
+  if request.param == "pinned":
+    monkeypatch.setattr(_placement, "PINNED_PLATFORMS", (jax.devices()[0].platform,))
+    monkeypatch.setattr(_placement, "PINNED_MIN_BYTES", _placement.POOL_MIN_BYTES)
+  return request.param == "pinned"
+
+
 @pytest.mark.parametrize("padding", ["auto", "trust"])
-def test_large_padded_inputs_reuse_one_zeroed_buffer(padding):
+def test_large_padded_inputs_reuse_one_zeroed_buffer(padding, pinned):
   f = _pool_fn(padding)
   rng = np.random.default_rng(0)
   seen = set()
@@ -303,12 +313,31 @@ def test_large_padded_inputs_reuse_one_zeroed_buffer(padding):
     np.testing.assert_array_equal(h, x[:, :, :4] * 2)
     fam = _family(f)
     for kept in fam.host_buffers.free.values():
-      seen.update(id(buf) for buf, _ in kept)
+      seen.update(id(buf) for buf, _, _ in kept)
   assert len(seen) == 1  # one buffer for the bucket, calls one after another
-  assert (8, 128, 256) == next(iter(fam.host_buffers.free))[0]
+  assert [((8, 128, 256), np.dtype(np.float32), pinned)] == list(fam.host_buffers.free)
+  assert fam.host_buffers.pinned_bytes == (8 * 128 * 256 * 4 if pinned else 0)
+  assert fam.host_buffers.pinned_failed is None
 
 
-def test_reused_buffers_under_threads_and_not_for_calls_that_do_not_wait():
+def test_pinned_buffers_only_for_the_executables_dtype_and_within_their_budget(
+    pinned, monkeypatch):
+  if not pinned:
+    pytest.skip("pinned buffers only")
+  f = _pool_fn("trust")
+  x64 = np.random.default_rng(2).normal(size=(8, 100, 256))  # float64: the call converts it
+  s, _ = f(x64)
+  np.testing.assert_allclose(s, x64.astype(np.float32).sum(1), rtol=1e-5, atol=1e-4)
+  hb = _family(f).host_buffers
+  assert list(hb.free) == [((8, 128, 256), np.dtype(np.float64), False)]
+  assert hb.pinned_bytes == 0 and hb.pinned_failed is None
+  monkeypatch.setattr(_placement, "PINNED_MAX_BYTES", 8 * 128 * 256 * 4 - 1)
+  x = x64.astype(np.float32)
+  np.testing.assert_allclose(f(x)[0], x.sum(1), rtol=1e-5, atol=1e-4)  # over budget: numpy
+  assert ((8, 128, 256), np.dtype(np.float32), False) in hb.free and hb.pinned_bytes == 0
+
+
+def test_reused_buffers_under_threads_and_not_for_calls_that_do_not_wait(pinned):
   import concurrent.futures
 
   f = _pool_fn("trust")
@@ -319,7 +348,7 @@ def test_reused_buffers_under_threads_and_not_for_calls_that_do_not_wait():
   for x, (s, h) in zip(xs, outs, strict=True):
     np.testing.assert_allclose(s, x.sum(1), rtol=1e-5, atol=1e-4)
     np.testing.assert_array_equal(h, x[:, :, :4] * 2)
-  kept = _family(f).host_buffers.free[((8, 128, 256), np.dtype(np.float32))]
+  kept = _family(f).host_buffers.free[((8, 128, 256), np.dtype(np.float32), pinned)]
   assert 1 <= len(kept) <= _placement.POOL_PER_KEY
   # a call that returns without waiting for its results (return_padded) takes no buffer
   g = dynjax.jit(lambda x: x * 2, dims={"x": "b, t, 256"}, buckets={"b": [8], "t": [128]},
@@ -345,9 +374,10 @@ def test_a_restart_takes_the_placement_its_store_holds(auto_on_cpu, tmp_path, co
   stored = len(serving_mod.stored_buckets(_family(f)))
   assert stored >= 1
   g = dynjax.jit(fn, **kw)
+  xd = jnp.asarray(_x(3, 13))  # (made first: jax may compile a transfer program for it)
   start = compiles()
   _same(g(P, _x(3, 13)), REF(P, _x(3, 13)), device=False)
-  _same(g(P, jnp.asarray(_x(3, 13))), REF(P, _x(3, 13)), device=True)
+  _same(g(P, xd), REF(P, _x(3, 13)), device=True)
   assert compiles() == start and g.stats()["loaded_from_store"] == 1
   fam = _family(g)
   assert not fam.host_out and not any(e.host_out for e in fam.buckets.values())
@@ -359,7 +389,7 @@ def test_a_restart_takes_the_placement_its_store_holds(auto_on_cpu, tmp_path, co
   assert _family(h).host_out
   k = dynjax.jit(fn, **{**kw, "cache_dir": str(tmp_path / "h")})
   start = compiles()
-  _same(k(P, jnp.asarray(_x(3, 13))), REF(P, _x(3, 13)), device=True)
+  _same(k(P, xd), REF(P, _x(3, 13)), device=True)
   assert compiles() == start and _family(k).host_out
 
 

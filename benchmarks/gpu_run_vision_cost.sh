@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# One device call (~4-5 min on the H100; session 27): where an image request's time goes
+# (probe_vision_cost.py: ResNet-18, batch 8, fp32, exact / bucket / dynjax numpy, device and
+# Padded inputs, host pad, torch), then, when TESTS is not empty, the serving and placement
+# tests on the GPU (the pre-lowering race; the store's placement, the pinned input buffers).
+# BENCH=1 first runs bench_vision.py's whole table (16 sizes, each twice; ~2.5 min) and
+# probe_pinned_inputs.py.
+source "$(dirname "$0")/_gpu_head.sh"
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+if [ -n "${BENCH:-}" ]; then
+  timeout 240 python3 benchmarks/bench_vision.py --requests 16 --out "$OUT" \
+    > "$OUT/bench_vision.log" 2>&1
+  echo "bench rc=$?" >> "$OUT/bench_vision.log"
+  cat "$OUT/bench_vision.log"
+  timeout 120 python3 benchmarks/probe_pinned_inputs.py --out "$OUT" > "$OUT/pinned.log" 2>&1
+  cat "$OUT/pinned.log"
+fi
+timeout "${TP:-300}" python3 benchmarks/probe_vision_cost.py ${PARGS:-} --out "$OUT" \
+  > "$OUT/probe_vision_cost.log" 2>&1
+echo "probe rc=$?" >> "$OUT/probe_vision_cost.log"
+cat "$OUT/probe_vision_cost.log"
+if [ -n "${TESTS-x}" ]; then
+  timeout "${TT:-200}" python3 -m pytest -q -p no:cacheprovider -n 4 -rfE \
+    ${TESTS:-tests/jit/test_serving.py tests/jit/test_placement.py} > "$OUT/tests.log" 2>&1
+  echo "tests rc=$?" >> "$OUT/tests.log"
+  tail -15 "$OUT/tests.log"
+fi
