@@ -359,7 +359,7 @@ def test_reused_buffers_under_threads_and_not_for_calls_that_do_not_wait(pinned)
 
 
 @pytest.mark.parametrize("first", ["shapes", "device"])
-def test_a_restart_takes_the_placement_its_store_holds(auto_on_cpu, tmp_path, compiles, first):
+def test_a_restart_takes_the_placement_its_store_holds(auto_on_cpu, tmp_path, first):
   # A process warmed up from shapes without serving=True (or first called with device arrays)
   # stores executables with device outputs; its restart's first request is numpy, which
   # plans pinned host outputs: another fingerprint, so it compiled every bucket again.  It
@@ -374,11 +374,11 @@ def test_a_restart_takes_the_placement_its_store_holds(auto_on_cpu, tmp_path, co
   stored = len(serving_mod.stored_buckets(_family(f)))
   assert stored >= 1
   g = dynjax.jit(fn, **kw)
-  xd = jnp.asarray(_x(3, 13))  # (made first: jax may compile a transfer program for it)
-  start = compiles()
+  xd = jnp.asarray(_x(3, 13))
+  # (bucket executables counted: on a GPU a device request may also pay for a pad program)
   _same(g(P, _x(3, 13)), REF(P, _x(3, 13)), device=False)
   _same(g(P, xd), REF(P, _x(3, 13)), device=True)
-  assert compiles() == start and g.stats()["loaded_from_store"] == 1
+  assert g.stats()["compiles"] == 0 and g.stats()["loaded_from_store"] == 1
   fam = _family(g)
   assert not fam.host_out and not any(e.host_out for e in fam.buckets.values())
   assert ("device memory (the first call was a host request; its cache_dir holds executables "
@@ -388,9 +388,8 @@ def test_a_restart_takes_the_placement_its_store_holds(auto_on_cpu, tmp_path, co
   _same(h(P, _x(3, 13)), REF(P, _x(3, 13)), device=False)
   assert _family(h).host_out
   k = dynjax.jit(fn, **{**kw, "cache_dir": str(tmp_path / "h")})
-  start = compiles()
   _same(k(P, xd), REF(P, _x(3, 13)), device=True)
-  assert compiles() == start and _family(k).host_out
+  assert k.stats()["compiles"] == 0 and _family(k).host_out
 
 
 def test_an_explicit_placement_keeps_its_own_store(auto_on_cpu, tmp_path, compiles):
