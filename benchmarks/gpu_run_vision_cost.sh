@@ -4,9 +4,17 @@
 # Padded inputs, host pad, torch), then, when TESTS is not empty, the serving and placement
 # tests on the GPU (the pre-lowering race; the store's placement, the pinned input buffers).
 # BENCH=1 first runs bench_vision.py's whole table (16 sizes, each twice; ~2.5 min) and
-# probe_pinned_inputs.py.
+# probe_pinned_inputs.py; PIN_AB=1 runs bench_vision's jit_exact and dynjax rows twice, in
+# fresh processes with DYNJAX_PINNED_INPUTS=1 and 0.
 source "$(dirname "$0")/_gpu_head.sh"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
+if [ -n "${PIN_AB:-}" ]; then  # bench_vision's jit_exact + dynjax, pinned inputs on / off
+  for pin in ${PINS:-1 0}; do
+    DYNJAX_PINNED_INPUTS=$pin timeout 200 python3 benchmarks/bench_vision.py --requests 16 \
+      --modes jit_exact,dynjax --out "$OUT/pin$pin" > "$OUT/bench_vision_pin$pin.log" 2>&1
+    echo "pinned $pin rc=$?"; cat "$OUT/bench_vision_pin$pin.log"
+  done
+fi
 if [ -n "${BENCH:-}" ]; then
   timeout 240 python3 benchmarks/bench_vision.py --requests 16 --out "$OUT" \
     > "$OUT/bench_vision.log" 2>&1

@@ -10,6 +10,7 @@
 | DYNJAX_TIER_UP_AFTER  | integer >= 0           | serving on GPU: full-option recompiles start after N calls since the last quick compile, or at the first 1-second gap in traffic (default 1000) |
 | DYNJAX_PRERUN         | 0 / 1                  | GPU: an executable built in the background (warmup, background compile, tier-up, a restart's loads) runs once on zeros before it serves (default 1) |
 | DYNJAX_DEVICE_PAD     | 0 / 1                  | device arrays of a shape that keeps coming back are padded (and outputs cut) on the device by a small program each, once their host round trips add up to its compile (default 1; ``jit/_devpad.py``) |
+| DYNJAX_PINNED_INPUTS  | 0 / 1                  | on a GPU, padded numpy inputs of >= 2 MiB are written into reused pinned host buffers, then transferred (default 1; ``jit/_placement.py``) |
 | DYNJAX_KERNEL_CACHE   | a directory, or 0      | where ``dynjax.route``'s exported GPU kernels are kept across processes (default ``~/.cache/dynjax/kernels``; ``0`` off); read at each export by ``route._once`` |
 
 Nothing here changes compiled output, so none of it is part of the executable cache key.
@@ -62,6 +63,7 @@ class Config:
   tier_up_after: int = 1000
   prerun: bool = True
   device_pad: bool = True
+  pinned_inputs: bool = True
 
   @classmethod
   def from_env(cls) -> Config:
@@ -74,6 +76,7 @@ class Config:
         tier_up_after=_int("DYNJAX_TIER_UP_AFTER", 1000, 0),
         prerun=_bool("DYNJAX_PRERUN", True),
         device_pad=_bool("DYNJAX_DEVICE_PAD", True),
+        pinned_inputs=_bool("DYNJAX_PINNED_INPUTS", True),
     )
 
 

@@ -32,6 +32,7 @@ import math
 import jax
 import numpy as np
 
+from dynjax._config import config
 from dynjax._errors import ShardingError, format_list
 from dynjax._padded import Padded
 from dynjax.jit._args import is_key, on_device
@@ -287,8 +288,9 @@ class HostBuffers:
 def pinned_device(exe, nbytes: int):
   """The device a padded numpy input of ``nbytes`` goes to through a pinned host buffer, or
   None (a numpy buffer): large enough, on a platform where it pays.  (Only a value of the
-  executable's own dtype takes it; the call converts another.)"""
-  if nbytes < PINNED_MIN_BYTES:
+  executable's own dtype takes it; the call converts another.)  ``DYNJAX_PINNED_INPUTS=0``:
+  never."""
+  if nbytes < PINNED_MIN_BYTES or not config.pinned_inputs:
     return None
   dev = exe_device(exe)
   if dev is None or dev.platform not in PINNED_PLATFORMS or not has_host_memory(dev):
