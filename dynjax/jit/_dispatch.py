@@ -78,7 +78,8 @@ class Executor:
               if all_leaves or shapes[li] != entry.in_shapes[li]]
     self.pads = tuple(
         (p, shapes[li], entry.in_shapes[li], tuple(slice(0, n) for n in shapes[li]),
-         self._pool(fam, entry, li)) for p, li in padded)
+         _placement.pool_of(self.exe, entry.in_shapes[li], fam.avals[li].dtype))
+        for p, li in padded)  # how its host buffer is reused (sync calls only)
     self.shard = fam.shard
     # Parameters the executable takes cast (jit/_casts.py): their cached copies go in.
     self.casts = _casts.Applier(fam, entry.casts, top) if entry.casts else None
@@ -130,17 +131,6 @@ class Executor:
     self.true_elems = true_elems
     self.larger = bkey != own  # served on a larger bucket than its own (still compiling)
     self.bucket_id = (fam.fid, bkey)
-
-  def _pool(self, fam: Family, entry, li: int):
-    """How a numpy leaf's padded buffer is reused (sync calls only; _placement.HostBuffers):
-    None (a fresh one), True (a numpy buffer), or (device, dtype): a pinned host buffer for
-    a value of that dtype, moved to that device."""
-    dtype = np.dtype(fam.avals[li].dtype)
-    nbytes = math.prod(entry.in_shapes[li]) * dtype.itemsize
-    if nbytes < _placement.POOL_MIN_BYTES:
-      return None
-    dev = _placement.pinned_device(self.exe, nbytes)
-    return True if dev is None else (dev, dtype)
 
   def run(self, vals):
     """pad -> run -> unpad -> count.  ``vals``: the dynamic arguments (top-level path) or

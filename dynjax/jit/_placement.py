@@ -285,6 +285,18 @@ class HostBuffers:
     return buf, src
 
 
+def pool_of(exe, shape: tuple, dtype):
+  """How a padded numpy input of the bucket ``shape`` reuses its host buffer: None (a fresh
+  one each call), True (a numpy buffer), or (device, dtype): a pinned host buffer for a value
+  of that dtype, moved to that device."""
+  dtype = np.dtype(dtype)
+  nbytes = math.prod(shape) * dtype.itemsize
+  if nbytes < POOL_MIN_BYTES:
+    return None
+  dev = pinned_device(exe, nbytes)
+  return True if dev is None else (dev, dtype)
+
+
 def pinned_device(exe, nbytes: int):
   """The device a padded numpy input of ``nbytes`` goes to through a pinned host buffer, or
   None (a numpy buffer): large enough, on a platform where it pays.  (Only a value of the
