@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 
 def write_json(out_dir: str | None, name: str, data, **dump_kw) -> str | None:
@@ -55,3 +56,14 @@ def short_reason(reason: str, width: int = 200) -> str:
   for cut in ("The function runs unpadded", "This error arises"):
     text = text.split(cut)[0]
   return text.replace("the padding pass has no exact rule: ", "")[:width]
+
+
+def median_ms(fn, calls: int) -> float:
+  """Median milliseconds of ``calls`` calls of ``fn()`` (each one timed alone)."""
+  ts = []
+  for _ in range(calls):
+    t0 = time.perf_counter()
+    fn()
+    ts.append(time.perf_counter() - t0)
+  ts.sort()
+  return ts[len(ts) // 2] * 1e3

@@ -26,21 +26,10 @@ import argparse
 import ctypes
 import os
 import sys
-import time
 
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._report import write_json  # noqa: E402
-
-
-def _median_ms(fn, calls):
-  ts = []
-  for _ in range(calls):
-    t0 = time.perf_counter()
-    fn()
-    ts.append(time.perf_counter() - t0)
-  ts.sort()
-  return ts[len(ts) // 2] * 1e3
+from benchmarks._report import median_ms, write_json  # noqa: E402
 
 
 def main(argv=None) -> dict:
@@ -114,7 +103,7 @@ def main(argv=None) -> dict:
     res = {}
     for _ in range(args.rounds):
       for k, fnm in modes.items():
-        res.setdefault(k, []).append(_median_ms(fnm, args.calls))
+        res.setdefault(k, []).append(median_ms(fnm, args.calls))
     rec = {k: min(t) for k, t in res.items()}
     rec.update(mb=buf.nbytes / 2**20, same_result=same)
     out["cases"][name] = rec

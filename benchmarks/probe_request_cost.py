@@ -34,7 +34,7 @@ sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import _isolated  # noqa: E402
 from benchmarks import _xla_options as xla_options  # noqa: E402
-from benchmarks._report import write_json  # noqa: E402
+from benchmarks._report import median_ms, write_json  # noqa: E402
 
 FLAGS = {"default": "", **{name: xla_options.as_flags(xla_options.OPTION_SETS[name])
                            for name in ("nocb", "cball")}}
@@ -55,15 +55,6 @@ def count_kernels(text: str) -> dict:
       continue
     kinds[op] = kinds.get(op, 0) + 1
   return kinds
-
-
-def _median_us(fn, n: int) -> float:
-  xs = []
-  for _ in range(n):
-    t1 = time.perf_counter()
-    fn()
-    xs.append(time.perf_counter() - t1)
-  return float(sorted(xs)[len(xs) // 2]) * 1e6
 
 
 def child(args) -> dict:
@@ -121,7 +112,7 @@ def child(args) -> dict:
         y = exe(v16, dtok, dlens)
       jax.block_until_ready(y)
       piped = (time.perf_counter() - t0) / n
-      sync = _median_us(lambda e=exe, a=dtok, b=dlens: jax.block_until_ready(e(v16, a, b)), n)
+      sync = 1e3 * median_ms(lambda e=exe, a=dtok, b=dlens: jax.block_until_ready(e(v16, a, b)), n)
       nump = _median_us(lambda e=exe, a=tok, b=lens: np.asarray(e(v16, a, b)), n)
       res["buckets"][t] = {"pipelined_us": piped * 1e6, "sync_us": sync, "numpy_us": nump,
                            "kernels": count_kernels(exe.as_text())}

@@ -37,18 +37,8 @@ import time
 
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._report import write_json  # noqa: E402
+from benchmarks._report import median_ms, write_json  # noqa: E402
 from benchmarks.bench_vision import B, _flax_resnet, _torch_resnet  # noqa: E402
-
-
-def _median_ms(fn, calls):
-  ts = []
-  for _ in range(calls):
-    t0 = time.perf_counter()
-    fn()
-    ts.append(time.perf_counter() - t0)
-  ts.sort()
-  return ts[len(ts) // 2] * 1e3
 
 
 def main(argv=None) -> dict:
@@ -162,7 +152,7 @@ def main(argv=None) -> dict:
   for _ in range(args.rounds):
     for s, c in cases.items():
       for name, fn in modes(c).items():
-        res[f"{s[0]}x{s[1]}"].setdefault(name, []).append(_median_ms(fn, args.calls))
+        res[f"{s[0]}x{s[1]}"].setdefault(name, []).append(median_ms(fn, args.calls))
   table = {k: {m: min(ts) for m, ts in r.items()} for k, r in res.items()}
   st = f.stats()
   out = {"jax": jax.__version__, "device": jax.devices()[0].device_kind,
