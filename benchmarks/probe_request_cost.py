@@ -113,7 +113,7 @@ def child(args) -> dict:
       jax.block_until_ready(y)
       piped = (time.perf_counter() - t0) / n
       sync = 1e3 * median_ms(lambda e=exe, a=dtok, b=dlens: jax.block_until_ready(e(v16, a, b)), n)
-      nump = _median_us(lambda e=exe, a=tok, b=lens: np.asarray(e(v16, a, b)), n)
+      nump = 1e3 * median_ms(lambda e=exe, a=tok, b=lens: np.asarray(e(v16, a, b)), n)
       res["buckets"][t] = {"pipelined_us": piped * 1e6, "sync_us": sync, "numpy_us": nump,
                            "kernels": count_kernels(exe.as_text())}
       print(f"  {name:8s} t={t:4d} pipelined {piped * 1e6:8.1f} us  sync {sync:8.1f}  numpy "
