@@ -153,7 +153,8 @@ def main(argv=None) -> dict:
          "backend": jax.default_backend(), "depth": args.depth, "width": args.width,
          "batch": B, "sizes": [list(s) for s in sizes], "requests": len(order),
          "buckets": sorted(set(bucket_of.values())), "modes": {},
-         "DYNJAX_PINNED_INPUTS": os.environ.get("DYNJAX_PINNED_INPUTS", "1")}
+         "DYNJAX_PINNED_INPUTS": os.environ.get("DYNJAX_PINNED_INPUTS", "1"),
+         "dynjax_path": os.path.dirname(dynjax.__file__)}
   exact_ref = {}
   sync = jax.block_until_ready  # (every mode returns numpy: a served request's answer)
   dv = jax.device_put(v)

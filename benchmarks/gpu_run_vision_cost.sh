@@ -5,9 +5,22 @@
 # tests on the GPU (the pre-lowering race; the store's placement, the pinned input buffers).
 # BENCH=1 first runs bench_vision.py's whole table (16 sizes, each twice; ~2.5 min) and
 # probe_pinned_inputs.py; PIN_AB=1 runs bench_vision's jit_exact and dynjax rows twice, in
-# fresh processes with DYNJAX_PINNED_INPUTS=1 and 0.
+# fresh processes with DYNJAX_PINNED_INPUTS=1 and 0; OLD=dir (carried: a tree's dynjax/) runs
+# them on this tree and on OLD's dynjax; COPY=1 runs probe_host_copy.py.
 source "$(dirname "$0")/_gpu_head.sh"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
+if [ -n "${COPY:-}" ]; then  # the host copy into a padded buffer, 1-8 threads
+  timeout 120 python3 benchmarks/probe_host_copy.py --out "$OUT" > "$OUT/host_copy.log" 2>&1
+  cat "$OUT/host_copy.log"
+fi
+if [ -n "${OLD:-}" ]; then  # bench_vision's jit_exact + dynjax on this tree, then on OLD's dynjax
+  for tree in new old; do
+    pp=$PWD; [ "$tree" = old ] && pp=$OLD:$PWD
+    PYTHONPATH=$pp timeout 200 python3 benchmarks/bench_vision.py --requests 16 \
+      --modes jit_exact,dynjax --out "$OUT/$tree" > "$OUT/bench_vision_$tree.log" 2>&1
+    echo "$tree rc=$?"; cat "$OUT/bench_vision_$tree.log"
+  done
+fi
 if [ -n "${PIN_AB:-}" ]; then  # bench_vision's jit_exact + dynjax, pinned inputs on / off
   for pin in ${PINS:-1 0}; do
     DYNJAX_PINNED_INPUTS=$pin timeout 200 python3 benchmarks/bench_vision.py --requests 16 \
