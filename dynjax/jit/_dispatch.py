@@ -148,7 +148,7 @@ class Executor:
           if pool is not None and self.sync:  # a large one, reused (_placement.HostBuffers)
             dev = None if pool is True or x.dtype != pool[1] else pool[0]
             buf, src = fam.host_buffers.take(target, x.dtype, prefix, dev, self.zero_pad)
-            buf[prefix] = x
+            _placement.copy_into(buf, prefix, x)  # (>= 8 MiB, 8+ cores: over 4 threads)
             # pinned (>= 2 MiB on a GPU): the transfer alone, no staging copy (H100, a
             # 296x528 image batch: 7.19 -> 4.37 ms a ResNet-18 request)
             args[pos] = buf if src is None else jax.device_put(src, _placement.device_sharding(dev))

@@ -406,3 +406,37 @@ def test_an_explicit_placement_keeps_its_own_store(auto_on_cpu, tmp_path, compil
   start = compiles()
   _same(g(P, _x(3, 13)), REF(P, _x(3, 13)), device=False)
   assert compiles() == start + 1 and _family(g).host_out
+
+
+@pytest.fixture
+def parallel_copies(monkeypatch):
+  """Every padded copy split over threads, on this small CPU box too."""
+  monkeypatch.setattr(_placement, "PARALLEL_COPY_MIN_BYTES", 0)
+  monkeypatch.setattr(_placement, "_cores", lambda: 64)
+
+
+@pytest.mark.parametrize("shape, target", [
+    ((8, 100, 256), (8, 128, 256)), ((5, 7), (8, 8)), ((1, 3, 2), (2, 4, 4)),
+    ((1, 1, 9), (1, 2, 16)), ((3,), (4,)), ((0, 5), (4, 8)), ((4, 6, 3, 2), (4, 8, 3, 4))])
+def test_a_split_copy_is_the_copy(parallel_copies, shape, target):
+  rng = np.random.default_rng(0)
+  for dtype in (np.float32, np.int8):
+    x = rng.normal(size=shape).astype(np.float64)  # converted as buf[prefix] = x converts it
+    prefix = tuple(slice(0, n) for n in shape)
+    want = np.full(target, 7, dtype)
+    want[prefix] = x
+    got = np.full(target, 7, dtype)
+    _placement.copy_into(got, prefix, x)
+    np.testing.assert_array_equal(got, want)
+  assert _placement._copy_pool  # (split: the copy threads exist)
+
+
+@pytest.mark.parametrize("padding", ["auto", "trust"])
+def test_padded_calls_with_split_copies_are_exact(parallel_copies, pinned, padding):
+  f = _pool_fn(padding)
+  rng = np.random.default_rng(3)
+  for t in (100, 7, 128, 61):
+    x = rng.normal(size=(8, t, 256)).astype(np.float32)
+    s, h = f(x)
+    np.testing.assert_allclose(s, x.sum(1), rtol=1e-5, atol=1e-4)
+    np.testing.assert_array_equal(h, x[:, :, :4] * 2)
