@@ -80,7 +80,9 @@ class Executor:
         (p, shapes[li], entry.in_shapes[li], tuple(slice(0, n) for n in shapes[li]),
          _placement.pool_of(self.exe, entry.in_shapes[li], fam.avals[li].dtype))
         for p, li in padded)  # how its host buffer is reused (sync calls only)
-    self.zero_pad = fam.mode != "auto"  # auto reads no padded value: stale ones may stay
+    # auto reads no padded value: stale ones may stay.  Not with a kernel rewrite: a fused
+    # attention multiplies masked (0) probabilities by padded values (an old inf: NaN).
+    self.zero_pad = fam.mode != "auto" or bool(opts.attention or opts.ragged_dot)
     self.shard = fam.shard
     # Parameters the executable takes cast (jit/_casts.py): their cached copies go in.
     self.casts = _casts.Applier(fam, entry.casts, top) if entry.casts else None

@@ -326,6 +326,23 @@ def test_large_padded_inputs_reuse_one_zeroed_buffer(padding, pinned):
   assert fam.host_buffers.pinned_failed is None
 
 
+def test_kernel_rewrites_keep_zeroed_padding():
+  # a fused attention multiplies masked (0) probabilities by padded values: zeros, not stale
+  f = dynjax.jit(lambda x: (x.sum(1), x[:, :, :4] * 2), dims={"x": "b, t, 256"},
+                 buckets={"b": [8], "t": [128]}, padding="auto", attention="xla")
+  for t in (100, 60):
+    x = np.ones((8, t, 256), np.float32)
+    np.testing.assert_allclose(f(x)[0], x.sum(1))
+  fam = _family(f)
+  assert fam.executors and all(e.zero_pad for e in fam.executors.values())
+  assert not any(e.zero_pad for e in _family(_called(_pool_fn("auto"))).executors.values())
+
+
+def _called(f):
+  f(np.ones((8, 100, 256), np.float32))
+  return f
+
+
 def test_pinned_buffers_only_for_the_executables_dtype_and_within_their_budget(
     pinned, monkeypatch):
   if not pinned:
