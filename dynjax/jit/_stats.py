@@ -162,6 +162,10 @@ def stats_dict(d) -> dict:
       "cast_once": {"leaves": sum(len(f.casts) for f in fams.values()),
                     "conversions": sum(f.cast_memo.conversions for f in fams.values())},
       "host_outputs": sum(1 for f in fams.values() if f.host_out),
+      # padded numpy inputs in reused pinned host buffers (jit/_placement.py; GPU, >= 2 MiB)
+      "pinned_input_bytes": sum(f.host_buffers.pinned_bytes for f in fams.values()),
+      "pinned_inputs_failed": next((f.host_buffers.pinned_failed for f in fams.values()
+                                    if f.host_buffers.pinned_failed), None),
       "device_pads": d.devpads.describe(),  # jit/_devpad.py (device requests)
       "waited_for_compile": counters.waits,
       "wait_seconds": counters.wait_seconds,
@@ -185,12 +189,14 @@ def combine(parts: list[dict]) -> dict:
       if isinstance(v, int | float) and not isinstance(v, bool) and k != "padded_fraction":
         total[k] = total.get(k, 0) + v
       elif isinstance(v, dict):
-        d = total.setdefault(k, {})
+        d = total[k] = total.get(k) or {}
         for kk, vv in v.items():
           d[kk] = (d.get(kk, 0) + vv if isinstance(vv, int | float)
                    and not isinstance(vv, bool) else vv)  # seconds add up too
       elif isinstance(v, list):
         total.setdefault(k, []).extend(v)
+      elif total.get(k) is None:  # a description (str) or None: the first that says something
+        total[k] = v
   if parts:
     weights = [max(s.get("calls", 0), 1) for s in parts]
     total["padded_fraction"] = sum(

@@ -324,6 +324,26 @@ def test_large_padded_inputs_reuse_one_zeroed_buffer(padding, pinned):
   assert (np.abs(buf[:, 60:]).sum() == 0) == (padding == "trust")
   assert fam.host_buffers.pinned_bytes == (8 * 128 * 256 * 4 if pinned else 0)
   assert fam.host_buffers.pinned_failed is None
+  st = f.stats()
+  assert (st["pinned_input_bytes"], st["pinned_inputs_failed"]) == (
+      fam.host_buffers.pinned_bytes, None)
+
+
+def test_a_pinned_buffer_that_cannot_be_made_leaves_numpy_buffers(pinned, monkeypatch):
+  if not pinned:
+    pytest.skip("pinned buffers only")
+
+  def refuse(*a, **k):
+    raise RuntimeError("no pinned memory here")
+
+  monkeypatch.setattr(_placement.jax, "device_put", refuse)
+  f = _pool_fn("auto")
+  for t in (100, 60):
+    x = np.random.default_rng(t).normal(size=(8, t, 256)).astype(np.float32)
+    np.testing.assert_allclose(f(x)[0], x.sum(1), rtol=1e-5, atol=1e-4)
+  hb = _family(f).host_buffers
+  assert list(hb.free) == [((8, 128, 256), np.dtype(np.float32), False)]
+  assert "RuntimeError: no pinned memory here" in f.stats()["pinned_inputs_failed"]
 
 
 def test_kernel_rewrites_keep_zeroed_padding():
