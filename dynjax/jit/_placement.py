@@ -356,6 +356,10 @@ def copy_into(buf: np.ndarray, prefix: tuple, x: np.ndarray) -> None:
     f.result()
 
 
+if hasattr(os, "register_at_fork"):  # a forked child has none of the parent's threads
+  os.register_at_fork(after_in_child=_copy_pool.clear)
+
+
 def _copy_threads() -> concurrent.futures.ThreadPoolExecutor:
   if not _copy_pool:
     with _copy_lock:
