@@ -455,7 +455,8 @@ def parallel_copies(monkeypatch):
 @pytest.mark.parametrize("shape, target", [
     ((8, 100, 256), (8, 128, 256)), ((5, 7), (8, 8)), ((1, 3, 2), (2, 4, 4)),
     ((1, 1, 9), (1, 2, 16)), ((3,), (4,)), ((0, 5), (4, 8)), ((4, 6, 3, 2), (4, 8, 3, 4))])
-def test_a_split_copy_is_the_copy(parallel_copies, shape, target):
+def test_a_split_copy_is_the_copy(parallel_copies, monkeypatch, shape, target):
+  monkeypatch.setattr(_placement, "_copy_pool", [])
   rng = np.random.default_rng(0)
   for dtype in (np.float32, np.int8):
     x = rng.normal(size=shape).astype(np.float64)  # converted as buf[prefix] = x converts it
@@ -465,7 +466,8 @@ def test_a_split_copy_is_the_copy(parallel_copies, shape, target):
     got = np.full(target, 7, dtype)
     _placement.copy_into(got, prefix, x)
     np.testing.assert_array_equal(got, want)
-  assert _placement._copy_pool  # (split: the copy threads exist)
+  # split where an axis has COPY_THREADS rows or more: the copy threads exist then
+  assert bool(_placement._copy_pool) == any(n >= _placement.COPY_THREADS for n in shape)
 
 
 @pytest.mark.parametrize("padding", ["auto", "trust"])
