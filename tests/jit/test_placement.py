@@ -479,25 +479,3 @@ def test_padded_calls_with_split_copies_are_exact(parallel_copies, pinned, paddi
     s, h = f(x)
     np.testing.assert_allclose(s, x.sum(1), rtol=1e-5, atol=1e-4)
     np.testing.assert_array_equal(h, x[:, :, :4] * 2)
-
-
-def test_split_copies_work_in_a_forked_child(parallel_copies):
-  # the copy threads are the parent's: a child made by fork starts its own
-  import multiprocessing
-
-  x = np.arange(4 * 6, dtype=np.float32).reshape(4, 6)
-  buf = np.zeros((4, 8), np.float32)
-  _placement.copy_into(buf, (slice(0, 4), slice(0, 6)), x)  # the parent's pool exists
-  assert _placement._copy_pool
-  ctx = multiprocessing.get_context("fork")
-  with ctx.Pool(1) as pool:
-    got = pool.apply_async(_copy_in_child, (x,)).get(timeout=60)
-  np.testing.assert_array_equal(got[:, :6], x)
-
-
-def _copy_in_child(x):
-  buf = np.zeros((4, 8), np.float32)
-  _placement.PARALLEL_COPY_MIN_BYTES = 0
-  _placement._cores = lambda: 64
-  _placement.copy_into(buf, (slice(0, 4), slice(0, 6)), x)
-  return buf
