@@ -259,11 +259,15 @@ class HostBuffers:
     overwrites, padded with zeros (``zero``) or with what the last call left, and what goes
     to the call: the buffer itself (``source`` None), or, with ``device`` (a pinned one
     wanted), ``jax.device_put(source, device)``."""
-    kept = self.free.get((target, dtype, device is not None))
+    # a pinned one kept or to be made; else a numpy one, reused as such (over the budget, or
+    # none can be made here)
+    pinned = device is not None and bool(self.free.get((target, dtype, True))
+                                         or self._pinnable(target, dtype))
+    kept = self.free.get((target, dtype, pinned))
     try:
       buf, src, last = kept.pop()
     except (AttributeError, IndexError):  # none kept (yet), or another thread took it
-      return self._new(target, dtype, device)
+      return self._new(target, dtype, device if pinned else None)
     if zero and last != prefix:
       buf[last] = 0  # the previous values outside the new prefix (inside it: overwritten)
     return buf, src
@@ -275,11 +279,16 @@ class HostBuffers:
     elif src is not None:
       self.pinned_bytes -= buf.nbytes  # dropped (its memory goes with the jax array)
 
-  def _new(self, target, dtype, device):
+  def _pinnable(self, target, dtype) -> bool:
+    """Whether a new pinned buffer can be made: none failed, not empty, within the budget."""
     nbytes = math.prod(target) * np.dtype(dtype).itemsize
-    if (device is None or self.pinned_failed is not None or nbytes == 0
-        or self.pinned_bytes + nbytes > PINNED_MAX_BYTES):
+    return (self.pinned_failed is None and nbytes > 0
+            and self.pinned_bytes + nbytes <= PINNED_MAX_BYTES)
+
+  def _new(self, target, dtype, device):
+    if device is None or not self._pinnable(target, dtype):
       return np.zeros(target, dtype), None
+    nbytes = math.prod(target) * np.dtype(dtype).itemsize
     try:
       src = jax.device_put(np.zeros(target, dtype),
                            jax.sharding.SingleDeviceSharding(device, memory_kind=HOST_KIND))

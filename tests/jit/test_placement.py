@@ -343,6 +343,7 @@ def test_a_pinned_buffer_that_cannot_be_made_leaves_numpy_buffers(pinned, monkey
     np.testing.assert_allclose(f(x)[0], x.sum(1), rtol=1e-5, atol=1e-4)
   hb = _family(f).host_buffers
   assert list(hb.free) == [((8, 128, 256), np.dtype(np.float32), False)]
+  assert len(hb.free[((8, 128, 256), np.dtype(np.float32), False)]) == 1  # one, reused
   assert "RuntimeError: no pinned memory here" in f.stats()["pinned_inputs_failed"]
 
 
@@ -378,6 +379,9 @@ def test_pinned_buffers_only_for_the_executables_dtype_and_within_their_budget(
   x = x64.astype(np.float32)
   np.testing.assert_allclose(f(x)[0], x.sum(1), rtol=1e-5, atol=1e-4)  # over budget: numpy
   assert ((8, 128, 256), np.dtype(np.float32), False) in hb.free and hb.pinned_bytes == 0
+  (buf, _, _), = hb.free[((8, 128, 256), np.dtype(np.float32), False)]
+  np.testing.assert_allclose(f(x[:, :90])[0], x[:, :90].sum(1), rtol=1e-5, atol=1e-4)
+  assert [b for b, _, _ in hb.free[((8, 128, 256), np.dtype(np.float32), False)]] == [buf]
 
 
 def test_reused_buffers_under_threads_and_not_for_calls_that_do_not_wait(pinned):
