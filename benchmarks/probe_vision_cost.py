@@ -22,7 +22,7 @@ wait for their answer:
 * ``dynjax_padded``: a ``dynjax.Padded`` already at the bucket's shape (the padded program
   alone: masks, shifts);
 * ``host_pad``: numpy alone, zeroing and filling a reused bucket buffer (dynjax_np's host
-  part);
+  part for a size change before session 27; ``padding="auto"`` no longer zeroes);
 * ``torch_dev`` / ``torch_np``: PyTorch eager, when torch and a GPU are there.
 
 Writes ``probe_vision_cost.json`` under ``--out``.
