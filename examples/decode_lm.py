@@ -224,6 +224,95 @@ def decode_dynjax(params, prompts, max_new, heads=2, buckets=None, unroll=None,
 
 
 
+# -- greedy decoding with a KV cache (the cache one position behind the tokens) --------------
+def _sinusoid(pos: jax.Array, d: int) -> jax.Array:
+  """Positional encodings ``(n, d)`` of the float positions ``pos (n,)`` (as ``lm_logits``)."""
+  freq = jnp.exp(-jnp.arange(0, d, 2, dtype=jnp.float32) * (np.log(1e4) / d))[None, :]
+  return jnp.concatenate([jnp.sin(pos[:, None] * freq), jnp.cos(pos[:, None] * freq)], axis=-1)
+
+
+def _kv(params: dict, tokens: jax.Array, pos: jax.Array, heads: int):
+  """Input, query, key and value of ``tokens (b, n)`` at positions ``pos (n,)``."""
+  b, n = tokens.shape
+  d = params["emb"].shape[1]
+  x = params["emb"][tokens] + _sinusoid(pos, d)[None]
+  q, k, v = jnp.split(_norm(x) @ params["wqkv"], 3, axis=-1)
+  return x, *(a.reshape(b, n, heads, d // heads) for a in (q, k, v))
+
+
+def prefill(params: dict, prompts, heads: int = 2):
+  """The carry ``(tokens, k_cache, v_cache, step, done)`` of :func:`make_kv_step`: keys and
+  values of every prompt position but the last (the body adds the last token's)."""
+  tokens = jnp.asarray(prompts, jnp.int32)
+  b, t = tokens.shape
+  _, _, k, v = _kv(params, tokens[:, :-1], jnp.arange(t - 1, dtype=jnp.float32), heads)
+  return tokens, k, v, jnp.int32(0), jnp.zeros((b,), bool)
+
+
+def make_kv_step(params: dict, max_new: int, heads: int = 2, stop: int = STOP):
+  """``(cond, body)`` of greedy decoding with a KV cache, as public decoders write it: the
+  caches ``(b, t - 1, heads, dh)`` grow by concatenation beside the tokens ``(b, t)``.  The
+  logits equal :func:`lm_logits` of the whole prefix (causal attention) up to rounding."""
+
+  def body(carry):
+    tokens, kc, vc, step, done = carry
+    b = tokens.shape[0]
+    d = params["emb"].shape[1]
+    dh = d // heads
+    pos = (jnp.asarray(tokens.shape[1]) - 1).astype(jnp.float32)[None]
+    x, q, k, v = _kv(params, tokens[:, -1:], pos, heads)
+    kc = jnp.concatenate([kc, k], axis=1)
+    vc = jnp.concatenate([vc, v], axis=1)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, kc) / np.sqrt(dh)
+    o = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), vc).reshape(b, 1, d)
+    x = x + o @ params["wo"]
+    x = x + jax.nn.gelu(_norm(x) @ params["w1"]) @ params["w2"]
+    logits = _norm(x[:, 0]) @ params["out"]
+    nxt = jnp.where(done, stop, jnp.argmax(logits, axis=-1).astype(tokens.dtype))
+    return (jnp.concatenate([tokens, nxt[:, None]], axis=1), kc, vc, step + 1,
+            done | (nxt == stop))
+
+  def cond(carry):
+    _, _, _, step, done = carry
+    return (step < max_new) & ~jnp.all(done)
+
+  return cond, body
+
+
+def decode_kv_jit_exact(params, prompts, max_new, heads=2):
+  """Python loop of ``jax.jit`` KV-cache steps on exact shapes (returns carry, host syncs)."""
+  key = ("kv_exact", id(params), max_new, heads)
+  if key not in _CACHE:
+    cond, body = make_kv_step(params, max_new, heads)
+    _CACHE[key] = (jax.jit(cond), jax.jit(body), jax.jit(prefill, static_argnums=2))
+  cond, body, pre = _CACHE[key]
+  carry = pre(params, prompts, heads)
+  syncs = 0
+  while True:
+    syncs += 1
+    if not bool(cond(carry)):
+      break
+    carry = body(carry)
+  return carry, syncs
+
+
+def decode_kv_dynjax(params, prompts, max_new, heads=2, buckets=None, unroll=None,
+                     bucket_from="auto"):
+  """``dynjax.while_loop`` over :func:`make_kv_step` after :func:`prefill` under
+  ``dynjax.jit`` (one executable per prompt-length bucket)."""
+  import dynjax
+  from dynjax.control import loop_stats, while_loop
+
+  key = ("kv_dynjax", id(params), max_new, heads)
+  if key not in _CACHE:
+    pre = dynjax.jit(lambda prompts: prefill(params, prompts, heads), dims={"prompts": "b, t"})
+    _CACHE[key] = (*make_kv_step(params, max_new, heads), pre)
+  cond, body, pre = _CACHE[key]
+  out = while_loop(cond, body, pre(prompts), buckets=buckets, unroll=unroll,
+                   bucket_from=bucket_from)
+  return out, loop_stats()
+
+
 # -- an encoder before the decode loop (the compiled-program rows) ----------------------------
 def init_encoder(cfg: LMConfig, layers: int, seed: int = 1) -> list[dict]:
   k = jax.random.split(jax.random.PRNGKey(seed), 4 * layers + 1)

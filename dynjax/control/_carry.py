@@ -29,6 +29,7 @@ DEFAULT_POLICY = pow2(min=16)
 LAST_RUN: dict = {}
 
 _IDENT = re.compile(r"[A-Za-z_]\w*")
+_OFFSET = re.compile(r"([A-Za-z_]\w*)\s*([+-])\s*(\d+)")
 
 
 def keypaths(treedef) -> list[str]:
@@ -177,8 +178,8 @@ def changing_axes(shapes_in, shapes_out, named=None) -> tuple[list[tuple], list[
     for ax, (d_in, d_out) in enumerate(zip(si, so, strict=True)):
       if named is not None:
         name = named[li][ax]
-        if name is not None:
-          groups.setdefault(name, name)
+        if name is not None:  # a name, or a name at an offset (``t - 1``: the var is t)
+          groups.setdefault(split_offset(name)[0], split_offset(name)[0])
       elif same_dim(d_in, d_out):
         name = None
       else:
@@ -186,6 +187,57 @@ def changing_axes(shapes_in, shapes_out, named=None) -> tuple[list[tuple], list[
       per.append(name)
     per_leaf.append(tuple(per))
   return per_leaf, list(dict.fromkeys(groups.values()))
+
+
+def const_diff(a, b) -> int | None:
+  """``a - b`` where it is a constant (ints, or dim expressions a constant apart), else None."""
+  try:
+    d = a - b
+  except Exception:  # noqa: BLE001 - dims of other scopes, or other non-numbers
+    return None
+  return None if _symbolic.is_symbolic(d) else int(d)
+
+
+def offset_text(name: str, k: int) -> str:
+  """The dim ``name - k`` as carry specs and shape functions write it."""
+  return name if k == 0 else f"{name} - {k}" if k > 0 else f"{name} + {-k}"
+
+
+def tied_axes(shapes_in, shapes_out) -> tuple[list[tuple], list[str]]:
+  """:func:`changing_axes` where axes that change by the same constant and sit a constant
+  apart share one variable: per leaf per axis ``(name, k)`` (the axis is ``name - k``) or None.
+
+  A KV cache one shorter than the tokens (``t - 1`` beside ``t``, both ``+ 1`` a step) is one
+  variable, not two that cross their buckets one iteration apart (three buckets for two
+  crossings).  The variable is the largest member's size (``k >= 0``), named ``n0, n1, ...`` in
+  order of appearance.  Whether the offset holds in every iteration is the caller's to check
+  (the body traced on the tied carry must give ``name' - k`` again).
+  """
+  per, names = changing_axes(shapes_in, shapes_out)
+  first: dict[str, tuple] = {}  # name -> (size in, size out) of its first axis
+  for si, so, pl in zip(shapes_in, shapes_out, per, strict=True):
+    for d_in, d_out, n in zip(si, so, pl, strict=True):
+      if n is not None:
+        first.setdefault(n, (d_in, d_out))
+  classes: list[list[str]] = []
+  for n in names:
+    d_in, d_out = first[n]
+    step = const_diff(d_out, d_in)
+    for cl in classes:
+      c_in, c_out = first[cl[0]]
+      if step is not None and const_diff(c_out, c_in) == step and const_diff(c_in, d_in) \
+          is not None:
+        cl.append(n)
+        break
+    else:
+      classes.append([n])
+  of: dict[str, tuple[str, int]] = {}
+  for i, cl in enumerate(classes):
+    base = max(cl, key=lambda n: -const_diff(first[cl[0]][0], first[n][0]))
+    for n in cl:
+      of[n] = (f"n{i}", const_diff(first[base][0], first[n][0]))
+  return ([tuple(None if n is None else of[n] for n in pl) for pl in per],
+          [f"n{i}" for i in range(len(classes))])
 
 
 def named_axes(dims, treedef, shapes, paths) -> list[tuple]:
@@ -211,15 +263,50 @@ def named_axes(dims, treedef, shapes, paths) -> list[tuple]:
         if not _symbolic.is_symbolic(n) and int(t) != n:
           bad.append(f"{p}.shape[{ax}]: spec says {t}, got {n}")
         per.append(None)
-      elif _IDENT.fullmatch(t):
-        per.append(t)
+      elif _IDENT.fullmatch(t) or _OFFSET.fullmatch(t):
+        per.append(offset_text(*split_offset(t)))
       else:
-        bad.append(f"{p}.shape[{ax}]: {t!r}: a carry axis must be a name or an integer")
+        bad.append(f"{p}.shape[{ax}]: {t!r}: a carry axis must be a name, a name plus or "
+                   "minus an integer (t - 1), or an integer")
         per.append(None)
     out.append(tuple(per))
+  bad += _offset_problems(out, shapes, paths)
   if bad:
     raise ControlFlowError("dims do not fit init:\n" + format_list(bad))
   return out
+
+
+def split_offset(text: str) -> tuple[str, int]:
+  """``"t - 1"`` -> ``("t", 1)``, ``"t + 2"`` -> ``("t", -2)``, ``"t"`` -> ``("t", 0)``."""
+  m = _OFFSET.fullmatch(text.strip())
+  if m is None:
+    return text.strip(), 0
+  k = int(m.group(3))
+  return m.group(1), k if m.group(2) == "-" else -k
+
+
+def _offset_problems(named, shapes, paths) -> list[str]:
+  """A name used only at an offset, or init sizes that do not fit the offsets dims give."""
+  alone: dict[str, tuple] = {}  # name -> (size, where) of its first axis of its own
+  for per, shape, p in zip(named, shapes, paths, strict=True):
+    for ax, (t, n) in enumerate(zip(per, shape, strict=True)):
+      if t is not None and split_offset(t)[1] == 0:
+        alone.setdefault(t, (n, f"{p}.shape[{ax}]"))
+  bad = []
+  for per, shape, p in zip(named, shapes, paths, strict=True):
+    for ax, (t, n) in enumerate(zip(per, shape, strict=True)):
+      if t is None or split_offset(t)[1] == 0:
+        continue
+      v, k = split_offset(t)
+      if v not in alone:
+        bad.append(f"{p}.shape[{ax}]: {t!r}: {v} names no axis by itself; name one axis "
+                   f"{v} (its size is read from there)")
+        continue
+      size, where = alone[v]
+      if const_diff(size - k, n) != 0:
+        bad.append(f"{p}.shape[{ax}]: spec says {t} = {size - k} ({v} = {size} from "
+                   f"{where}), got {n}")
+  return bad
 
 
 def leaf_dims_of(names_per_leaf, shapes) -> list[tuple]:
@@ -228,17 +315,27 @@ def leaf_dims_of(names_per_leaf, shapes) -> list[tuple]:
           for per, shape in zip(names_per_leaf, shapes, strict=True)]
 
 
-def concrete_dims(body_flat, avals, dims, treedef, paths) -> tuple[list[tuple], list[str]]:
-  """``(leaf_dims, var names)`` of a carry of concrete avals: named by ``dims`` or found by
-  one abstract step of the body (the axes that change)."""
+def concrete_dims(body_flat, avals, dims, treedef, paths, tie: bool = True
+                  ) -> tuple[list[tuple], list[str], bool]:
+  """``(leaf_dims, var names, tied)`` of a carry of concrete avals: named by ``dims`` or found
+  by one abstract step of the body (the axes that change; with ``tie``, axes a constant apart
+  that change alike share a variable, ``leaf_dims`` then holds texts like ``"n0 - 1"``, and
+  ``tied`` says whether any does)."""
   shapes = [tuple(a.shape) for a in avals]
   if dims is not None:
     named = named_axes(dims, treedef, shapes, paths)
-    return leaf_dims_of(named, shapes), sorted({n for per in named for n in per if n})
+    return (leaf_dims_of(named, shapes),
+            sorted({split_offset(n)[0] for per in named for n in per if n}), False)
   outs = eval_shape_body(body_flat, avals)
   check_structure("body_fun", avals, outs, None, None, paths)
-  per, names = changing_axes(shapes, [tuple(o.shape) for o in outs])
-  return leaf_dims_of(per, shapes), names
+  outs = [tuple(o.shape) for o in outs]
+  if tie:
+    per, names = tied_axes(shapes, outs)
+    if len(names) < len(changing_axes(shapes, outs)[1]):
+      texts = [tuple(None if x is None else offset_text(*x) for x in pl) for pl in per]
+      return leaf_dims_of(texts, shapes), names, True
+  per, names = changing_axes(shapes, outs)
+  return leaf_dims_of(per, shapes), names, False
 
 
 def policies(buckets, var_order) -> list[BucketPolicy]:

@@ -267,7 +267,7 @@ def stage_host_loop(stager: Stager, cond_fun, body_fun, init_val, options: dict)
   cond_flat, body_flat = flat_fns(cond_fun, body_fun, treedef)
   _, outs = stage(body_flat, avals, stager.scope, stager.policies, "while_loop.body",
                     stager=stager, hoist_consts=True)
-  leaf_dims, sym_avals, users = stager.carry_dims(avals, outs, options["dims"], treedef)
+  leaf_dims, sym_avals, users, _ = stager.carry_dims(avals, outs, options["dims"], treedef)
   for u, v in users.items():
     pol = user_policy(options["buckets"], u)
     if pol is not None:

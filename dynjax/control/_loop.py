@@ -147,8 +147,10 @@ def while_loop(cond_fun: Callable, body_fun: Callable, init_val, *, dims=None,
     body_fun: ``carry -> carry``; leaves keep dtype and rank, sizes may change along axes as
       expressions of the carry's sizes (``t -> t + 1``).
     init_val: the initial carry (a pytree of arrays).
-    dims: ``None`` (axes that change are found automatically) or a pytree like ``init_val``
-      of spec strings (``"b, t"``) / ``None`` naming the dynamic axes.
+    dims: ``None`` (axes that change are found automatically; axes that change by the same
+      constant and sit a constant apart, a KV cache ``t - 1`` beside tokens ``t``, share one
+      dim) or a pytree like ``init_val`` of spec strings (``"b, t"``, ``"b, t - 1, h, d"``)
+      / ``None`` naming the dynamic axes.
     buckets: one policy for every dim, or ``{name: policy}`` (default ``pow2(min=16)``).
     padding: ``"auto"`` (hoisted, exact through the padding pass; exact mode when it cannot)
       or ``"exact"`` (one executable per exact shape, one host sync per iteration).
@@ -322,7 +324,40 @@ def _stage_while(stager: Stager, cond_fun, body_fun, init_val, options: dict):
   except NotLowerable:  # a shape-changing op inside the body: host iterations
     return stage_host_loop(stager, cond_fun, body_fun, init_val, options)
   check_structure("body_fun", avals, outs, None, None, paths)
-  leaf_dims, sym_avals, fresh = stager.carry_dims(avals, outs, options["dims"], treedef)
+  try:
+    spec, sym_avals, fresh, policy_of = _staged_spec(stager, cond_fun, body_fun, treedef,
+                                                     paths, avals, outs, options, tie=True)
+  except _Untie:  # axes a constant apart that do not stay so: each its own var
+    spec, sym_avals, fresh, policy_of = _staged_spec(stager, cond_fun, body_fun, treedef,
+                                                     paths, avals, outs, options, tie=False)
+  for v in spec.var_order:
+    stager.policies.setdefault(v, policy_of(v))
+  try:  # every padding-pass refusal surfaces here, not in the middle of a run
+    env = probe_bucket(stager.policies, spec.var_order)
+    bk = tuple(env[v] for v in spec.var_order)
+    pad_jaxpr(spec.body_cj, spec.var_order, env, size_max(spec, bk))
+    pad_jaxpr(spec.cond_cj, spec.var_order, env)
+  except PaddingUnsupportedError as e:
+    raise StagingError(f"while_loop body: {first_line(e)}") from None
+  consts = [*spec.body_consts, *spec.cond_consts]
+  slots = [i for i, c in enumerate(consts) if is_tracer(c)]
+  out_avals = [jp.shaped_array(a.shape, a.dtype) for a in sym_avals]
+  call = _WhileCall(Loop(spec), consts, slots, avals, set(fresh.values()), out_avals)
+  spec.body_consts = [None if is_tracer(c) else c for c in spec.body_consts]
+  spec.cond_consts = [None if is_tracer(c) else c for c in spec.cond_consts]
+  outs = stager.bind(call, [consts[i] for i in slots] + list(leaves))
+  return jax.tree_util.tree_unflatten(treedef, outs)
+
+
+class _Untie(Exception):
+  """The tied carry dims of a staged loop did not stay tied (:func:`_staged_spec`)."""
+
+
+def _staged_spec(stager, cond_fun, body_fun, treedef, paths, avals, outs, options, tie):
+  """The spec of a staged loop: ``(spec, symbolic carry avals, {user name: fresh var},
+  policy_of)``."""
+  leaf_dims, sym_avals, fresh, tied = stager.carry_dims(avals, outs, options["dims"], treedef,
+                                                        tie=tie)
   buckets = options["buckets"]
   user_of = {v: u for u, v in fresh.items()}
   if isinstance(buckets, Mapping):
@@ -341,29 +376,18 @@ def _stage_while(stager: Stager, cond_fun, body_fun, init_val, options: dict):
     stager.policies[v] = policy_of(v)
   declared = sorted(set(fresh.values()) | _symbolic.vars_of_dims(
       [d for a in sym_avals for d in a.shape]))
-  spec = spec_from_symbolic(cond_fun, body_fun, treedef, paths, sym_avals, leaf_dims,
-                            declared, policy_of, options["padding"], options["unroll"],
-                            options["bucket_from"], allow_tracer_consts=True,
-                            overflow=options["overflow"],
-                            max_iterations=options["max_iterations"])
+  try:
+    spec = spec_from_symbolic(cond_fun, body_fun, treedef, paths, sym_avals, leaf_dims,
+                              declared, policy_of, options["padding"], options["unroll"],
+                              options["bucket_from"], allow_tracer_consts=True,
+                              overflow=options["overflow"],
+                              max_iterations=options["max_iterations"])
+  except ControlFlowError:
+    if tied:
+      raise _Untie from None
+    raise
   spec.labels = dict(user_of)
-  for v in spec.var_order:
-    stager.policies.setdefault(v, policy_of(v))
-  try:  # every padding-pass refusal surfaces here, not in the middle of a run
-    env = probe_bucket(stager.policies, spec.var_order)
-    bk = tuple(env[v] for v in spec.var_order)
-    pad_jaxpr(spec.body_cj, spec.var_order, env, size_max(spec, bk))
-    pad_jaxpr(spec.cond_cj, spec.var_order, env)
-  except PaddingUnsupportedError as e:
-    raise StagingError(f"while_loop body: {first_line(e)}") from None
-  consts = [*spec.body_consts, *spec.cond_consts]
-  slots = [i for i, c in enumerate(consts) if is_tracer(c)]
-  out_avals = [jp.shaped_array(a.shape, a.dtype) for a in sym_avals]
-  call = _WhileCall(Loop(spec), consts, slots, avals, set(fresh.values()), out_avals)
-  spec.body_consts = [None if is_tracer(c) else c for c in spec.body_consts]
-  spec.cond_consts = [None if is_tracer(c) else c for c in spec.cond_consts]
-  outs = stager.bind(call, [consts[i] for i in slots] + list(leaves))
-  return jax.tree_util.tree_unflatten(treedef, outs)
+  return spec, sym_avals, fresh, policy_of
 
 
 class _WhileCall(Call):

@@ -34,6 +34,7 @@ from dynjax.bucketing._policies import BucketPolicy
 from dynjax.control._carry import (
   check_structure,
   concrete_dims,
+  const_diff,
   flat_fns,
   hoist_consts,
   keypaths,
@@ -107,21 +108,46 @@ def build_spec(cond_fun, body_fun, treedef, avals, dims, buckets, padding, unrol
   """The spec of a loop run on concrete values (its own symbolic scope)."""
   paths = keypaths(treedef)
   cond_flat, body_flat = flat_fns(cond_fun, body_fun, treedef)
-  leaf_dims, var_order = concrete_dims(body_flat, avals, dims, treedef, paths)
-  var_order = tuple(var_order)
-  sym = export.symbolic_shape(", ".join(var_order)) if var_order else ()
-  sym_of = dict(zip(var_order, sym, strict=True))
-  sym_avals = [jax.ShapeDtypeStruct(tuple(sym_of[d] if isinstance(d, str) else d for d in ld),
-                                    a.dtype) for ld, a in zip(leaf_dims, avals, strict=True)]
-  policy_of = dict(zip(var_order, policies(buckets, var_order), strict=True))
-  spec = spec_from_symbolic(cond_fun, body_fun, treedef, paths, sym_avals, leaf_dims,
-                            var_order, policy_of.__getitem__, padding, unroll, bucket_from,
-                            overflow=overflow, max_iterations=max_iterations)
+  leaf_dims, var_order, tied = concrete_dims(body_flat, avals, dims, treedef, paths)
+  try:
+    spec = _spec_at(cond_fun, body_fun, treedef, paths, avals, leaf_dims, var_order, buckets,
+                    padding, unroll, bucket_from, overflow, max_iterations)
+  except ControlFlowError:
+    if not tied:
+      raise
+    # Axes a constant apart that do not stay so (the body changes one of them otherwise at
+    # other sizes): each its own variable, as without tying.
+    leaf_dims, var_order, _ = concrete_dims(body_flat, avals, dims, treedef, paths, tie=False)
+    spec = _spec_at(cond_fun, body_fun, treedef, paths, avals, leaf_dims, var_order, buckets,
+                    padding, unroll, bucket_from, overflow, max_iterations)
   spec.exact_body = Kernel("while.body_exact", lambda key: jax.jit(body_flat),
                            lambda key: "exact")
   spec.exact_cond = Kernel("while.cond_exact", lambda key: jax.jit(
       lambda *xs: (jnp.asarray(cond_flat(*xs)),)), lambda key: "exact")
   return spec
+
+
+def _spec_at(cond_fun, body_fun, treedef, paths, avals, leaf_dims, var_order, buckets, padding,
+             unroll, bucket_from, overflow, max_iterations) -> LoopSpec:
+  var_order = tuple(var_order)
+  # An axis tied to a variable at an offset (``n0 - 2``) is a dim too: JAX assumes every dim
+  # variable >= 1, so ``n0 >= 3`` (as two variables, the axis would be one >= 1).
+  least = {}
+  for ld in leaf_dims:
+    for d in ld:
+      if isinstance(d, str) and d not in var_order:
+        (v,) = _symbolic.dim_vars_of(d)
+        least[v] = max(least.get(v, 1), 1 - _symbolic.dim_fn([d], (v,))(0)[0])
+  cons = tuple(f"{v} >= {k}" for v, k in sorted(least.items()) if k > 1)
+  sym = export.symbolic_shape(", ".join(var_order), constraints=cons) if var_order else ()
+  at = _symbolic.dim_fn([d for ld in leaf_dims for d in ld], var_order)(*sym)
+  it = iter(at)
+  sym_avals = [jax.ShapeDtypeStruct(tuple(next(it) for _ in ld), a.dtype)
+               for ld, a in zip(leaf_dims, avals, strict=True)]
+  policy_of = dict(zip(var_order, policies(buckets, var_order), strict=True))
+  return spec_from_symbolic(cond_fun, body_fun, treedef, paths, sym_avals, leaf_dims,
+                            var_order, policy_of.__getitem__, padding, unroll, bucket_from,
+                            overflow=overflow, max_iterations=max_iterations)
 
 
 def dim_sources(paths, leaf_dims, sym_avals, text: str) -> str:
@@ -166,9 +192,25 @@ def spec_from_symbolic(cond_fun, body_fun, treedef, paths, sym_avals, leaf_dims,
   next_of: dict[str, str] = {}
   where_of: dict[str, str] = {}
   bad = []
+  now_sym, next_sym = {}, {}  # per loop variable with an axis of its own: its dim, its next
+  for ld, a, o in zip(leaf_dims, sym_avals, outs, strict=True):
+    for d_dim, d_in, d_out in zip(ld, a.shape, o.shape, strict=True):
+      if isinstance(d_dim, str) and d_dim in var_order:
+        now_sym.setdefault(d_dim, d_in)
+        next_sym.setdefault(d_dim, d_out)
   for p, ld, a, o in zip(paths, leaf_dims, sym_avals, outs, strict=True):
     for ax, (d_dim, d_in, d_out) in enumerate(zip(ld, a.shape, o.shape, strict=True)):
-      if isinstance(d_dim, str) and d_dim in var_order:
+      tied = (isinstance(d_dim, str) and d_dim not in var_order
+              and _symbolic.dim_vars_of(d_dim) & set(next_sym))
+      if tied:  # an axis a constant from a loop variable (``n0 - 1``): it must stay there
+        vs = tuple(sorted(_symbolic.dim_vars_of(d_dim)))
+        want = None
+        if set(vs) <= set(now_sym):
+          want = _symbolic.dim_fn([d_dim], vs)(*[next_sym[v] for v in vs])[0]
+        if want is None or const_diff(d_out, want) != 0:
+          bad.append(f"{p}.shape[{ax}]: {d_in} -> {d_out}, but {d_dim} of the next sizes is "
+                     f"{want}; an axis tied to a dimension must stay tied")
+      elif isinstance(d_dim, str) and d_dim in var_order:
         text = str(d_out)
         prev = next_of.setdefault(d_dim, text)
         where_of.setdefault(d_dim, f"{p}.shape[{ax}]")

@@ -29,7 +29,15 @@ from dynjax import _symbolic
 from dynjax._errors import ControlFlowError
 from dynjax.bucketing._padding import pad_jaxpr
 from dynjax.bucketing._policies import BucketPolicy
-from dynjax.control._carry import DEFAULT_POLICY, changing_axes, keypaths, named_axes
+from dynjax.control._carry import (
+  DEFAULT_POLICY,
+  changing_axes,
+  keypaths,
+  named_axes,
+  offset_text,
+  split_offset,
+  tied_axes,
+)
 from dynjax.control._frontend import current_stager
 from dynjax.runtime._vm import repad
 
@@ -200,22 +208,32 @@ class Stager:
     self.calls.append(call)
     return control_p.bind(*inputs, call=call)
 
-  def carry_dims(self, avals, outs, dims, treedef):
+  def carry_dims(self, avals, outs, dims, treedef, tie: bool = False):
     """Per carry axis: a fresh var (it changes, or ``dims`` names it), else the program dim.
 
-    Returns ``(leaf_dims, symbolic carry avals, {user name: fresh var})``; auto dims are
-    named ``n0, n1, ...`` in order of appearance, as ``while_loop`` names them.
+    Returns ``(leaf_dims, symbolic carry avals, {user name: fresh var}, tied)``; auto dims
+    are named ``n0, n1, ...`` in order of appearance, as ``while_loop`` names them.  With
+    ``tie``, axes a constant apart that change alike share one var (``_dj0 - 1``: see
+    ``_carry.tied_axes``), and ``tied`` says whether any does.
     """
     shapes = [tuple(a.shape) for a in avals]
+    out_shapes = [tuple(o.shape) for o in outs]
     named = None if dims is None else named_axes(dims, treedef, shapes, keypaths(treedef))
-    per, users = changing_axes(shapes, [tuple(o.shape) for o in outs], named)
+    per, users = changing_axes(shapes, out_shapes, named)
+    per = [tuple(None if n is None else split_offset(n) for n in pl) for pl in per]
+    tied = False
+    if tie and named is None:
+      t_per, t_users = tied_axes(shapes, out_shapes)
+      if len(t_users) < len(users):
+        per, users, tied = t_per, t_users, True
     fresh = self.fresh_for(users)
     leaf_dims, sym_avals = [], []
     for a, names in zip(avals, per, strict=True):
       leaf_dims.append(tuple(
-          fresh[n][0] if n is not None else (str(d) if _symbolic.is_symbolic(d) else int(d))
+          offset_text(fresh[n[0]][0], n[1]) if n is not None
+          else (str(d) if _symbolic.is_symbolic(d) else int(d))
           for n, d in zip(names, a.shape, strict=True)))
       sym_avals.append(jax.ShapeDtypeStruct(tuple(
-          fresh[n][1] if n is not None else d for n, d in zip(names, a.shape, strict=True)),
-          a.dtype))
-    return leaf_dims, sym_avals, {u: fresh[u][0] for u in users}
+          fresh[n[0]][1] - n[1] if n is not None else d
+          for n, d in zip(names, a.shape, strict=True)), a.dtype))
+    return leaf_dims, sym_avals, {u: fresh[u][0] for u in users}, tied

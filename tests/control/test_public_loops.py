@@ -108,8 +108,11 @@ def test_flax_kv_cache_decode_with_a_pytree_of_growing_caches_matches_a_jit_loop
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
   st = dc.loop_stats()
   _check_syncs(st)
-  # the tokens (t) and the caches (t - 1) are two carry dims; both cross 16 and 32
-  assert len(st["buckets"][0]) == 2
+  # The tokens (t) and the caches (t - 1) are one carry dim, the caches padded to the bucket
+  # less one: two buckets for the loop's one crossing of 16 (t = 6 .. 22).  As two dims they
+  # crossed one iteration apart: three buckets, three compiles.
+  assert [len(bk) for bk in st["buckets"]] == [1] * len(st["buckets"]), st
+  assert len(st["buckets"]) == (1 if jax.default_backend() != "cpu" else 2), st
 
 
 # -- sampling: a PRNG key in the carry, split each step ------------------------------------
