@@ -6,7 +6,9 @@
 # BENCH=1 first runs bench_vision.py's whole table (16 sizes, each twice; ~2.5 min) and
 # probe_pinned_inputs.py; PIN_AB=1 runs bench_vision's jit_exact and dynjax rows twice, in
 # fresh processes with DYNJAX_PINNED_INPUTS=1 and 0; OLD=dir (carried: a tree's dynjax/) runs
-# them on this tree and on OLD's dynjax; COPY=1 runs probe_host_copy.py.
+# them on this tree and on OLD's dynjax; COPY=1 runs probe_host_copy.py; COPY_AB=1 runs
+# bench_vision's jit_exact and dynjax rows in fresh processes with DYNJAX_COPY_THREADS in
+# COPIES (default "4 1 1 4": the split copy on, off, off, on).
 source "$(dirname "$0")/_gpu_head.sh"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 if [ -n "${COPY:-}" ]; then  # the host copy into a padded buffer, 1-8 threads
@@ -19,6 +21,15 @@ if [ -n "${OLD:-}" ]; then  # bench_vision's jit_exact + dynjax on this tree, th
     PYTHONPATH=$pp timeout 200 python3 benchmarks/bench_vision.py --requests 16 \
       --modes jit_exact,dynjax --out "$OUT/$tree" > "$OUT/bench_vision_$tree.log" 2>&1
     echo "$tree rc=$?"; cat "$OUT/bench_vision_$tree.log"
+  done
+fi
+if [ -n "${COPY_AB:-}" ]; then  # bench_vision's jit_exact + dynjax, split copies on (4) / off (1)
+  for k in ${COPIES:-4 1 1 4}; do
+    DYNJAX_COPY_THREADS=$k timeout 200 python3 benchmarks/bench_vision.py --requests 16 \
+      --modes jit_exact,dynjax --out "$OUT/copy$k" > "$OUT/bench_vision_copy$k.log" 2>&1
+    echo "copy threads $k rc=$?"; tail -4 "$OUT/bench_vision_copy$k.log"
+    [ -f "$OUT/copy$k/bench_vision.json" ] && mv "$OUT/copy$k/bench_vision.json" \
+      "$OUT/copy$k/bench_vision_$(date +%s).json"
   done
 fi
 if [ -n "${PIN_AB:-}" ]; then  # bench_vision's jit_exact + dynjax, pinned inputs on / off

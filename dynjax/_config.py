@@ -64,6 +64,7 @@ class Config:
   prerun: bool = True
   device_pad: bool = True
   pinned_inputs: bool = True
+  copy_threads: int = 4
 
   @classmethod
   def from_env(cls) -> Config:
@@ -77,6 +78,7 @@ class Config:
         prerun=_bool("DYNJAX_PRERUN", True),
         device_pad=_bool("DYNJAX_DEVICE_PAD", True),
         pinned_inputs=_bool("DYNJAX_PINNED_INPUTS", True),
+        copy_threads=_int("DYNJAX_COPY_THREADS", 4, 1),
     )
 
 

@@ -332,29 +332,30 @@ def pinned_device(exe, nbytes: int):
   return dev
 
 
-# The copy of a request into its padded buffer is split over COPY_THREADS threads (numpy
-# releases the GIL while it copies) for inputs of at least PARALLEL_COPY_MIN_BYTES on hosts
-# with at least 2 * COPY_THREADS cores, along the first axis at least COPY_THREADS long.
+# The copy of a request into its padded buffer is split over config.copy_threads threads
+# (DYNJAX_COPY_THREADS, default 4, 1 = never split; numpy releases the GIL while it copies)
+# for inputs of at least PARALLEL_COPY_MIN_BYTES on hosts with at least twice as many cores,
+# along the first axis at least that long.
 # H100 host (16 cores), benchmarks/probe_host_copy.py, ms a copy, 1 -> 4 threads: 14.3 MB
 # (8, 296, 528, 3) float32 1.90 -> 0.80 (pinned buffer 1.93 -> 0.79), 43.9 MB 7.5 -> 2.2,
 # 3.7 MB 0.39 -> 0.25 (pinned: 0.35 -> 0.38, no gain: hence 8 MiB).
 PARALLEL_COPY_MIN_BYTES = 8 << 20
-COPY_THREADS = 4
 _copy_lock = threading.Lock()
 _copy_pool: list = []
 
 
 def copy_into(buf: np.ndarray, prefix: tuple, x: np.ndarray) -> None:
   """``buf[prefix] = x``, split over threads when ``x`` is large (see above)."""
-  if x.nbytes < PARALLEL_COPY_MIN_BYTES or _cores() < 2 * COPY_THREADS:
+  k = config.copy_threads
+  if k < 2 or x.nbytes < PARALLEL_COPY_MIN_BYTES or _cores() < 2 * k:
     buf[prefix] = x
     return
-  ax = next((i for i, n in enumerate(x.shape) if n >= COPY_THREADS), None)
+  ax = next((i for i, n in enumerate(x.shape) if n >= k), None)
   if ax is None:
     buf[prefix] = x
     return
   n = x.shape[ax]
-  step = -(-n // COPY_THREADS)
+  step = -(-n // k)
   head = (slice(None),) * ax
   parts = [(prefix[:ax] + (slice(i, min(i + step, n)),) + prefix[ax + 1:],
             x[head + (slice(i, i + step),)]) for i in range(0, n, step)]
@@ -374,7 +375,7 @@ def _copy_threads() -> concurrent.futures.ThreadPoolExecutor:
     with _copy_lock:
       if not _copy_pool:
         _copy_pool.append(concurrent.futures.ThreadPoolExecutor(
-            COPY_THREADS - 1, thread_name_prefix="dynjax-copy"))
+            config.copy_threads - 1, thread_name_prefix="dynjax-copy"))
   return _copy_pool[0]
 
 

@@ -470,8 +470,19 @@ def test_a_split_copy_is_the_copy(parallel_copies, monkeypatch, shape, target):
     got = np.full(target, 7, dtype)
     _placement.copy_into(got, prefix, x)
     np.testing.assert_array_equal(got, want)
-  # split where an axis has COPY_THREADS rows or more: the copy threads exist then
-  assert bool(_placement._copy_pool) == any(n >= _placement.COPY_THREADS for n in shape)
+  # split where an axis has copy_threads rows or more: the copy threads exist then
+  k = _placement.config.copy_threads
+  assert bool(_placement._copy_pool) == any(n >= k for n in shape)
+
+
+def test_one_copy_thread_never_splits(parallel_copies, monkeypatch):
+  monkeypatch.setattr(_placement, "_copy_pool", [])
+  monkeypatch.setattr(_placement.config, "copy_threads", 1)
+  x = np.arange(8 * 100 * 4, dtype=np.float32).reshape(8, 100, 4)
+  got = np.zeros((8, 128, 4), np.float32)
+  _placement.copy_into(got, (slice(0, 8), slice(0, 100), slice(0, 4)), x)
+  np.testing.assert_array_equal(got[:, :100], x)
+  assert not _placement._copy_pool
 
 
 @pytest.mark.parametrize("padding", ["auto", "trust"])
