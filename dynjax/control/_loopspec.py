@@ -335,7 +335,11 @@ def overflow_error(spec: LoopSpec, sizes, over: list[int]):
   """Every carry dim past its policy's max, where it sits in the carry, and how to fix it."""
   items = []
   for i in over:
+    v = spec.var_order[i]
     uses = [f"{spec.paths[li]}.shape[{ax}]" for li, ax, vi in spec.solve if vi == i]
+    uses += [f"{spec.paths[li]}.shape[{ax}] = {d}" for li, ld in enumerate(spec.leaf_dims)
+             for ax, d in enumerate(ld) if isinstance(d, str) and d != v
+             and v in _symbolic.dim_vars_of(d)]  # axes tied to it (a cache at n0 - 1)
     items.append((spec.labels.get(spec.var_order[i], spec.var_order[i]), sizes[i], ", ".join(uses) or "the body's closure",
                   spec.policies[i]))
   return _overflow_error(items)

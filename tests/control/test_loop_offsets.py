@@ -218,3 +218,11 @@ def test_a_staged_loop_with_dims_at_an_offset():
                                                     i=jnp.int32(13)))
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want["tokens"]))
   assert [bk[0] for bk in dc.loop_stats()["buckets"]] == [16, 32]
+
+
+def test_a_tied_dim_past_the_largest_bucket_names_every_axis_it_sizes():
+  with pytest.raises(dynjax.OutOfBucketsError, match=(
+      r"n0 = 17 \(init\['tokens'\].shape\[1\], init\['k'\].shape\[1\] = n0 - 1, "
+      r"init\['v'\].shape\[1\] = n0 - 1\) is above the largest bucket 16")):
+    dc.while_loop(lambda c: c["i"] < 30, _decode_step, _prompt(2, 13, 1),
+                  buckets=dynjax.buckets.pow2(8, 16), bucket_from="init", unroll=1)
