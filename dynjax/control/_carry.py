@@ -203,7 +203,7 @@ def offset_text(name: str, k: int) -> str:
   return name if k == 0 else f"{name} - {k}" if k > 0 else f"{name} + {-k}"
 
 
-def tied_axes(shapes_in, shapes_out) -> tuple[list[tuple], list[str]]:
+def tied_axes(shapes_in, shapes_out, merge: bool = True) -> tuple[list[tuple], list[str]]:
   """:func:`changing_axes` where axes that change by the same constant and sit a constant
   apart share one variable: per leaf per axis ``(name, k)`` (the axis is ``name - k``) or None.
 
@@ -211,7 +211,13 @@ def tied_axes(shapes_in, shapes_out) -> tuple[list[tuple], list[str]]:
   variable, not two that cross their buckets one iteration apart (three buckets for two
   crossings).  The variable is the largest member's size (``k >= 0``), named ``n0, n1, ...`` in
   order of appearance.  Whether the offset holds in every iteration is the caller's to check
-  (the body traced on the tied carry must give ``name' - k`` again).
+  (the body traced on the tied carry must give ``name' - k`` again).  ``merge=False``: every
+  variable of :func:`changing_axes` alone.
+
+  A variable whose axes all start empty is one more than their size (``name - 1``, and
+  ``k + 1`` for each): JAX takes every dim variable to be >= 1, so an empty axis traced as a
+  variable of its own would be taken as >= 1 too (``cache[:, -1:]`` of an empty cache traced
+  as one entry: a silently wrong loop).
   """
   per, names = changing_axes(shapes_in, shapes_out)
   first: dict[str, tuple] = {}  # name -> (size in, size out) of its first axis
@@ -223,7 +229,7 @@ def tied_axes(shapes_in, shapes_out) -> tuple[list[tuple], list[str]]:
   for n in names:
     d_in, d_out = first[n]
     step = const_diff(d_out, d_in)
-    for cl in classes:
+    for cl in (classes if merge else ()):
       c_in, c_out = first[cl[0]]
       if step is not None and const_diff(c_out, c_in) == step and const_diff(c_in, d_in) \
           is not None:
@@ -234,8 +240,9 @@ def tied_axes(shapes_in, shapes_out) -> tuple[list[tuple], list[str]]:
   of: dict[str, tuple[str, int]] = {}
   for i, cl in enumerate(classes):
     base = max(cl, key=lambda n: -const_diff(first[cl[0]][0], first[n][0]))
+    empty = int(const_diff(first[base][0], 0) == 0)
     for n in cl:
-      of[n] = (f"n{i}", const_diff(first[base][0], first[n][0]))
+      of[n] = (f"n{i}", const_diff(first[base][0], first[n][0]) + empty)
   return ([tuple(None if n is None else of[n] for n in pl) for pl in per],
           [f"n{i}" for i in range(len(classes))])
 
@@ -324,18 +331,28 @@ def concrete_dims(body_flat, avals, dims, treedef, paths, tie: bool = True
   shapes = [tuple(a.shape) for a in avals]
   if dims is not None:
     named = named_axes(dims, treedef, shapes, paths)
-    return (leaf_dims_of(named, shapes),
-            sorted({split_offset(n)[0] for per in named for n in per if n}), False)
+    return leaf_dims_of(_shift_empty(named, shapes), shapes), sorted(
+        {split_offset(n)[0] for per in named for n in per if n}), False
   outs = eval_shape_body(body_flat, avals)
   check_structure("body_fun", avals, outs, None, None, paths)
   outs = [tuple(o.shape) for o in outs]
-  if tie:
-    per, names = tied_axes(shapes, outs)
-    if len(names) < len(changing_axes(shapes, outs)[1]):
-      texts = [tuple(None if x is None else offset_text(*x) for x in pl) for pl in per]
-      return leaf_dims_of(texts, shapes), names, True
-  per, names = changing_axes(shapes, outs)
-  return leaf_dims_of(per, shapes), names, False
+  per, names = tied_axes(shapes, outs, merge=tie)
+  texts = [tuple(None if x is None else offset_text(*x) for x in pl) for pl in per]
+  return leaf_dims_of(texts, shapes), names, tie and len(names) < len(
+      changing_axes(shapes, outs)[1])
+
+
+def _shift_empty(named, shapes) -> list[tuple]:
+  """``dims=`` names whose own axis starts empty, one more than their size (``t - 1``; see
+  :func:`tied_axes`)."""
+  size = {}
+  for per, shape in zip(named, shapes, strict=True):
+    for t, n in zip(per, shape, strict=True):
+      if t is not None and split_offset(t)[1] == 0:
+        size.setdefault(t, n)
+  empty = {v for v, n in size.items() if const_diff(n, 0) == 0}
+  return [tuple(t if t is None or split_offset(t)[0] not in empty else offset_text(
+      split_offset(t)[0], split_offset(t)[1] + 1) for t in per) for per in named]
 
 
 def policies(buckets, var_order) -> list[BucketPolicy]:

@@ -53,8 +53,8 @@ class Loop:
         if shape[ax] != n:
           return False
     sizes = [0] * len(spec.var_order)
-    for li, ax, vi in spec.solve:
-      sizes[vi] = shapes[li][ax]
+    for li, ax, vi, k in spec.solve:
+      sizes[vi] = shapes[li][ax] + k
     return tuple(map(tuple, spec.shapes_fn(*sizes))) == tuple(map(tuple, shapes))
 
   def vm(self, mode: str) -> VM:
@@ -164,8 +164,8 @@ def hoisted_program(spec: LoopSpec, padded_io: bool = False):
 
   def sizes_of(*xs):
     sizes = [0] * nv
-    for li, ax, vi in solve:
-      sizes[vi] = xs[li].shape[ax]
+    for li, ax, vi, k in solve:
+      sizes[vi] = xs[li].shape[ax] + k
     return tuple(sizes)
 
   def start_info(sizes):

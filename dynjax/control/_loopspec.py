@@ -39,6 +39,7 @@ from dynjax.control._carry import (
   hoist_consts,
   keypaths,
   policies,
+  split_offset,
   trace_symbolic,
 )
 from dynjax.control._carry import overflow_error as _overflow_error
@@ -77,7 +78,7 @@ class LoopSpec:
   dtypes: list
   var_order: tuple[str, ...]
   leaf_dims: list[tuple]  # per leaf: per axis an int, a var name or an expression text
-  solve: list[tuple[int, int, int]]  # (leaf, axis, var index) to read sizes from shapes
+  solve: list[tuple[int, int, int, int]]  # (leaf, axis, var index, k): size = shape + k
   next_exprs: list[str]  # per var: the expression of its next size
   body_cj: Any  # closed jaxpr, constvars turned into leading invars
   body_consts: list  # concrete values (standalone); staged loops get them at run time
@@ -131,13 +132,15 @@ def _spec_at(cond_fun, body_fun, treedef, paths, avals, leaf_dims, var_order, bu
              unroll, bucket_from, overflow, max_iterations) -> LoopSpec:
   var_order = tuple(var_order)
   # An axis tied to a variable at an offset (``n0 - 2``) is a dim too: JAX assumes every dim
-  # variable >= 1, so ``n0 >= 3`` (as two variables, the axis would be one >= 1).
+  # variable >= 1, so ``n0 >= 3`` (as two variables, the axis would be one >= 1: without it
+  # ``b[:-1]`` traces to ``max(0, n0 - 3)``), or ``n0 >= 2`` where the axis starts empty (an
+  # empty KV cache: its slices then trace as JAX takes them at size 0).
   least = {}
-  for ld in leaf_dims:
-    for d in ld:
+  for ld, a in zip(leaf_dims, avals, strict=True):
+    for d, n in zip(ld, a.shape, strict=True):
       if isinstance(d, str) and d not in var_order:
         (v,) = _symbolic.dim_vars_of(d)
-        least[v] = max(least.get(v, 1), 1 - _symbolic.dim_fn([d], (v,))(0)[0])
+        least[v] = max(least.get(v, 1), (n > 0) - _symbolic.dim_fn([d], (v,))(0)[0])
   cons = tuple(f"{v} >= {k}" for v, k in sorted(least.items()) if k > 1)
   sym = export.symbolic_shape(", ".join(var_order), constraints=cons) if var_order else ()
   at = _symbolic.dim_fn([d for ld in leaf_dims for d in ld], var_order)(*sym)
@@ -192,16 +195,25 @@ def spec_from_symbolic(cond_fun, body_fun, treedef, paths, sym_avals, leaf_dims,
   next_of: dict[str, str] = {}
   where_of: dict[str, str] = {}
   bad = []
-  now_sym, next_sym = {}, {}  # per loop variable with an axis of its own: its dim, its next
-  for ld, a, o in zip(leaf_dims, sym_avals, outs, strict=True):
-    for d_dim, d_in, d_out in zip(ld, a.shape, o.shape, strict=True):
+  # Per loop variable its dim and its next: from its first axis of its own, else (its axes
+  # start empty: ``v - 1``) from its first axis ``v - k``.
+  now_sym, next_sym, offset_only = {}, {}, {}
+  for p, ld, a, o in zip(paths, leaf_dims, sym_avals, outs, strict=True):
+    for ax, (d_dim, d_in, d_out) in enumerate(zip(ld, a.shape, o.shape, strict=True)):
       if isinstance(d_dim, str) and d_dim in var_order:
         now_sym.setdefault(d_dim, d_in)
         next_sym.setdefault(d_dim, d_out)
+      elif isinstance(d_dim, str) and split_offset(d_dim)[0] in var_order:
+        v, k = split_offset(d_dim)
+        offset_only.setdefault(v, (d_in + k, d_out + k, f"{p}.shape[{ax}]"))
+  for v, (d_in, d_out, where) in offset_only.items():
+    if v not in next_sym:
+      now_sym[v], next_sym[v] = d_in, d_out
+      next_of[v], where_of[v] = str(d_out), where
   for p, ld, a, o in zip(paths, leaf_dims, sym_avals, outs, strict=True):
     for ax, (d_dim, d_in, d_out) in enumerate(zip(ld, a.shape, o.shape, strict=True)):
       tied = (isinstance(d_dim, str) and d_dim not in var_order
-              and _symbolic.dim_vars_of(d_dim) & set(next_sym))
+              and bool(_symbolic.dim_vars_of(d_dim) & set(next_sym)))
       if tied:  # an axis a constant from a loop variable (``n0 - 1``): it must stay there
         vs = tuple(sorted(_symbolic.dim_vars_of(d_dim)))
         want = None
@@ -245,11 +257,13 @@ def spec_from_symbolic(cond_fun, body_fun, treedef, paths, sym_avals, leaf_dims,
     if not _symbolic.dim_vars_of(txt) <= known:
       raise ControlFlowError(f"next size of {v} is {txt}, which uses unknown names")
   next_exprs = [next_of.get(v, v) for v in var_order]
-  solve = []
+  solve = []  # (leaf, axis, var index, k): the var's size is the axis's plus k
   for li, ld in enumerate(leaf_dims):
     for ax, d in enumerate(ld):
-      if isinstance(d, str) and d in var_order:
-        solve.append((li, ax, var_order.index(d)))
+      if isinstance(d, str) and split_offset(d)[0] in var_order:
+        v, k = split_offset(d)
+        if k >= 0:
+          solve.append((li, ax, var_order.index(v), k))
   if not allow_tracer_consts and (any_tracer(bconsts) or any_tracer(cconsts)):
     raise needs_vm("while_loop", "body_fun/cond_fun close over JAX tracers")
   spec = LoopSpec(treedef, paths, [a.dtype for a in sym_avals], var_order, list(leaf_dims),
@@ -336,7 +350,8 @@ def overflow_error(spec: LoopSpec, sizes, over: list[int]):
   items = []
   for i in over:
     v = spec.var_order[i]
-    uses = [f"{spec.paths[li]}.shape[{ax}]" for li, ax, vi in spec.solve if vi == i]
+    uses = [f"{spec.paths[li]}.shape[{ax}]" for li, ax, vi, k in spec.solve
+            if vi == i and k == 0]
     uses += [f"{spec.paths[li]}.shape[{ax}] = {d}" for li, ld in enumerate(spec.leaf_dims)
              for ax, d in enumerate(ld) if isinstance(d, str) and d != v
              and v in _symbolic.dim_vars_of(d)]  # axes tied to it (a cache at n0 - 1)

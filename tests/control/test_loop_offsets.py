@@ -226,3 +226,52 @@ def test_a_tied_dim_past_the_largest_bucket_names_every_axis_it_sizes():
       r"init\['v'\].shape\[1\] = n0 - 1\) is above the largest bucket 16")):
     dc.while_loop(lambda c: c["i"] < 30, _decode_step, _prompt(2, 13, 1),
                   buckets=dynjax.buckets.pow2(8, 16), bucket_from="init", unroll=1)
+
+
+def test_an_empty_cache_that_the_body_slices_is_exact():
+  # The body reads the cache's last entry where there is one (x[:, -1:] of an empty cache is
+  # empty: the max is its initial value): traced as JAX takes it at size 0, not under an assumption that the cache is >= 1.
+  def body(c):
+    toks, cache = c
+    last = jnp.max(cache[:, -1:], axis=1, initial=-5.0)  # (b,): -5 while the cache is empty
+    new = (toks[:, -1] + last.astype(toks.dtype) + 1) % V
+    return (jnp.concatenate([toks, new[:, None]], 1),
+            jnp.concatenate([cache, toks[:, -1:].astype(cache.dtype) * 0.5], 1))
+
+  def cond(c):
+    return jnp.asarray(c[0].shape[1]) < 20
+
+  init = (jnp.asarray([[3, 4, 5], [6, 7, 8]], jnp.int32), jnp.zeros((2, 0)))
+  want = _jit_loop(cond, body, init)
+  got = dc.while_loop(cond, body, init, bucket_from="init", unroll=1)
+  _same(got, want)
+  assert [len(bk) for bk in dc.loop_stats()["buckets"]] == [1, 1]
+
+
+def _empty_cache_body(rate):
+  def body(c):
+    toks, cache = c
+    last = jnp.max(cache[:, -1:], axis=1, initial=-5.0)  # -5 while the cache is empty
+    new = (toks[:, -1] + last.astype(toks.dtype) + 1) % V
+    return (jnp.concatenate([toks, new[:, None]], 1),
+            jnp.concatenate([cache, jnp.repeat(toks[:, -1:].astype(cache.dtype), rate, 1)], 1))
+  return body
+
+
+@pytest.mark.parametrize("dims", [None, ("b, t", "b, c")], ids=["found", "named"])
+def test_a_dim_of_its_own_that_starts_empty_is_exact(dims):
+  # The cache grows by two, the tokens by one: two dims, the cache's starting at 0.  JAX
+  # takes a dim variable to be >= 1, so the cache's var is its size + 1 (before: the body's
+  # slice of the empty cache was traced as one entry, and the loop's tokens were wrong).
+  body = _empty_cache_body(2)
+
+  def cond(c):
+    return jnp.asarray(c[0].shape[1]) < 20
+
+  init = (jnp.asarray([[3, 4, 5], [6, 7, 8]], jnp.int32), jnp.zeros((2, 0)))
+  want = _jit_loop(cond, body, init)
+  got = dc.while_loop(cond, body, init, dims=dims, bucket_from="init", unroll=1)
+  _same(got, want)
+  st = dc.loop_stats()
+  assert st["mode"] == "hoisted" and {len(bk) for bk in st["buckets"]} == {
+      2 if dims is None else 3}, st
