@@ -331,7 +331,7 @@ def concrete_dims(body_flat, avals, dims, treedef, paths, tie: bool = True
   shapes = [tuple(a.shape) for a in avals]
   if dims is not None:
     named = named_axes(dims, treedef, shapes, paths)
-    return leaf_dims_of(_shift_empty(named, shapes), shapes), sorted(
+    return leaf_dims_of(shift_empty(named, shapes), shapes), sorted(
         {split_offset(n)[0] for per in named for n in per if n}), False
   outs = eval_shape_body(body_flat, avals)
   check_structure("body_fun", avals, outs, None, None, paths)
@@ -342,7 +342,7 @@ def concrete_dims(body_flat, avals, dims, treedef, paths, tie: bool = True
       changing_axes(shapes, outs)[1])
 
 
-def _shift_empty(named, shapes) -> list[tuple]:
+def shift_empty(named, shapes) -> list[tuple]:
   """``dims=`` names whose own axis starts empty, one more than their size (``t - 1``; see
   :func:`tied_axes`)."""
   size = {}
@@ -385,13 +385,30 @@ def bucket_of(policy: BucketPolicy, n: int) -> int:
 
 def initial_dims(leaf_dims, avals, carry_vars) -> dict[str, str]:
   """Per carry variable the text of its initial size: the dim of the init axis where it
-  first appears (a program dim expression when staged, an int otherwise)."""
+  first appears (a program dim expression when staged, an int otherwise); a variable with no
+  axis of its own (``v - k`` only) is that axis's dim plus ``k``."""
   out: dict[str, str] = {}
+  offset: dict[str, str] = {}
   for ld, a in zip(leaf_dims, avals, strict=True):
     for d, d0 in zip(ld, a.shape, strict=True):
       if isinstance(d, str) and d in carry_vars and d not in out:
         out[d] = str(d0)
+      elif isinstance(d, str) and split_offset(d)[0] in carry_vars:
+        v, k = split_offset(d)
+        offset.setdefault(v, f"{d0} + {k}" if k >= 0 else f"{d0} - {-k}")
+  for v, text in offset.items():
+    out.setdefault(v, text)
   return out
+
+
+def maybe_empty(d) -> bool:
+  """Whether the dim ``d`` may be 0 (an int 0, or an expression not provably >= 1)."""
+  if not _symbolic.is_symbolic(d):
+    return int(d) == 0
+  try:
+    return not bool(d >= 1)
+  except Exception:  # noqa: BLE001 - JAX cannot decide it: it may be 0
+    return True
 
 
 def user_policy(buckets, name: str) -> BucketPolicy | None:

@@ -34,8 +34,12 @@ from dynjax.control._carry import (
   leaf_dims_of,
   max_iterations_error,
   named_axes,
+  offset_text,
   overflow_error,
   policies,
+  shift_empty,
+  split_offset,
+  tied_axes,
   user_policy,
 )
 from dynjax.control._frontend import is_tracer
@@ -69,8 +73,11 @@ class _HostIterations:
     out_names = tuple(sorted(_symbolic.vars_of_dims([d for s in out_shapes for d in s])))
     out_fn = _symbolic.shape_fn(out_shapes, out_names)
     self._out_shapes = lambda env: out_fn(*[env[v] for v in out_names])
-    self.solve = [(li, ax, d) for li, ld in enumerate(leaf_dims) for ax, d in enumerate(ld)
-                   if isinstance(d, str) and d in self.carry_vars]
+    # (leaf, axis, var, k): the var's size is the axis's plus k (a var whose axes start empty
+    # is one more than their size: ``_carry.tied_axes``)
+    self.solve = [(li, ax, *split_offset(d)) for li, ld in enumerate(leaf_dims)
+                  for ax, d in enumerate(ld) if isinstance(d, str)
+                  and split_offset(d)[0] in self.carry_vars and split_offset(d)[1] >= 0]
     # Host mode grows past a policy's max for overflow="exact" too (it has no exact path).
     self.overflow, self.max_iterations = "grow", None
     self.paths = [f"init leaf {i}" for i in range(len(leaf_dims))]  # keypaths, when known
@@ -78,7 +85,7 @@ class _HostIterations:
   def bucket(self, sizes: dict) -> dict:
     """The buckets of the carry vars' sizes (raises past a max with overflow="error")."""
     if self.overflow == "error":
-      over = [(v, n, ", ".join(f"{self.paths[li]}.shape[{ax}]" for li, ax, u in self.solve
+      over = [(v, n, ", ".join(f"{self.paths[li]}.shape[{ax}]" for li, ax, u, _ in self.solve
                                if u == v), self.policies[v])
               for v, n in sizes.items() if self.policies[v].bucket(n) is None]
       if over:
@@ -102,8 +109,8 @@ class _HostIterations:
       info["iterations"] += 1
       exact = self._out_shapes(env_b.sizes)
       sizes, bad = {}, []
-      for li, ax, v in self.solve:
-        n = exact[li][ax]
+      for li, ax, v, k in self.solve:
+        n = exact[li][ax] + k
         if sizes.setdefault(v, n) != n:
           bad.append(f"{v}: {sizes[v]} vs {n} (leaf {li} axis {ax})")
       if bad:
@@ -122,9 +129,13 @@ class _HostIterations:
 def _carry_axes(avals, outs, dims, treedef) -> tuple[list[tuple], list[str]]:
   """Carry variables from one staged abstract step (or from ``dims``)."""
   shapes = [tuple(a.shape) for a in avals]
-  named = None if dims is None else named_axes(dims, treedef, shapes, keypaths(treedef))
-  per, names = changing_axes(shapes, [tuple(o.shape) for o in outs], named)
-  return leaf_dims_of(per, shapes), sorted(names) if named is not None else names
+  if dims is not None:
+    named = named_axes(dims, treedef, shapes, keypaths(treedef))
+    per, names = changing_axes(shapes, [tuple(o.shape) for o in outs], named)
+    return leaf_dims_of(shift_empty(per, shapes), shapes), sorted(names)
+  per, names = tied_axes(shapes, [tuple(o.shape) for o in outs], merge=False)
+  return leaf_dims_of([tuple(None if x is None else offset_text(*x) for x in pl) for pl in per],
+                      shapes), names
 
 
 class HostLoop:
@@ -152,10 +163,10 @@ class HostLoop:
     leaf_dims, names = _carry_axes(avals, outs, dims, self.treedef)
     self.leaf_dims, self.carry_vars = leaf_dims, tuple(names)
     scope = export.SymbolicScope()
-    syms = dict(zip(names, export.symbolic_shape(", ".join(names), scope=scope), strict=True)
-                ) if names else {}
-    sym_avals = [jax.ShapeDtypeStruct(tuple(syms[d] if isinstance(d, str) else d for d in ld),
-                                      a.dtype) for ld, a in zip(leaf_dims, avals, strict=True)]
+    syms = export.symbolic_shape(", ".join(names), scope=scope) if names else ()
+    it = iter(_symbolic.dim_fn([d for ld in leaf_dims for d in ld], names)(*syms))
+    sym_avals = [jax.ShapeDtypeStruct(tuple(next(it) for _ in ld), a.dtype)
+                 for ld, a in zip(leaf_dims, avals, strict=True)]
     pols = dict(zip(names, policies(buckets, tuple(names)), strict=True))
     body, body_out = stage(body_flat, sym_avals, scope, pols, "while_loop.body")
     cond, _ = stage(lambda *xs: [jnp.asarray(cond_flat(*xs))], sym_avals, scope, pols,
@@ -216,8 +227,8 @@ class HostLoop:
   def _run_staged(self, leaves, info) -> list:
     core = self.core
     sizes = {}
-    for li, ax, v in core.solve:
-      sizes.setdefault(v, leaves[li].shape[ax])
+    for li, ax, v, k in core.solve:
+      sizes.setdefault(v, leaves[li].shape[ax] + k)
     buckets = core.bucket(sizes)
     env = Env(sizes, buckets)
     carry, _ = pad(leaves, core.shapes(buckets))

@@ -33,6 +33,7 @@ from dynjax.control._carry import (
   DEFAULT_POLICY,
   changing_axes,
   keypaths,
+  maybe_empty,
   named_axes,
   offset_text,
   split_offset,
@@ -226,6 +227,17 @@ class Stager:
       t_per, t_users = tied_axes(shapes, out_shapes)
       if len(t_users) < len(users):
         per, users, tied = t_per, t_users, True
+    # A var whose axes may all start empty (an init dim not provably >= 1, such as an outer
+    # loop's ``n0 - 1``) is one more than their size: JAX takes dim vars to be >= 1.
+    base: dict[str, Any] = {}
+    for pl, shape in zip(per, shapes, strict=True):
+      for x, d in zip(pl, shape, strict=True):
+        if x is not None and x[1] == 0:
+          base.setdefault(x[0], d)
+    empty = {v for v, d in base.items() if maybe_empty(d)}
+    if empty:
+      per = [tuple(x if x is None or x[0] not in empty else (x[0], x[1] + 1) for x in pl)
+             for pl in per]
     fresh = self.fresh_for(users)
     leaf_dims, sym_avals = [], []
     for a, names in zip(avals, per, strict=True):

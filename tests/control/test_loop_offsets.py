@@ -239,7 +239,7 @@ def test_an_empty_cache_that_the_body_slices_is_exact():
             jnp.concatenate([cache, toks[:, -1:].astype(cache.dtype) * 0.5], 1))
 
   def cond(c):
-    return jnp.asarray(c[0].shape[1]) < 20
+    return jnp.asarray(c[0].shape[1]) < 14
 
   init = (jnp.asarray([[3, 4, 5], [6, 7, 8]], jnp.int32), jnp.zeros((2, 0)))
   want = _jit_loop(cond, body, init)
@@ -266,7 +266,7 @@ def test_a_dim_of_its_own_that_starts_empty_is_exact(dims):
   body = _empty_cache_body(2)
 
   def cond(c):
-    return jnp.asarray(c[0].shape[1]) < 20
+    return jnp.asarray(c[0].shape[1]) < 12
 
   init = (jnp.asarray([[3, 4, 5], [6, 7, 8]], jnp.int32), jnp.zeros((2, 0)))
   want = _jit_loop(cond, body, init)
@@ -275,3 +275,63 @@ def test_a_dim_of_its_own_that_starts_empty_is_exact(dims):
   st = dc.loop_stats()
   assert st["mode"] == "hoisted" and {len(bk) for bk in st["buckets"]} == {
       2 if dims is None else 3}, st
+
+
+def _sentence_step(c):
+  return {**_decode_step(c), "stop": c["stop"]}
+
+
+def _outer(loop):
+  """An outer loop whose body decodes 3 tokens with an inner KV-cache loop (host mode)."""
+  def body(c):
+    toks, k, n = c
+    t = toks.shape[1]
+    inner = loop(lambda s: s["i"] < s["stop"], _sentence_step,
+                 dict(tokens=toks, k=k, v=k * 0.5, last=toks[:, -1], i=jnp.int32(t),
+                      stop=jnp.int32(t) + 3))
+    return inner["tokens"], inner["k"], n + 1
+  return body
+
+
+@pytest.mark.parametrize("dims", [None, ("2, t", "2, t - 1, 8", None)], ids=["found", "named"])
+def test_a_host_mode_loop_around_a_kv_loop_is_exact(dims):
+  rs = np.random.RandomState(5)
+  init = (jnp.asarray(rs.randint(0, V, (2, 6)), jnp.int32),
+          jnp.asarray(rs.randn(2, 5, D), jnp.float32), jnp.int32(0))
+
+  def cond(c):
+    return jnp.asarray(c[0].shape[1]) < 12
+
+  want = init
+  while bool(cond(want)):
+    want = _outer(_jit_loop)(want)
+  got = dc.while_loop(cond, _outer(dc.while_loop), init, dims=dims)
+  _same(got, want)
+  st = dc.loop_stats()
+  assert st["mode"] == "host", st  # staged, not the eager fallback
+  assert {len(bk) for bk in st["buckets"]} == {2 if dims is None else 1}, st
+
+
+def test_an_inner_loop_over_an_outer_cache_that_starts_empty_is_exact():
+  # The outer loop (host mode) holds an empty cache; its staged body's inner loop starts
+  # from the outer var's dim n1 - 1, which may be 0: the inner var is one more than it.
+  inner_body = _empty_cache_body(2)
+
+  def outer(loop):
+    def body(c):
+      toks, cache, n = c
+      inner = loop(lambda s: s[2] < 2, lambda s: (*inner_body(s[:2]), s[2] + 1),
+                   (toks, cache, jnp.int32(0)))
+      return inner[0], inner[1], n + 1
+    return body
+
+  def cond(c):
+    return c[2] < 3
+
+  init = (jnp.asarray([[3, 4, 5], [6, 7, 8]], jnp.int32), jnp.zeros((2, 0)), jnp.int32(0))
+  want = init
+  while bool(cond(want)):
+    want = outer(_jit_loop)(want)
+  got = dc.while_loop(cond, outer(dc.while_loop), init)
+  _same(got, want)
+  assert dc.loop_stats()["mode"] == "host"
