@@ -245,7 +245,7 @@ def test_an_empty_cache_that_the_body_slices_is_exact():
   want = _jit_loop(cond, body, init)
   got = dc.while_loop(cond, body, init, bucket_from="init", unroll=1)
   _same(got, want)
-  assert [len(bk) for bk in dc.loop_stats()["buckets"]] == [1, 1]
+  assert {len(bk) for bk in dc.loop_stats()["buckets"]} == {1}  # one dim, tied
 
 
 def _empty_cache_body(rate):
