@@ -24,7 +24,13 @@ from dynjax import _jax_private as jp
 from dynjax import _symbolic
 from dynjax._errors import ControlFlowError, PaddingUnsupportedError
 from dynjax.bucketing._padding import pad_jaxpr
-from dynjax.control._carry import DEFAULT_POLICY, changing_axes, hoist_consts
+from dynjax.control._carry import (
+  DEFAULT_POLICY,
+  changing_axes,
+  hoist_consts,
+  maybe_empty,
+  split_offset,
+)
 from dynjax.control._frontend import any_tracer, building, current_stager, is_tracer, needs_vm
 from dynjax.control._stager import (
   Call,
@@ -186,8 +192,15 @@ def _stage_cond(stager: Stager, pred, true_fun, false_fun, operands):
   # Axes whose sizes differ between the branches get a fresh dim (decided when it runs).
   per, names = changing_axes([a.shape for a in t_out], [b.shape for b in f_out])
   fresh = stager.fresh_for(names)
-  out_avals = [jp.shaped_array(tuple(fresh[n][1] if n is not None else d
-                                     for n, d in zip(ns, a.shape, strict=True)), a.dtype)
+  # A dim that may be 0 in either branch (x[:0], or a dim not provably >= 1) is one less than
+  # its fresh var (JAX takes dim vars to be >= 1; code after the cond reading an empty output
+  # would be traced as if it held an entry).
+  empty = {n for a, b, ns in zip(t_out, f_out, per, strict=True)
+           for n, da, db in zip(ns, a.shape, b.shape, strict=True)
+           if n is not None and (maybe_empty(da) or maybe_empty(db))}
+  out_avals = [jp.shaped_array(tuple(
+      (fresh[n][1] - int(n in empty)) if n is not None else d
+      for n, d in zip(ns, a.shape, strict=True)), a.dtype)
                for a, ns in zip(t_out, per, strict=True)]
   ins, plans = [], []
   for cj, consts in branches:
@@ -220,13 +233,14 @@ class _CondCall(Call):
       kernel = Kernel(f"cond.{('true_fun', 'false_fun')[i]}",
                       lambda key, cj=cj, names=names: _plan_exe(cj, names, key),
                       lambda key, names=names: f"bucket={dict(zip(names, key, strict=True))}")
-      # fresh var -> (leaf, axis) of its first axis, and its size in this branch
+      # fresh var -> (leaf, axis, k) of its first axis (the var is its size plus k), and its
+      # size in this branch
       where, dims = {}, []
       for li, (ob, oa) in enumerate(zip(cj.out_avals, out_avals, strict=True)):
         for ax, (d_b, d_o) in enumerate(zip(ob.shape, oa.shape, strict=True)):
-          name = str(d_o)
+          name, k = split_offset(str(d_o))
           if name in fresh and name not in where:
-            where[name] = (li, ax)
+            where[name] = (li, ax, k)
             dims.append(d_b)
       size_of = _symbolic.dim_fn(dims, names)
       self.branches.append((kernel, consts, slots, names, where, size_of))
@@ -246,8 +260,9 @@ class _CondCall(Call):
     exe, out_shapes = kernel.get(key)
     true_sizes = tuple(env.sizes[v] for v in names)
     outs = exe(sizes_vec(true_sizes), *consts, *ops)
-    sizes = dict(zip(where, size_of(*true_sizes), strict=True))
-    buckets = {var: out_shapes[li][ax] for var, (li, ax) in where.items()}
+    sizes = {var: n + where[var][2] for var, n in zip(where, size_of(*true_sizes),
+                                                       strict=True)}
+    buckets = {var: out_shapes[li][ax] + k for var, (li, ax, k) in where.items()}
     self.calls += 1
     return (env.updated(sizes, buckets), *outs)
 

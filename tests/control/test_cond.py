@@ -46,3 +46,24 @@ def test_cond_inside_run_in_program():
     y = dc.cond(x.sum() > 0, lambda v: jnp.concatenate([v, v]), lambda v: v, x)
     return y * 2
   assert dc.run_in_program(fun, (jnp.ones(2),)).shape == (4,)
+
+
+def test_a_staged_cond_whose_branch_may_be_empty_is_exact():
+  # One branch returns x[:0]: the output's dim may be 0, which JAX's dim variables (>= 1)
+  # cannot be.  Before, code after the cond read the empty output as one entry (the max of
+  # y[-1:] came back 0.0 where JAX gives the initial -5.0).
+  import dynjax
+
+  def f(x, p):
+    y = dc.cond(p > 0, lambda x: x * 2, lambda x: x[:0], x)
+    return jnp.max(y[-1:], initial=-5.0), y.sum(), y.shape[0] + jnp.zeros((), jnp.int32)
+
+  g = dynjax.jit(f, dims={"x": "t"})
+  for t in (5, 20):
+    x = np.arange(t, dtype=np.float32)
+    for p in (1, 0, 1):
+      got = g(x, np.int32(p))
+      y = x * 2 if p else x[:0]
+      assert [float(a) for a in got] == [float(jnp.max(y[-1:], initial=-5.0)),
+                                         float(y.sum()), float(y.shape[0])]
+  assert g.stats()["programs"][0]["compiled"]
