@@ -32,6 +32,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import numpy as np
 
 from dynjax import _symbolic
 from dynjax._errors import PaddingUnsupportedError
@@ -91,6 +92,9 @@ class ProgramRunner:
     self.reason = None
     self.out_tree = None
     self.runs = 0
+    self.empty_runs = 0  # calls with a dynamic size of 0, run op by op
+    self._sig = sig
+    self._dyn = tuple(i for i, s in enumerate(sig.leaves) if s is not None)
     if padding == "exact":
       self.reason = 'padding="exact": no padded segments'
       return
@@ -106,9 +110,16 @@ class ProgramRunner:
       first = str(e).strip().splitlines()[0] if str(e).strip() else ""
       self.reason = f"{type(e).__name__}: {first}"
 
+  def _empty(self, leaves) -> bool:
+    shapes = [None] * len(self._sig.leaves)
+    for i in self._dyn:
+      shapes[i] = tuple(np.shape(leaves[i]))
+    return 0 in _symbolic.solve_sizes(self._sig, shapes)
+
   def describe(self) -> dict:
     st = self.staged
     return {"compiled": st is not None, "reason": self.reason, "runs": self.runs,
+            "runs_with_an_empty_dim": self.empty_runs,
             "segments": None if st is None else len(st.segments),
             "control_ops": None if st is None else [
                 s.params["call"].name for s in st.steps if not hasattr(s, "eqns")]}
@@ -116,7 +127,12 @@ class ProgramRunner:
   def run(self, leaves, to_host: bool, eager: Callable[[], Any]):
     """Flat outputs and their tree: compiled when possible, else ``eager()`` (op by op)."""
     t0 = time.perf_counter()
-    if self.staged is not None:
+    if self.staged is not None and self._empty(leaves):
+      # A dynamic size of 0: the staged program's dims are JAX dim variables, taken to be
+      # >= 1 (code reading an empty axis, x[-1:], was traced as one entry).  Such calls run
+      # op by op, as dynjax.jit runs a size of 0 exact.
+      self.empty_runs += 1
+    elif self.staged is not None:
       try:
         outs = self.staged.run(leaves, to_host=to_host)
       except PaddingUnsupportedError as e:  # a bucket the probe did not see: op by op

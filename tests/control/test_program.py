@@ -259,3 +259,25 @@ def test_nested_loop_that_cannot_be_staged_runs_eagerly():
   np.testing.assert_allclose(got, want, rtol=1e-5)
   assert st["mode"] == "host_eager"
   assert "no exact rule for 'fft'" in st["fallback"]
+
+
+def test_a_call_with_an_empty_dim_runs_op_by_op_and_exact():
+  # The staged program's dims are JAX dim variables (>= 1): the loop's body read the empty
+  # init's last entry (x[-1:]) as one entry and the result was silently wrong.
+  def grow(x):
+    return dc.while_loop(
+        lambda c: jnp.asarray(c.shape[0]) < 12,
+        lambda c: jnp.concatenate([c, jnp.max(c[-1:], keepdims=True, initial=-5.0) + 1]), x)
+
+  def reference(x):
+    c = jnp.asarray(x)
+    while c.shape[0] < 12:
+      c = jnp.concatenate([c, jnp.max(c[-1:], keepdims=True, initial=-5.0) + 1])
+    return c
+
+  g = dynjax.jit(grow, dims={"x": "t"})
+  for t in (3, 0, 5):
+    x = np.arange(t, dtype=np.float32)
+    np.testing.assert_array_equal(np.asarray(g(x)), np.asarray(reference(x)))
+  (prog,) = g.stats()["programs"]
+  assert prog["compiled"] and prog["runs"] == 3 and prog["runs_with_an_empty_dim"] == 1, prog
