@@ -381,7 +381,7 @@ def _staged_spec(stager, cond_fun, body_fun, treedef, paths, avals, outs, option
                               declared, policy_of, options["padding"], options["unroll"],
                               options["bucket_from"], allow_tracer_consts=True,
                               overflow=options["overflow"],
-                              max_iterations=options["max_iterations"])
+                              max_iterations=options["max_iterations"], staged=True)
   except ControlFlowError:
     if tied:
       raise _Untie from None

@@ -21,6 +21,7 @@ from dynjax.control._loopspec import (
   LoopSpec,
   bucket_for,
   capped_bucket,
+  empties,
   over_max,
   overflow_error,
   pad_jaxpr,
@@ -79,11 +80,12 @@ class Loop:
         self.mode = "exact"
         spec.fallback_reason = f"padding pass: {str(e).splitlines()[0]}"
         return self.run(leaves)
-      if spec.overflow == "exact":
+      if spills(spec):
         *outs, spilled = outs
+        why = LAST_RUN.get("info", {}).pop("spill", None)
         info = self._record(vm)
-        if spilled:  # sizes past the policy's max: the rest of the loop runs exact
-          return self._run_exact_rest(consts, outs, info)
+        if spilled:  # sizes past the policy's max, or emptied: the rest runs exact
+          return self._run_exact_rest(consts, outs, info, why)
         return list(outs)
     else:
       vm = self.vm("exact")
@@ -91,7 +93,7 @@ class Loop:
     self._record(vm)
     return list(outs)
 
-  def _run_exact_rest(self, consts, leaves, info) -> list:
+  def _run_exact_rest(self, consts, leaves, info, why=None) -> list:
     spec = self.spec
     if spec.max_iterations is not None:
       self._budget["left"] = spec.max_iterations - info["iterations"]
@@ -101,7 +103,7 @@ class Loop:
     n = st.invokes // 2
     info.update(exact_iterations=n, iterations=info["iterations"] + n,
                 host_syncs=info["host_syncs"] + st.host_syncs,
-                fallback='sizes past the policy\'s max (overflow="exact")')
+                fallback=why or 'sizes past the policy\'s max (overflow="exact")')
     record(st)
     return list(outs)
 
@@ -139,6 +141,12 @@ class Loop:
     return info
 
 
+def spills(spec: LoopSpec) -> bool:
+  """Whether the standalone hoisted program may hand the rest of the loop to exact mode:
+  sizes past the policy's max with ``overflow="exact"``, or a shrinking dim emptied."""
+  return spec.overflow == "exact" or bool(spec.shrinks)
+
+
 def use_cap(spec: LoopSpec) -> bool:
   if spec.cap is None:
     return False
@@ -174,7 +182,14 @@ def hoisted_program(spec: LoopSpec, padded_io: bool = False):
     return sizes
 
   def checked(sizes, given=None):
-    """The bucket of ``sizes``; past a policy's max: raise, None (spill to exact) or grow."""
+    """The bucket of ``sizes``; past a policy's max: raise, None (spill to exact) or grow;
+    a shrinking dim below 1 (emptied): None (spill), or raise inside a program."""
+    low = empties(spec, sizes)
+    if low:  # (standalone loops only: staged specs have no shrinks)
+      names = ", ".join(f"{spec.var_order[i]} = {sizes[i]}" for i in low)
+      LAST_RUN["info"]["spill"] = (f"a shrinking carry dim reached {names}: the rest ran "
+                                   "exact (JAX dims are >= 1: no padded form of an empty dim)")
+      return None
     if spec.overflow != "grow":
       over = over_max(spec, sizes, given)
       if over:
@@ -223,7 +238,8 @@ def hoisted_program(spec: LoopSpec, padded_io: bool = False):
   def keep_going(status):
     info = LAST_RUN["info"]
     info["iterations"] += int(status[-1])
-    go = bool(status[0])
+    # an emptied shrinking dim stopped the loop: its pred is the exact loop's to compute
+    go = bool(status[0]) or any(int(status[1 + i]) < 1 for i in spec.shrinks)
     if go and max_it is not None and info["iterations"] >= max_it:
       raise max_iterations_error(max_it)
     return go
@@ -231,7 +247,9 @@ def hoisted_program(spec: LoopSpec, padded_io: bool = False):
   def grow_sizes(status):
     cur = tuple(int(x) for x in status[1:1 + nv])
     nxt = tuple(int(x) for x in spec.next_host(*cur))
-    return tuple(max(a, c) for a, c in zip(cur, nxt, strict=True)), cur
+    # an emptied shrinking dim keeps its size (< 1): checked() spills to exact
+    return tuple(a if i in spec.shrinks and a < 1 else max(a, c)
+                 for i, (a, c) in enumerate(zip(cur, nxt, strict=True))), cur
 
   def first(pair):
     return pair[0]
@@ -257,7 +275,7 @@ def hoisted_program(spec: LoopSpec, padded_io: bool = False):
 
     start.__name__ = "start_bucket"
     bk = b.emit_host_op(start, [sizes, *counter])
-  spill = spec.overflow == "exact" and not padded_io  # the Loop continues in exact mode
+  spill = spills(spec) and not padded_io  # the Loop continues in exact mode
   if spill:
     b.emit_if(b.emit_host_op(fits, [bk]), "enter", "spill_init")
     b.block("spill_init")

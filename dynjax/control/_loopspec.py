@@ -94,6 +94,8 @@ class LoopSpec:
   max_iterations: int | None = None
   labels: dict = dataclasses.field(default_factory=dict)  # var -> the user's name (staged)
   cap: Cap | None = None
+  shrinks: tuple[int, ...] = ()  # vars whose next size can be smaller (guarded: >= 1)
+  staged: bool = False  # a loop inside a dynjax.jit program (padded I/O)
   shapes_fn: Callable = None
   next_host: Callable = None
   next_dev: Callable = None
@@ -166,7 +168,7 @@ def dim_sources(paths, leaf_dims, sym_avals, text: str) -> str:
 
 def spec_from_symbolic(cond_fun, body_fun, treedef, paths, sym_avals, leaf_dims, var_order,
                        policy_of, padding, unroll, bucket_from, allow_tracer_consts=False,
-                       overflow="error", max_iterations=None) -> LoopSpec:
+                       overflow="error", max_iterations=None, staged=False) -> LoopSpec:
   """Traces body and cond over symbolic carries and derives next sizes, cap and kernels.
 
   ``leaf_dims``: per leaf per axis an int, a var name of ``var_order`` (a loop variable) or, for
@@ -270,11 +272,12 @@ def spec_from_symbolic(cond_fun, body_fun, treedef, paths, sym_avals, leaf_dims,
                    solve, next_exprs, bcj, bconsts, ccj, cconsts,
                    [policy_of(v) for v in var_order], padding,
                    cond_fun, body_fun, unroll=unroll, bucket_from=bucket_from,
-                   overflow=overflow, max_iterations=max_iterations)
+                   overflow=overflow, max_iterations=max_iterations, staged=staged)
   spec.cap = find_cap(bcj, ccj, len(bconsts), len(cconsts), len(leaf_dims))
   spec.shapes_fn = _symbolic.shape_fn(leaf_dims, var_order)
   spec.next_host = _symbolic.dim_fn(next_exprs, var_order)
   spec.next_dev = _symbolic.dim_fn(next_exprs, var_order, device=True)
+  spec.shrinks = shrinking(spec)
   spec.hoisted = Kernel("while.hoisted", lambda key: build_hoisted(spec, key),
                         lambda key: f"bucket={dict(zip(var_order, key, strict=True))}")
   return spec
@@ -329,6 +332,35 @@ def find_cap(body_cj, cond_cj, nb: int, nc: int, n: int) -> Cap | None:
     if step is not None and step > 0:
       return Cap(leaf, step, bound, inclusive)
   return None
+
+
+_SHRINK_SAMPLES = (1, 2, 3, 5, 8, 64, 1000, 1 << 16)
+
+
+def shrinking(spec: LoopSpec) -> tuple[int, ...]:
+  """The variables whose next size is smaller than the current one at some sampled sizes.
+
+  JAX takes dim variables to be >= 1 (and shapes ``x[1:]`` as ``n - 1`` even where ``n`` may
+  be 0), so a carry shrunk to nothing has no padded form: the hoisted loop stops once such a
+  variable is below 1 (the step that emptied it ran on a size >= 1), and the rest of the loop,
+  the cond on the emptied carry first, runs exact.  Loops staged inside ``dynjax.jit`` keep
+  no such guard (they cannot leave the program; ``spec.staged``).
+  """
+  if spec.staged:
+    return ()
+  out = set()
+  for x in _SHRINK_SAMPLES:
+    try:
+      nxt = spec.next_host(*([x] * len(spec.var_order)))
+    except Exception:  # noqa: BLE001 - an expression undefined there (floordiv by 0): skip
+      continue
+    out |= {i for i, n in enumerate(nxt) if int(n) < x}
+  return tuple(sorted(out))
+
+
+def empties(spec: LoopSpec, sizes) -> list[int]:
+  """The shrinking variables (indices) whose size is below 1 (past the padded domain)."""
+  return [i for i in spec.shrinks if sizes[i] < 1]
 
 
 def bucket_for(spec: LoopSpec, sizes) -> tuple[int, ...]:
@@ -409,6 +441,7 @@ def build_hoisted(spec: LoopSpec, bucket: tuple[int, ...]):
   spec.rewrites = list(body_plan.rewrites) + list(cond_plan.rewrites)
   limit = jnp.asarray(bucket, jnp.int32) if nv else None
   next_dev = spec.next_dev
+  shrinks = spec.shrinks
   unroll = spec.unroll
   limited = spec.max_iterations is not None  # the sizes vector then ends with the budget
 
@@ -419,7 +452,10 @@ def build_hoisted(spec: LoopSpec, bucket: tuple[int, ...]):
     if not nv:
       return p, go
     ns = jnp.stack([jnp.asarray(x, jnp.int32) for x in next_dev(*s)])
-    return p, go & jnp.all(ns <= limit)
+    go = go & jnp.all(ns <= limit)
+    if shrinks:  # an emptied variable (< 1): its cond has no padded form, the host's (exact)
+      go = go & jnp.all(jnp.stack([jnp.asarray(s[i], jnp.int32) for i in shrinks]) >= 1)
+    return p, go
 
   def step(bconsts, s, carry):
     out = body_plan.fun(tuple(s), *bconsts, *carry)

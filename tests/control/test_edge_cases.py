@@ -281,3 +281,50 @@ def test_python_scalars_ride_in_the_ids_array_and_big_ones_are_stacked(x64):
                        timeout=180, cwd=os.path.dirname(os.path.dirname(os.path.dirname(
                            os.path.abspath(__file__)))))
   assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def _exact_loop(cond, body, init):
+  import jax
+
+  step = jax.jit(body)
+  c = init
+  while bool(cond(c)):
+    c = step(c)
+  return c
+
+
+def test_a_carry_shrunk_to_nothing_while_the_loop_goes_on_is_exact():
+  # The queue is empty after 3 steps but the counter runs to 5: JAX shapes q[1:] of an
+  # empty q as 0 entries, dynjax's trace (dims >= 1) as n - 1 = -1.  Before, the loop came
+  # back with 13 entries of garbage; now the hoisted loop stops at the emptied queue and
+  # the rest runs exact, and loop_stats() says so.
+  def body(c):
+    q, i, acc = c
+    return q[1:] * 2, i + 1, acc + jnp.max(q[-1:], initial=-5.0)
+
+  def cond(c):
+    return c[1] < 5
+
+  init = (jnp.arange(3.0), jnp.int32(0), jnp.float32(0))
+  want = _exact_loop(cond, body, init)
+  got = dc.while_loop(cond, body, init, bucket_from="init", unroll=1)
+  assert got[0].shape == (0,) and int(got[1]) == 5 and float(got[2]) == float(want[2])
+  st = dc.loop_stats()
+  assert st["mode"] == "hoisted" and st["fallback"].startswith(
+      "a shrinking carry dim reached n0 = 0: the rest ran exact"), st
+  assert st["exact_iterations"] == 2, st
+
+
+def test_draining_a_queue_to_empty_is_exact():
+  def body(c):
+    q, total = c
+    return q[1:], total + q[0]
+
+  def cond(c):
+    return jnp.asarray(c[0].shape[0]) > 0
+
+  got = dc.while_loop(cond, body, (jnp.arange(7.0), jnp.float32(0)), bucket_from="init",
+                      unroll=1)
+  assert got[0].shape == (0,) and float(got[1]) == 21.0
+  st = dc.loop_stats()
+  assert st["iterations"] == 7 and st["exact_iterations"] == 0, st  # the cond alone, exact
