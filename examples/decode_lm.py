@@ -183,19 +183,23 @@ def init_padded_carry(prompts, max_len):
   return (jnp.asarray(buf), jnp.int32(t), jnp.int32(0), jnp.zeros((b,), bool))
 
 
+def python_loop(cond, body, carry):
+  """``(final carry, host syncs)`` of a Python loop of jitted steps: one sync a cond."""
+  syncs = 0
+  while True:
+    syncs += 1
+    if not bool(cond(carry)):
+      return carry, syncs
+    carry = body(carry)
+
+
 def decode_pad_max(params, prompts, max_len, max_new, heads=2):
   key = ("pad", id(params), max_len, max_new, heads)
   if key not in _CACHE:
     cond, body = make_padded_step(params, max_len, max_new, heads)
     _CACHE[key] = (jax.jit(cond), jax.jit(body, donate_argnums=0))
   cond, body = _CACHE[key]
-  carry = init_padded_carry(prompts, max_len)
-  syncs = 0
-  while True:
-    syncs += 1
-    if not bool(cond(carry)):
-      break
-    carry = body(carry)
+  carry, syncs = python_loop(cond, body, init_padded_carry(prompts, max_len))
   buf, t = carry[0], int(carry[1])
   return (buf[:, :t], carry[2], carry[3]), syncs
 
@@ -286,14 +290,7 @@ def decode_kv_jit_exact(params, prompts, max_new, heads=2):
     cond, body = make_kv_step(params, max_new, heads)
     _CACHE[key] = (jax.jit(cond), jax.jit(body), jax.jit(prefill, static_argnums=2))
   cond, body, pre = _CACHE[key]
-  carry = pre(params, prompts, heads)
-  syncs = 0
-  while True:
-    syncs += 1
-    if not bool(cond(carry)):
-      break
-    carry = body(carry)
-  return carry, syncs
+  return python_loop(cond, body, pre(params, prompts, heads))
 
 
 def decode_kv_dynjax(params, prompts, max_new, heads=2, buckets=None, unroll=None,

@@ -9,6 +9,7 @@ import pytest
 import dynjax
 import dynjax.control as dc
 from dynjax._errors import ControlFlowError, OutOfBucketsError
+from tests.control._reference import jit_loop
 
 
 # -- a cell group whose every argument is shared -------------------------------------------
@@ -283,16 +284,6 @@ def test_python_scalars_ride_in_the_ids_array_and_big_ones_are_stacked(x64):
   assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
 
-def _exact_loop(cond, body, init):
-  import jax
-
-  step = jax.jit(body)
-  c = init
-  while bool(cond(c)):
-    c = step(c)
-  return c
-
-
 def test_a_carry_shrunk_to_nothing_while_the_loop_goes_on_is_exact():
   # The queue is empty after 3 steps but the counter runs to 5: JAX shapes q[1:] of an
   # empty q as 0 entries, dynjax's trace (dims >= 1) as n - 1 = -1.  Before, the loop came
@@ -306,7 +297,7 @@ def test_a_carry_shrunk_to_nothing_while_the_loop_goes_on_is_exact():
     return c[1] < 5
 
   init = (jnp.arange(3.0), jnp.int32(0), jnp.float32(0))
-  want = _exact_loop(cond, body, init)
+  want = jit_loop(cond, body, init)
   got = dc.while_loop(cond, body, init, bucket_from="init", unroll=1)
   assert got[0].shape == (0,) and int(got[1]) == 5 and float(got[2]) == float(want[2])
   st = dc.loop_stats()

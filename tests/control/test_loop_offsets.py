@@ -16,20 +16,12 @@ import pytest
 import dynjax
 import dynjax.control as dc
 from dynjax.control import _loop
+from tests.control._reference import jit_loop
 
 V, D = 11, 8
 _RS = np.random.RandomState(0)
 W = {k: jnp.asarray(_RS.randn(*s).astype(np.float32) * 0.5) for k, s in
      dict(emb=(V, D), q=(D, D), k=(D, D), v=(D, D), out=(D, V)).items()}
-
-
-def _jit_loop(cond, body, init):
-  """The reference: a Python loop of exact-shape ``jax.jit`` steps."""
-  step = jax.jit(body)
-  c = init
-  while bool(cond(c)):
-    c = step(c)
-  return c
 
 
 def _decode_step(c):
@@ -63,7 +55,7 @@ def _same(got, want):
 @pytest.mark.parametrize("lag", [1, 3, 13], ids=["cache_t-1", "cache_t-3", "empty_cache"])
 def test_a_cache_a_constant_behind_the_tokens_is_one_dim(lag):
   init = _prompt(2, 13, lag)
-  want = _jit_loop(_decode_cond, _decode_step, init)
+  want = jit_loop(_decode_cond, _decode_step, init)
   got = dc.while_loop(_decode_cond, _decode_step, init, bucket_from="init", unroll=1)
   _same(got, want)
   st = dc.loop_stats()
@@ -78,12 +70,12 @@ def test_the_tied_loop_serves_other_prompt_lengths_and_not_other_offsets():
   built = sum(len(v) for v in _loop._CACHE.values())
   init = _prompt(2, 14, 1, seed=1)  # another prompt length, the same offset: the same loop
   got = dc.while_loop(_decode_cond, _decode_step, init, bucket_from="init", unroll=1)
-  _same(got, _jit_loop(_decode_cond, _decode_step, init))
+  _same(got, jit_loop(_decode_cond, _decode_step, init))
   assert sum(len(v) for v in _loop._CACHE.values()) == built
   assert dc.loop_stats()["compiles"] == 0  # both buckets were compiled by the first run
   init = _prompt(2, 14, 2, seed=2)  # the cache two behind: a loop of its own, exact too
   got = dc.while_loop(_decode_cond, _decode_step, init, bucket_from="init", unroll=1)
-  _same(got, _jit_loop(_decode_cond, _decode_step, init))
+  _same(got, jit_loop(_decode_cond, _decode_step, init))
   assert sum(len(v) for v in _loop._CACHE.values()) == built + 1
 
 
@@ -98,7 +90,7 @@ def test_axes_a_constant_apart_that_do_not_stay_so_are_two_dims():
     return c[2] < 4
 
   init = (jnp.arange(6.0), jnp.arange(5.0), jnp.int32(0))
-  want = _jit_loop(cond, body, init)
+  want = jit_loop(cond, body, init)
   got = dc.while_loop(cond, body, init, bucket_from="init", unroll=1)
   _same(got, want)
   assert got[1].shape == (20,)
@@ -115,7 +107,7 @@ def test_shrinking_axes_a_constant_apart_share_a_dim():
     return jnp.asarray(c[1].shape[0]) > 1
 
   init = (jnp.arange(12.0), jnp.arange(9.0))
-  want = _jit_loop(cond, body, init)
+  want = jit_loop(cond, body, init)
   got = dc.while_loop(cond, body, init, bucket_from="init", unroll=1)
   _same(got, want)
   assert got[0].shape == (4,) and got[1].shape == (1,)
@@ -133,7 +125,7 @@ def test_two_tokens_a_step_with_a_cache_two_behind():
     return jnp.asarray(c[0].shape[0]) < 30
 
   init = (jnp.arange(4, dtype=jnp.int32), jnp.zeros(2))
-  want = _jit_loop(cond, body, init)
+  want = jit_loop(cond, body, init)
   got = dc.while_loop(cond, body, init, bucket_from="init", unroll=1)
   _same(got, want)
   assert [len(bk) for bk in dc.loop_stats()["buckets"]] == [1, 1]
@@ -152,7 +144,7 @@ def test_a_staged_kv_cache_loop_visits_one_bucket_a_crossing():
   toks = np.random.RandomState(3).randint(0, V, (2, 13)).astype(np.int32)
   got = f(toks)
   z = jnp.zeros((2, 12, D))
-  want = _jit_loop(_decode_cond, _decode_step, dict(tokens=jnp.asarray(toks), k=z, v=z,
+  want = jit_loop(_decode_cond, _decode_step, dict(tokens=jnp.asarray(toks), k=z, v=z,
                                                     last=jnp.asarray(toks[:, -1]),
                                                     i=jnp.int32(13)))
   _same(got, (want["tokens"], want["k"]))
@@ -167,7 +159,7 @@ def test_dims_may_name_an_axis_at_an_offset():
   spec = dict(tokens="2, t", k="2, t - 1, 8", v="2, t-1, 8", last=None, i=None)
   got = dc.while_loop(_decode_cond, _decode_step, init, dims=spec, bucket_from="init",
                       unroll=1, buckets={"t": dynjax.buckets.pow2(min=8)})
-  _same(got, _jit_loop(_decode_cond, _decode_step, init))
+  _same(got, jit_loop(_decode_cond, _decode_step, init))
   assert dc.loop_stats()["buckets"] == [(16,), (32,)]
 
 
@@ -213,7 +205,7 @@ def test_a_staged_loop_with_dims_at_an_offset():
   toks = np.random.RandomState(4).randint(0, V, (2, 13)).astype(np.int32)
   got = dynjax.jit(decode, dims={"tokens": "b, t"})(toks)
   z = jnp.zeros((2, 12, D))
-  want = _jit_loop(_decode_cond, _decode_step, dict(tokens=jnp.asarray(toks), k=z, v=z,
+  want = jit_loop(_decode_cond, _decode_step, dict(tokens=jnp.asarray(toks), k=z, v=z,
                                                     last=jnp.asarray(toks[:, -1]),
                                                     i=jnp.int32(13)))
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want["tokens"]))
@@ -242,7 +234,7 @@ def test_an_empty_cache_that_the_body_slices_is_exact():
     return jnp.asarray(c[0].shape[1]) < 14
 
   init = (jnp.asarray([[3, 4, 5], [6, 7, 8]], jnp.int32), jnp.zeros((2, 0)))
-  want = _jit_loop(cond, body, init)
+  want = jit_loop(cond, body, init)
   got = dc.while_loop(cond, body, init, bucket_from="init", unroll=1)
   _same(got, want)
   assert {len(bk) for bk in dc.loop_stats()["buckets"]} == {1}  # one dim, tied
@@ -269,7 +261,7 @@ def test_a_dim_of_its_own_that_starts_empty_is_exact(dims):
     return jnp.asarray(c[0].shape[1]) < 12
 
   init = (jnp.asarray([[3, 4, 5], [6, 7, 8]], jnp.int32), jnp.zeros((2, 0)))
-  want = _jit_loop(cond, body, init)
+  want = jit_loop(cond, body, init)
   got = dc.while_loop(cond, body, init, dims=dims, bucket_from="init", unroll=1)
   _same(got, want)
   st = dc.loop_stats()
@@ -304,7 +296,7 @@ def test_a_host_mode_loop_around_a_kv_loop_is_exact(dims):
 
   want = init
   while bool(cond(want)):
-    want = _outer(_jit_loop)(want)
+    want = _outer(jit_loop)(want)
   got = dc.while_loop(cond, _outer(dc.while_loop), init, dims=dims)
   _same(got, want)
   st = dc.loop_stats()
@@ -331,7 +323,7 @@ def test_an_inner_loop_over_an_outer_cache_that_starts_empty_is_exact():
   init = (jnp.asarray([[3, 4, 5], [6, 7, 8]], jnp.int32), jnp.zeros((2, 0)), jnp.int32(0))
   want = init
   while bool(cond(want)):
-    want = outer(_jit_loop)(want)
+    want = outer(jit_loop)(want)
   got = dc.while_loop(cond, outer(dc.while_loop), init)
   _same(got, want)
   assert dc.loop_stats()["mode"] == "host"

@@ -20,17 +20,9 @@ import dynjax
 import dynjax.control as dc
 from dynjax._errors import ControlFlowError
 from tests.control import _public as P
+from tests.control._reference import jit_loop
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _jit_loop(cond, body, init):
-  """The reference: a Python loop of exact-shape ``jax.jit`` steps."""
-  step = jax.jit(body)
-  c = init
-  while bool(cond(c)):
-    c = step(c)
-  return c
 
 
 def _check_syncs(st):
@@ -63,10 +55,10 @@ def _greedy(eos):
 def test_flax_greedy_decode_with_per_row_eos_matches_a_jit_loop():
   prompts = jnp.asarray(np.random.RandomState(1).randint(2, P.V, (3, 5)), jnp.int32)
   init = (prompts, jnp.zeros(3, bool), jnp.int32(5))
-  free = _jit_loop(*_greedy(-1), init)  # no EOS: pick one row's 9th token as the EOS
+  free = jit_loop(*_greedy(-1), init)  # no EOS: pick one row's 9th token as the EOS
   eos = int(np.asarray(free[0])[1, 5 + 8])
   cond, body = _greedy(eos)
-  want = _jit_loop(cond, body, init)
+  want = jit_loop(cond, body, init)
   got = dc.while_loop(cond, body, init)
   np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
   np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
@@ -99,7 +91,7 @@ def test_flax_kv_cache_decode_with_a_pytree_of_growing_caches_matches_a_jit_loop
   _, caches = jax.jit(_CLM.apply)(_CLM_PARAMS, prompts[:, :-1], P.empty_caches(b), 0)  # prefill
   init = dict(tokens=prompts, caches=caches, done=jnp.zeros(b, bool), pos=jnp.int32(5),
               last=prompts[:, -1])
-  want = _jit_loop(_kv_cond, _kv_body, init)
+  want = jit_loop(_kv_cond, _kv_body, init)
   got = dc.while_loop(_kv_cond, _kv_body, init)
   np.testing.assert_array_equal(np.asarray(got["tokens"]), np.asarray(want["tokens"]))
   assert int(got["pos"]) == int(want["pos"]) and got["caches"][1]["k"].shape == (
@@ -139,7 +131,7 @@ def test_sampling_with_a_key_in_the_carry_draws_what_the_jit_loop_draws(make_key
   cond = lambda c: c[2] < 20  # noqa: E731
   body = _sample_body(0.7, 5)
   init = (jnp.ones((2, 3), jnp.int32), make_key(0), jnp.int32(0))
-  want = _jit_loop(cond, body, init)
+  want = jit_loop(cond, body, init)
   got = dc.while_loop(cond, body, init)
   np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
   np.testing.assert_array_equal(np.asarray(jax.random.key_data(got[1])),
@@ -244,7 +236,7 @@ def test_a_halving_reduction_shrinks_the_carry_to_one_element():
 
   for n in (1, 37, 100):
     x = jnp.asarray(np.random.RandomState(n).rand(n).astype(np.float32))
-    want = _jit_loop(cond, body, x)
+    want = jit_loop(cond, body, x)
     got = dc.while_loop(cond, body, x)
     assert got.shape == want.shape == (1,)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6)
@@ -260,7 +252,7 @@ def test_two_arrays_growing_at_different_rates_with_python_scalars():
             ~flag, s * 1.5)
 
   init = (jnp.zeros(3), jnp.ones(4), 0, True, 1.0)
-  want = _jit_loop(cond, body, jax.tree.map(jnp.asarray, init))
+  want = jit_loop(cond, body, jax.tree.map(jnp.asarray, init))
   got = dc.while_loop(cond, body, init)
   assert got[0].shape == (15,) and got[1].shape == (28,)
   for g, w in zip(got, want, strict=True):
