@@ -8,7 +8,9 @@ caches ``(b, t - 1, heads, dh)``.  A stream of prompts of several lengths is dec
 pass (every compile inside it) and the median of later passes, with the same stream as a Python loop of
 ``jax.jit`` steps at exact shapes (``kv_jit_exact``) and dynjax's loop over the whole prefix
 without a cache (``prefix``).  Each row says which buckets the loops visited and how many
-executables were compiled; the tokens are checked against ``kv_jit_exact``'s.
+executables were compiled; ``tokens_equal_first_mode`` compares each mode's tokens with the
+first mode's (``kv`` against ``kv_jit_exact``: equal on the CPU; ``prefix`` is another
+computation of the same model, and on a GPU its TF32 rounding flips some argmaxes).
 """
 
 from __future__ import annotations
