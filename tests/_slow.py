@@ -286,4 +286,13 @@ TESTS = {
   "tests/trials/test_vision_idioms.py::test_vision_model_is_exact_and_bucketed[fcn]": 5.7,
   "tests/benchmarks/test_bench_vision.py::test_small_bench_buckets_a_resnet_exactly": 14.0,
   "tests/jit/test_shape_identities.py::test_facts_a_trace_needs_are_checked_over_sizes_and_then_per_call[swin]": 2.0,
+  # session 28: loops with carry axes a constant apart, empty and shrinking carries (serial
+  # seconds on the CPU box; ~1.5x that under -n 2)
+  "tests/control/test_program.py::test_a_call_with_an_empty_dim_runs_op_by_op_and_exact": 1.3,
+  "tests/control/test_loop_offsets.py::test_a_cache_a_constant_behind_the_tokens_is_one_dim[empty_cache]": 1.3,
+  "tests/control/test_loop_offsets.py::test_a_cache_a_constant_behind_the_tokens_is_one_dim[cache_t-3]": 1.0,
+  "tests/control/test_loop_offsets.py::test_a_host_mode_loop_around_a_kv_loop_is_exact[found]": 1.2,
+  "tests/control/test_loop_offsets.py::test_the_tied_loop_serves_other_prompt_lengths_and_not_other_offsets": 1.2,
+  "tests/control/test_loop_offsets.py::test_two_tokens_a_step_with_a_cache_two_behind": 0.9,
+  "tests/control/test_loop_offsets.py::test_a_dim_of_its_own_that_starts_empty_is_exact[named]": 0.9,
 }
