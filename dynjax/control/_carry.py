@@ -164,29 +164,61 @@ def same_dim(a, b) -> bool:
   return int(a) == int(b)
 
 
-def changing_axes(shapes_in, shapes_out, named=None) -> tuple[list[tuple], list[str]]:
+def changing_axes(shapes_in, shapes_out) -> tuple[list[tuple], list[str]]:
   """Per leaf per axis the variable name of an axis that changes, else None.
 
   Axes that change alike (same size in, same size out) share one name, ``n0, n1, ...`` in
-  order of appearance.  With ``named`` (per leaf per axis a ``dims=`` name or None), exactly
-  the named axes are variables, under their user names.  Returns ``(per leaf, names)``.
+  order of appearance.  Returns ``(per leaf, names)``.
   """
   groups: dict[Any, str] = {}
   per_leaf = []
-  for li, (si, so) in enumerate(zip(shapes_in, shapes_out, strict=True)):
+  for si, so in zip(shapes_in, shapes_out, strict=True):
     per = []
-    for ax, (d_in, d_out) in enumerate(zip(si, so, strict=True)):
-      if named is not None:
-        name = named[li][ax]
-        if name is not None:  # a name, or a name at an offset (``t - 1``: the var is t)
-          groups.setdefault(split_offset(name)[0], split_offset(name)[0])
-      elif same_dim(d_in, d_out):
-        name = None
-      else:
-        name = groups.setdefault((str(d_in), str(d_out)), f"n{len(groups)}")
+    for d_in, d_out in zip(si, so, strict=True):
+      name = None if same_dim(d_in, d_out) else groups.setdefault(
+          (str(d_in), str(d_out)), f"n{len(groups)}")
       per.append(name)
     per_leaf.append(tuple(per))
-  return per_leaf, list(dict.fromkeys(groups.values()))
+  return per_leaf, list(groups.values())
+
+
+def carry_vars(shapes_in, shapes_out, named=None, tie: bool = True
+               ) -> tuple[list[tuple], list[str], bool]:
+  """The carry's loop variables, for every loop front end: per leaf per axis ``(var, k)``
+  (the axis is ``var - k``) or None, the variables, and whether axes were tied.
+
+  With ``named`` (:func:`named_axes`: per leaf per axis a ``dims=`` name, ``t - 1``, or None)
+  exactly the named axes are variables, under their user names, in order of appearance.
+  Else the axes that change (``shapes_out``: one abstract step), tied by :func:`tied_axes`
+  where ``tie``.  Then :func:`shift_empty`.
+  """
+  if named is not None:
+    per = [tuple(None if t is None else split_offset(t) for t in pl) for pl in named]
+    names = list(dict.fromkeys(x[0] for pl in per for x in pl if x is not None))
+    tied = False
+  else:
+    per, names = tied_axes(shapes_in, shapes_out, merge=tie)
+    tied = tie and len(names) < len(changing_axes(shapes_in, shapes_out)[1])
+  return shift_empty(per, shapes_in), names, tied
+
+
+def shift_empty(per, shapes) -> list[tuple]:
+  """``per`` (per leaf per axis ``(var, k)`` or None) where a variable whose own axis (k = 0)
+  may start empty is one more than its size (``k + 1`` for each of its axes).
+
+  JAX takes every dim variable to be >= 1, so an empty axis traced as a variable of its own
+  would be taken as >= 1 too: ``cache[:, -1:]`` of an empty cache traced as one entry, a
+  silently wrong loop.  "May": a size of 0, or a dim not provably >= 1 (an outer loop's
+  ``n0 - 1``, :func:`maybe_empty`).
+  """
+  own: dict[str, Any] = {}
+  for pl, shape in zip(per, shapes, strict=True):
+    for x, d in zip(pl, shape, strict=True):
+      if x is not None and x[1] == 0:
+        own.setdefault(x[0], d)
+  empty = {v for v, d in own.items() if maybe_empty(d)}
+  return [tuple(x if x is None or x[0] not in empty else (x[0], x[1] + 1) for x in pl)
+          for pl in per]
 
 
 def const_diff(a, b) -> int | None:
@@ -213,11 +245,6 @@ def tied_axes(shapes_in, shapes_out, merge: bool = True) -> tuple[list[tuple], l
   order of appearance.  Whether the offset holds in every iteration is the caller's to check
   (the body traced on the tied carry must give ``name' - k`` again).  ``merge=False``: every
   variable of :func:`changing_axes` alone.
-
-  A variable whose axes all start empty is one more than their size (``name - 1``, and
-  ``k + 1`` for each): JAX takes every dim variable to be >= 1, so an empty axis traced as a
-  variable of its own would be taken as >= 1 too (``cache[:, -1:]`` of an empty cache traced
-  as one entry: a silently wrong loop).
   """
   per, names = changing_axes(shapes_in, shapes_out)
   first: dict[str, tuple] = {}  # name -> (size in, size out) of its first axis
@@ -240,9 +267,8 @@ def tied_axes(shapes_in, shapes_out, merge: bool = True) -> tuple[list[tuple], l
   of: dict[str, tuple[str, int]] = {}
   for i, cl in enumerate(classes):
     base = max(cl, key=lambda n: -const_diff(first[cl[0]][0], first[n][0]))
-    empty = int(const_diff(first[base][0], 0) == 0)
     for n in cl:
-      of[n] = (f"n{i}", const_diff(first[base][0], first[n][0]) + empty)
+      of[n] = (f"n{i}", const_diff(first[base][0], first[n][0]))
   return ([tuple(None if n is None else of[n] for n in pl) for pl in per],
           [f"n{i}" for i in range(len(classes))])
 
@@ -316,43 +342,27 @@ def _offset_problems(named, shapes, paths) -> list[str]:
   return bad
 
 
-def leaf_dims_of(names_per_leaf, shapes) -> list[tuple]:
-  """Per leaf per axis its variable name, or its (concrete) size."""
-  return [tuple(n if n is not None else int(d) for n, d in zip(per, shape, strict=True))
-          for per, shape in zip(names_per_leaf, shapes, strict=True)]
+def leaf_dims_of(per, shapes) -> list[tuple]:
+  """Per leaf per axis its variable's text (``(var, k)``: ``"var - k"``), or its (concrete)
+  size."""
+  return [tuple(offset_text(*x) if x is not None else int(d)
+                for x, d in zip(pl, shape, strict=True))
+          for pl, shape in zip(per, shapes, strict=True)]
 
 
 def concrete_dims(body_flat, avals, dims, treedef, paths, tie: bool = True
                   ) -> tuple[list[tuple], list[str], bool]:
   """``(leaf_dims, var names, tied)`` of a carry of concrete avals: named by ``dims`` or found
-  by one abstract step of the body (the axes that change; with ``tie``, axes a constant apart
-  that change alike share a variable, ``leaf_dims`` then holds texts like ``"n0 - 1"``, and
-  ``tied`` says whether any does)."""
+  by one abstract step of the body (:func:`carry_vars`; ``leaf_dims`` may hold texts like
+  ``"n0 - 1"``)."""
   shapes = [tuple(a.shape) for a in avals]
   if dims is not None:
-    named = named_axes(dims, treedef, shapes, paths)
-    return leaf_dims_of(shift_empty(named, shapes), shapes), sorted(
-        {split_offset(n)[0] for per in named for n in per if n}), False
+    per, names, tied = carry_vars(shapes, None, named_axes(dims, treedef, shapes, paths))
+    return leaf_dims_of(per, shapes), sorted(names), tied
   outs = eval_shape_body(body_flat, avals)
   check_structure("body_fun", avals, outs, None, None, paths)
-  outs = [tuple(o.shape) for o in outs]
-  per, names = tied_axes(shapes, outs, merge=tie)
-  texts = [tuple(None if x is None else offset_text(*x) for x in pl) for pl in per]
-  return leaf_dims_of(texts, shapes), names, tie and len(names) < len(
-      changing_axes(shapes, outs)[1])
-
-
-def shift_empty(named, shapes) -> list[tuple]:
-  """``dims=`` names whose own axis starts empty, one more than their size (``t - 1``; see
-  :func:`tied_axes`)."""
-  size = {}
-  for per, shape in zip(named, shapes, strict=True):
-    for t, n in zip(per, shape, strict=True):
-      if t is not None and split_offset(t)[1] == 0:
-        size.setdefault(t, n)
-  empty = {v for v, n in size.items() if const_diff(n, 0) == 0}
-  return [tuple(t if t is None or split_offset(t)[0] not in empty else offset_text(
-      split_offset(t)[0], split_offset(t)[1] + 1) for t in per) for per in named]
+  per, names, tied = carry_vars(shapes, [tuple(o.shape) for o in outs], tie=tie)
+  return leaf_dims_of(per, shapes), names, tied
 
 
 def policies(buckets, var_order) -> list[BucketPolicy]:

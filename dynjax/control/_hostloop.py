@@ -27,19 +27,16 @@ from dynjax._errors import ControlFlowError, PaddingUnsupportedError, format_lis
 from dynjax.control._carry import (
   LAST_RUN,
   bucket_of,
-  changing_axes,
+  carry_vars,
   flat_fns,
   initial_dims,
   keypaths,
   leaf_dims_of,
   max_iterations_error,
   named_axes,
-  offset_text,
   overflow_error,
   policies,
-  shift_empty,
   split_offset,
-  tied_axes,
   user_policy,
 )
 from dynjax.control._frontend import is_tracer
@@ -74,7 +71,7 @@ class _HostIterations:
     out_fn = _symbolic.shape_fn(out_shapes, out_names)
     self._out_shapes = lambda env: out_fn(*[env[v] for v in out_names])
     # (leaf, axis, var, k): the var's size is the axis's plus k (a var whose axes start empty
-    # is one more than their size: ``_carry.tied_axes``)
+    # is one more than their size: ``_carry.shift_empty``)
     self.solve = [(li, ax, *split_offset(d)) for li, ld in enumerate(leaf_dims)
                   for ax, d in enumerate(ld) if isinstance(d, str)
                   and split_offset(d)[0] in self.carry_vars and split_offset(d)[1] >= 0]
@@ -129,13 +126,9 @@ class _HostIterations:
 def _carry_axes(avals, outs, dims, treedef) -> tuple[list[tuple], list[str]]:
   """Carry variables from one staged abstract step (or from ``dims``)."""
   shapes = [tuple(a.shape) for a in avals]
-  if dims is not None:
-    named = named_axes(dims, treedef, shapes, keypaths(treedef))
-    per, names = changing_axes(shapes, [tuple(o.shape) for o in outs], named)
-    return leaf_dims_of(shift_empty(per, shapes), shapes), sorted(names)
-  per, names = tied_axes(shapes, [tuple(o.shape) for o in outs], merge=False)
-  return leaf_dims_of([tuple(None if x is None else offset_text(*x) for x in pl) for pl in per],
-                      shapes), names
+  named = None if dims is None else named_axes(dims, treedef, shapes, keypaths(treedef))
+  per, names, _ = carry_vars(shapes, [tuple(o.shape) for o in outs], named, tie=False)
+  return leaf_dims_of(per, shapes), sorted(names) if named is not None else names
 
 
 class HostLoop:

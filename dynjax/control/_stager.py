@@ -31,13 +31,10 @@ from dynjax.bucketing._padding import pad_jaxpr
 from dynjax.bucketing._policies import BucketPolicy
 from dynjax.control._carry import (
   DEFAULT_POLICY,
-  changing_axes,
+  carry_vars,
   keypaths,
-  maybe_empty,
   named_axes,
   offset_text,
-  split_offset,
-  tied_axes,
 )
 from dynjax.control._frontend import current_stager
 from dynjax.runtime._vm import repad
@@ -214,30 +211,13 @@ class Stager:
 
     Returns ``(leaf_dims, symbolic carry avals, {user name: fresh var}, tied)``; auto dims
     are named ``n0, n1, ...`` in order of appearance, as ``while_loop`` names them.  With
-    ``tie``, axes a constant apart that change alike share one var (``_dj0 - 1``: see
-    ``_carry.tied_axes``), and ``tied`` says whether any does.
+    ``tie``, axes a constant apart that change alike share one var (``_dj0 - 1``), and
+    ``tied`` says whether any does; a var whose axes may start empty is one more than their
+    size (``_carry.carry_vars``).
     """
     shapes = [tuple(a.shape) for a in avals]
-    out_shapes = [tuple(o.shape) for o in outs]
     named = None if dims is None else named_axes(dims, treedef, shapes, keypaths(treedef))
-    per, users = changing_axes(shapes, out_shapes, named)
-    per = [tuple(None if n is None else split_offset(n) for n in pl) for pl in per]
-    tied = False
-    if tie and named is None:
-      t_per, t_users = tied_axes(shapes, out_shapes)
-      if len(t_users) < len(users):
-        per, users, tied = t_per, t_users, True
-    # A var whose axes may all start empty (an init dim not provably >= 1, such as an outer
-    # loop's ``n0 - 1``) is one more than their size: JAX takes dim vars to be >= 1.
-    base: dict[str, Any] = {}
-    for pl, shape in zip(per, shapes, strict=True):
-      for x, d in zip(pl, shape, strict=True):
-        if x is not None and x[1] == 0:
-          base.setdefault(x[0], d)
-    empty = {v for v, d in base.items() if maybe_empty(d)}
-    if empty:
-      per = [tuple(x if x is None or x[0] not in empty else (x[0], x[1] + 1) for x in pl)
-             for pl in per]
+    per, users, tied = carry_vars(shapes, [tuple(o.shape) for o in outs], named, tie=tie)
     fresh = self.fresh_for(users)
     leaf_dims, sym_avals = [], []
     for a, names in zip(avals, per, strict=True):
