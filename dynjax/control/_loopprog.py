@@ -183,7 +183,7 @@ def hoisted_program(spec: LoopSpec, padded_io: bool = False):
 
   def checked(sizes, given=None):
     """The bucket of ``sizes``; past a policy's max: raise, None (spill to exact) or grow;
-    a shrinking dim below 1 (emptied): None (spill), or raise inside a program."""
+    a shrinking dim below 1 (emptied): None (spill)."""
     low = empties(spec, sizes)
     if low:  # (standalone loops only: staged specs have no shrinks)
       names = ", ".join(f"{spec.var_order[i]} = {sizes[i]}" for i in low)
@@ -238,9 +238,11 @@ def hoisted_program(spec: LoopSpec, padded_io: bool = False):
   def keep_going(status):
     info = LAST_RUN["info"]
     info["iterations"] += int(status[-1])
-    # an emptied shrinking dim stopped the loop: its pred is the exact loop's to compute
-    go = bool(status[0]) or any(int(status[1 + i]) < 1 for i in spec.shrinks)
-    if go and max_it is not None and info["iterations"] >= max_it:
+    # an emptied shrinking dim stopped the loop: its pred (and so the budget's check) is the
+    # exact loop's to compute
+    emptied = any(int(status[1 + i]) < 1 for i in spec.shrinks)
+    go = bool(status[0]) or emptied
+    if go and not emptied and max_it is not None and info["iterations"] >= max_it:
       raise max_iterations_error(max_it)
     return go
 

@@ -319,3 +319,19 @@ def test_draining_a_queue_to_empty_is_exact():
   assert got[0].shape == (0,) and float(got[1]) == 21.0
   st = dc.loop_stats()
   assert st["iterations"] == 7 and st["exact_iterations"] == 0, st  # the cond alone, exact
+
+
+def test_a_drained_queue_at_exactly_max_iterations_does_not_raise():
+  # The hoisted loop stops at the emptied queue; its pred there is the exact loop's, and so
+  # is the budget's check (three body runs drain three entries: within max_iterations=3).
+  def body(c):
+    return c[0][1:], c[1] + c[0][0]
+
+  def cond(c):
+    return jnp.asarray(c[0].shape[0]) > 0
+
+  init = (jnp.arange(3.0), jnp.float32(0))
+  got = dc.while_loop(cond, body, init, max_iterations=3, bucket_from="init", unroll=1)
+  assert got[0].shape == (0,) and float(got[1]) == 3.0
+  with pytest.raises(ControlFlowError, match="max_iterations=2"):
+    dc.while_loop(cond, body, init, max_iterations=2, bucket_from="init", unroll=1)
