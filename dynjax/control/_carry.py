@@ -441,6 +441,20 @@ def overflow_error(items) -> OutOfBucketsError:
       "shape).")
 
 
+class EmptiedCarry(ControlFlowError):
+  """A shrinking carry dim of a loop run on padded values (staged in a program, or a host-mode
+  loop) reached 0.  JAX takes dim variables to be >= 1, so an empty dim has no padded form:
+  the code that traced it as one (``q[-1:]``, ``q.shape[0] - 1``) would be wrong.  The caller
+  that can run exact (``ProgramRunner``: the call op by op; ``HostLoop``: the loop eagerly)
+  catches it; it reaches a user only if none can."""
+
+
+def emptied_error(where: str, names: str) -> EmptiedCarry:
+  return EmptiedCarry(
+      f"{where}: a shrinking carry dim reached {names}; JAX dims are >= 1, so an empty dim has "
+      "no padded form. dynjax runs it exact instead (op by op).")
+
+
 def max_iterations_error(n: int) -> ControlFlowError:
   return ControlFlowError(
       f"while_loop: cond_fun is still true after max_iterations={n} iterations. Raise "

@@ -26,8 +26,10 @@ from dynjax import _symbolic
 from dynjax._errors import ControlFlowError, PaddingUnsupportedError, format_list
 from dynjax.control._carry import (
   LAST_RUN,
+  EmptiedCarry,
   bucket_of,
   carry_vars,
+  emptied_error,
   flat_fns,
   initial_dims,
   keypaths,
@@ -80,7 +82,12 @@ class _HostIterations:
     self.paths = [f"init leaf {i}" for i in range(len(leaf_dims))]  # keypaths, when known
 
   def bucket(self, sizes: dict) -> dict:
-    """The buckets of the carry vars' sizes (raises past a max with overflow="error")."""
+    """The buckets of the carry vars' sizes (raises past a max with overflow="error", and
+    :class:`EmptiedCarry` where a var is below 1: JAX dims are >= 1, an empty axis of a var
+    that did not start empty has no padded form; the caller runs exact)."""
+    low = [f"{v} = {n}" for v, n in sizes.items() if n < 1]
+    if low:
+      raise emptied_error("while_loop in host mode", ", ".join(low))
     if self.overflow == "error":
       over = [(v, n, ", ".join(f"{self.paths[li]}.shape[{ax}]" for li, ax, u, _ in self.solve
                                if u == v), self.policies[v])
@@ -113,6 +120,12 @@ class _HostIterations:
       if bad:
         raise ControlFlowError("body_fun returned a carry whose axes sharing a dimension "
                                "disagree:\n" + format_list(bad))
+      low = [f"{v} = {n}" for v, n in sizes.items() if n < 1]
+      if low:  # the step ran on sizes >= 1, so the carry is exact: HostLoop goes on eagerly
+        err = emptied_error("while_loop in host mode", ", ".join(low))
+        if all(d >= 0 for shape in exact for d in shape):
+          err.rest = (self, list(unpad(outs, exact)[0]))
+        raise err
       buckets = self.bucket(sizes)
       env = env.updated(sizes, buckets)
       want = self.shapes(env.sizes)
@@ -195,7 +208,16 @@ class HostLoop:
       if self.core is None:
         outs = self._run_eager(leaves, info)
       else:
-        outs = self._run_staged(leaves, info)
+        try:
+          outs = self._run_staged(leaves, info)
+        except EmptiedCarry as e:
+          rest = getattr(e, "rest", None)
+          info.update(mode="host_eager", fallback=str(e))
+          if rest is not None and rest[0] is self.core:  # the rest of the loop, eagerly
+            outs = self._run_eager(rest[1], info)
+          else:  # at the start, or an inner loop's: the whole loop again (no effects)
+            info["iterations"] = 0
+            outs = self._run_eager(leaves, info)
     st = VMStats(host_syncs=info["host_syncs"])
     info["host_syncs"] += inner.host_syncs
     info["inner_loops"] = len(inner.loops)

@@ -37,6 +37,7 @@ import numpy as np
 from dynjax import _symbolic
 from dynjax._errors import PaddingUnsupportedError
 from dynjax.control import _staging
+from dynjax.control._carry import EmptiedCarry
 from dynjax.control._frontend import any_tracer
 
 _RUNS = {"calls": 0, "seconds": 0.0, "compiled": 0, "op_by_op": 0, "last_reason": None}
@@ -93,6 +94,7 @@ class ProgramRunner:
     self.out_tree = None
     self.runs = 0
     self.empty_runs = 0  # calls with a dynamic size of 0, run op by op
+    self.emptied_runs = 0  # calls whose staged loop emptied a shrinking carry: op by op
     self._sig = sig
     self._dyn = tuple(i for i, s in enumerate(sig.leaves) if s is not None)
     if padding == "exact":
@@ -120,6 +122,7 @@ class ProgramRunner:
     st = self.staged
     return {"compiled": st is not None, "reason": self.reason, "runs": self.runs,
             "runs_with_an_empty_dim": self.empty_runs,
+            "runs_with_an_emptied_carry": self.emptied_runs,
             "segments": None if st is None else len(st.segments),
             "control_ops": None if st is None else [
                 s.params["call"].name for s in st.steps if not hasattr(s, "eqns")]}
@@ -127,24 +130,29 @@ class ProgramRunner:
   def run(self, leaves, to_host: bool, eager: Callable[[], Any]):
     """Flat outputs and their tree: compiled when possible, else ``eager()`` (op by op)."""
     t0 = time.perf_counter()
+    why = None
     if self.staged is not None and self._empty(leaves):
       # A dynamic size of 0: the staged program's dims are JAX dim variables, taken to be
       # >= 1 (code reading an empty axis, x[-1:], was traced as one entry).  Such calls run
       # op by op, as dynjax.jit runs a size of 0 exact.
       self.empty_runs += 1
+      why = "a dynamic size of 0 (JAX dims are >= 1: no padded form)"
     elif self.staged is not None:
       try:
         outs = self.staged.run(leaves, to_host=to_host)
       except PaddingUnsupportedError as e:  # a bucket the probe did not see: op by op
         self.staged = None
         self.reason = f"PaddingUnsupportedError: {str(e).splitlines()[0]}"
+      except EmptiedCarry as e:  # this call only (programs have no effects: run it again)
+        self.emptied_runs += 1
+        why = str(e)
       else:
         self.runs += 1
         _RUNS["calls"] += 1
         _RUNS["compiled"] += 1
         _RUNS["seconds"] += time.perf_counter() - t0
         return outs, self.out_tree
-    _RUNS["last_reason"] = self.reason
+    _RUNS["last_reason"] = why or self.reason
     flat, tree = jax.tree_util.tree_flatten(eager())
     self.runs += 1
     return flat, tree

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from dynjax._errors import PaddingUnsupportedError
-from dynjax.control._carry import LAST_RUN, max_iterations_error
+from dynjax.control._carry import LAST_RUN, emptied_error, max_iterations_error
 from dynjax.control._loopspec import (
   LoopSpec,
   bucket_for,
@@ -114,8 +114,10 @@ class Loop:
     choice).  Returns ``(padded carry, final sizes, final bucket)``.
     """
     vm = self.vm("padded_io")
-    *outs, status, bk = vm.run(*consts, *leaves, sizes, buckets)
-    self._record(vm)
+    try:
+      *outs, status, bk = vm.run(*consts, *leaves, sizes, buckets)
+    finally:  # (an emptied carry raises: its iterations still count)
+      self._record(vm)
     nv = len(self.spec.var_order)
     return list(outs), tuple(int(x) for x in status[1:1 + nv]), tuple(bk)
 
@@ -185,8 +187,10 @@ def hoisted_program(spec: LoopSpec, padded_io: bool = False):
     """The bucket of ``sizes``; past a policy's max: raise, None (spill to exact) or grow;
     a shrinking dim below 1 (emptied): None (spill)."""
     low = empties(spec, sizes)
-    if low:  # (standalone loops only: staged specs have no shrinks)
+    if low:
       names = ", ".join(f"{spec.var_order[i]} = {sizes[i]}" for i in low)
+      if padded_io:  # staged in a program: no exact rest here; the caller runs the call exact
+        raise emptied_error("while_loop staged in a program", names)
       LAST_RUN["info"]["spill"] = (f"a shrinking carry dim reached {names}: the rest ran "
                                    "exact (JAX dims are >= 1: no padded form of an empty dim)")
       return None

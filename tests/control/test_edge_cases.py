@@ -335,3 +335,148 @@ def test_a_drained_queue_at_exactly_max_iterations_does_not_raise():
   assert got[0].shape == (0,) and float(got[1]) == 3.0
   with pytest.raises(ControlFlowError, match="max_iterations=2"):
     dc.while_loop(cond, body, init, max_iterations=2, bucket_from="init", unroll=1)
+
+
+# -- a carry emptied where the loop runs on padded values ------------------------------------
+def _shrink_body(c):
+  q, i, acc = c
+  return q[1:] * 2, i + 1, acc + jnp.max(q[-1:], initial=-5.0)
+
+
+def _five_steps(c):
+  return c[1] < 5
+
+
+def test_a_loop_staged_in_a_program_that_empties_its_carry_runs_the_call_exact():
+  # A loop inside dynjax.jit cannot leave its program.  Before, the staged loop went on past
+  # the emptied queue: q came back with 14 entries of garbage and acc 14.0 where JAX gives
+  # 0 entries and 4.0.  Now the loop stops there and the call runs op by op, once; a call
+  # whose queue stays non-empty still runs compiled.
+  @dynjax.jit(dims={"x": "n"})
+  def f(x):
+    q, _, acc = dc.while_loop(_five_steps, _shrink_body, (x * 1.0, jnp.int32(0),
+                                                          jnp.float32(0)))
+    return q, acc, jnp.sum(q)
+
+  for n in (7, 3, 4, 9):
+    x = np.arange(float(n), dtype=np.float32)
+    want = jit_loop(_five_steps, _shrink_body, (jnp.asarray(x), jnp.int32(0),
+                                                 jnp.float32(0)))
+    q, acc, total = f(x)
+    assert q.shape == want[0].shape, n
+    np.testing.assert_array_equal(np.asarray(q), np.asarray(want[0]))
+    assert float(acc) == float(want[2]) and float(total) == float(jnp.sum(want[0])), n
+  prog = f.stats()["programs"][0]
+  assert prog["compiled"] and prog["runs"] == 4, prog
+  assert prog["runs_with_an_emptied_carry"] == 2, prog  # n = 3 and 4
+  assert dc.program_runs()["last_reason"].startswith(
+      "while_loop staged in a program: a shrinking carry dim reached _dj0 = 0"), \
+      dc.program_runs()
+
+
+def _grow_to_four(r):
+  return jnp.concatenate([r, r[:1]])
+
+
+def _below_four(r):
+  return jnp.asarray(r.shape[0]) < 4
+
+
+def _host_body(c):  # an inner shape-changing loop: the outer loop runs in host mode
+  q, i, acc = c
+  r = dc.while_loop(_below_four, _grow_to_four, jnp.ones(1) + jnp.sum(q))
+  return q[1:] * 2, i + 1, acc + jnp.max(q[-1:], initial=-5.0) + jnp.sum(r)
+
+
+def _exact_host_body(c):  # the same step with the inner loop as a Python loop
+  q, i, acc = c
+  r = jnp.ones(1) + jnp.sum(q)
+  while r.shape[0] < 4:
+    r = _grow_to_four(r)
+  return q[1:] * 2, i + 1, acc + jnp.max(q[-1:], initial=-5.0) + jnp.sum(r)
+
+
+def test_a_host_mode_loop_that_empties_its_carry_goes_on_exact():
+  # Before: 14 entries and acc 102.0 where JAX gives 0 and 92.0.  Now the host loop stops
+  # at the emptied queue (the step that emptied it ran on a size >= 1: its carry is exact)
+  # and runs the rest eagerly.
+  init = (jnp.arange(3.0), jnp.int32(0), jnp.float32(0))
+  want = jit_loop(_five_steps, _exact_host_body, init)
+  got = dc.while_loop(_five_steps, _host_body, init)
+  st = dc.loop_stats()
+  assert got[0].shape == (0,) and float(got[2]) == float(want[2]), (got, want)
+  assert st["mode"] == "host_eager" and st["iterations"] == 5, st
+  assert st["fallback"].startswith("while_loop in host mode: a shrinking carry dim reached"), st
+  init = (jnp.arange(7.0), jnp.int32(0), jnp.float32(0))  # never empty: stays in host mode
+  want = jit_loop(_five_steps, _exact_host_body, init)
+  got = dc.while_loop(_five_steps, _host_body, init)
+  np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+  assert float(got[2]) == float(want[2]) and dc.loop_stats()["mode"] == "host", dc.loop_stats()
+
+
+def _drop_one(c):
+  q, j = c
+  return q[1:], j + 1
+
+
+def _three_steps(c):
+  return c[1] < 3
+
+
+def _draining_outer_body(c):  # an inner loop that may empty its own carry, in a host-mode body
+  x, i, acc = c
+  q, _ = dc.while_loop(_three_steps, _drop_one, (x, jnp.int32(0)))
+  return jnp.concatenate([x, x[:1]]), i + 1, acc + jnp.sum(q) + jnp.max(q[-1:], initial=-7.0)
+
+
+def _exact_draining_outer_body(c):
+  x, i, acc = c
+  q, _ = jit_loop(_three_steps, _drop_one, (x, jnp.int32(0)))
+  return jnp.concatenate([x, x[:1]]), i + 1, acc + jnp.sum(q) + jnp.max(q[-1:], initial=-7.0)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_an_inner_loop_emptied_inside_a_host_mode_body_is_exact(n):
+  init = (jnp.arange(1.0, n + 1.0), jnp.int32(0), jnp.float32(0))
+  want = init
+  while bool(_three_steps(want)):  # (the step holds a jit_loop: not jitted itself)
+    want = _exact_draining_outer_body(want)
+  got = dc.while_loop(_three_steps, _draining_outer_body, init)
+  np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+  assert float(got[2]) == float(want[2]), (got, want)
+  assert dc.loop_stats()["fallback"].startswith("while_loop staged in a program"), \
+      dc.loop_stats()
+
+
+def _pop_into(c):  # a queue drained in host mode: each step also runs a growing inner loop
+  q, total = c
+  r = dc.while_loop(_below_four, _grow_to_four, q[:1])
+  return q[1:], total + jnp.sum(r)
+
+
+def _queue_left(c):
+  return jnp.asarray(c[0].shape[0]) > 0
+
+
+def test_a_queue_drained_in_host_mode_runs_only_the_last_cond_eagerly():
+  got = dc.while_loop(_queue_left, _pop_into, (jnp.arange(1.0, 6.0), jnp.float32(0)))
+  st = dc.loop_stats()
+  assert got[0].shape == (0,) and float(got[1]) == 4 * 15.0, got
+  assert st["mode"] == "host_eager" and st["iterations"] == 5, st
+  assert len(st["buckets"]) == 5, st  # the start and 4 steps padded; the 5th emptied the queue
+
+
+def test_a_host_loop_staged_in_a_program_that_empties_its_carry_runs_the_call_exact():
+  @dynjax.jit(dims={"x": "n"})
+  def f(x):
+    q, _, acc = dc.while_loop(_five_steps, _host_body, (x * 1.0, jnp.int32(0),
+                                                        jnp.float32(0)))
+    return q, acc
+
+  for n in (7, 3):
+    init = (jnp.arange(float(n)), jnp.int32(0), jnp.float32(0))
+    want = jit_loop(_five_steps, _exact_host_body, init)
+    q, acc = f(np.arange(float(n), dtype=np.float32))
+    assert q.shape == want[0].shape and float(acc) == float(want[2]), (n, q, acc, want)
+  prog = f.stats()["programs"][0]
+  assert prog["control_ops"] == ["host_loop"] and prog["runs_with_an_emptied_carry"] == 1, prog
