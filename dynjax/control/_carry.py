@@ -88,10 +88,11 @@ def trace_error(what: str, e: Exception) -> ControlFlowError | None:
         "t + 1), not of array contents; give such ops a static size (jnp.nonzero(x, size=n)), "
         "or move the data-dependent part into cond_fun.")
   if type(e).__name__ == "InconclusiveDimensionOperation":
-    return ControlFlowError(
-        f"{what} compares a dynamic carry dim in Python ({first}). With shapes that change, "
-        "dims are symbolic while dynjax traces the loop: write the comparison as an array "
-        "op, e.g. jnp.asarray(x.shape[0]) < 8 instead of x.shape[0] < 8.")
+    return exact_runs(ControlFlowError(
+        f"{what} compares a dynamic carry dim in Python ({first}), itself or in a jnp "
+        "function it calls. With shapes that change, dims are symbolic while dynjax traces "
+        "the loop: write such a comparison as an array op, e.g. jnp.asarray(x.shape[0]) < 8 "
+        "instead of x.shape[0] < 8."))
   note = f"(raised while dynjax.while_loop traced {what} with symbolic carry dims)"
   if note not in getattr(e, "__notes__", ()):
     e.add_note(note)
@@ -164,25 +165,25 @@ def same_dim(a, b) -> bool:
   return int(a) == int(b)
 
 
-def changing_axes(shapes_in, shapes_out) -> tuple[list[tuple], list[str]]:
+def changing_axes(shapes_in, shapes_out, share: bool = True) -> tuple[list[tuple], list[str]]:
   """Per leaf per axis the variable name of an axis that changes, else None.
 
   Axes that change alike (same size in, same size out) share one name, ``n0, n1, ...`` in
-  order of appearance.  Returns ``(per leaf, names)``.
+  order of appearance (``share=False``: each axis its own).  Returns ``(per leaf, names)``.
   """
   groups: dict[Any, str] = {}
   per_leaf = []
-  for si, so in zip(shapes_in, shapes_out, strict=True):
+  for li, (si, so) in enumerate(zip(shapes_in, shapes_out, strict=True)):
     per = []
-    for d_in, d_out in zip(si, so, strict=True):
-      name = None if same_dim(d_in, d_out) else groups.setdefault(
-          (str(d_in), str(d_out)), f"n{len(groups)}")
+    for ax, (d_in, d_out) in enumerate(zip(si, so, strict=True)):
+      key = (str(d_in), str(d_out)) if share else (li, ax)
+      name = None if same_dim(d_in, d_out) else groups.setdefault(key, f"n{len(groups)}")
       per.append(name)
     per_leaf.append(tuple(per))
   return per_leaf, list(groups.values())
 
 
-def carry_vars(shapes_in, shapes_out, named=None, tie: bool = True
+def carry_vars(shapes_in, shapes_out, named=None, tie: bool = True, share: bool = True
                ) -> tuple[list[tuple], list[str], bool]:
   """The carry's loop variables, for every loop front end: per leaf per axis ``(var, k)``
   (the axis is ``var - k``) or None, the variables, and whether axes were tied.
@@ -190,15 +191,15 @@ def carry_vars(shapes_in, shapes_out, named=None, tie: bool = True
   With ``named`` (:func:`named_axes`: per leaf per axis a ``dims=`` name, ``t - 1``, or None)
   exactly the named axes are variables, under their user names, in order of appearance.
   Else the axes that change (``shapes_out``: one abstract step), tied by :func:`tied_axes`
-  where ``tie``.  Then :func:`shift_empty`.
+  where ``tie`` (``share=False``: no two axes share a variable).  Then :func:`shift_empty`.
   """
   if named is not None:
     per = [tuple(None if t is None else split_offset(t) for t in pl) for pl in named]
     names = list(dict.fromkeys(x[0] for pl in per for x in pl if x is not None))
     tied = False
   else:
-    per, names = tied_axes(shapes_in, shapes_out, merge=tie)
-    tied = tie and len(names) < len(changing_axes(shapes_in, shapes_out)[1])
+    per, names = tied_axes(shapes_in, shapes_out, merge=tie and share, share=share)
+    tied = tie and share and len(names) < len(changing_axes(shapes_in, shapes_out)[1])
   return shift_empty(per, shapes_in), names, tied
 
 
@@ -235,7 +236,8 @@ def offset_text(name: str, k: int) -> str:
   return name if k == 0 else f"{name} - {k}" if k > 0 else f"{name} + {-k}"
 
 
-def tied_axes(shapes_in, shapes_out, merge: bool = True) -> tuple[list[tuple], list[str]]:
+def tied_axes(shapes_in, shapes_out, merge: bool = True, share: bool = True
+              ) -> tuple[list[tuple], list[str]]:
   """:func:`changing_axes` where axes that change by the same constant and sit a constant
   apart share one variable: per leaf per axis ``(name, k)`` (the axis is ``name - k``) or None.
 
@@ -244,9 +246,9 @@ def tied_axes(shapes_in, shapes_out, merge: bool = True) -> tuple[list[tuple], l
   crossings).  The variable is the largest member's size (``k >= 0``), named ``n0, n1, ...`` in
   order of appearance.  Whether the offset holds in every iteration is the caller's to check
   (the body traced on the tied carry must give ``name' - k`` again).  ``merge=False``: every
-  variable of :func:`changing_axes` alone.
+  variable of :func:`changing_axes` alone (``share``: passed on).
   """
-  per, names = changing_axes(shapes_in, shapes_out)
+  per, names = changing_axes(shapes_in, shapes_out, share)
   first: dict[str, tuple] = {}  # name -> (size in, size out) of its first axis
   for si, so, pl in zip(shapes_in, shapes_out, per, strict=True):
     for d_in, d_out, n in zip(si, so, pl, strict=True):
@@ -350,7 +352,7 @@ def leaf_dims_of(per, shapes) -> list[tuple]:
           for pl, shape in zip(per, shapes, strict=True)]
 
 
-def concrete_dims(body_flat, avals, dims, treedef, paths, tie: bool = True
+def concrete_dims(body_flat, avals, dims, treedef, paths, tie: bool = True, share: bool = True
                   ) -> tuple[list[tuple], list[str], bool]:
   """``(leaf_dims, var names, tied)`` of a carry of concrete avals: named by ``dims`` or found
   by one abstract step of the body (:func:`carry_vars`; ``leaf_dims`` may hold texts like
@@ -361,7 +363,7 @@ def concrete_dims(body_flat, avals, dims, treedef, paths, tie: bool = True
     return leaf_dims_of(per, shapes), sorted(names), tied
   outs = eval_shape_body(body_flat, avals)
   check_structure("body_fun", avals, outs, None, None, paths)
-  per, names, tied = carry_vars(shapes, [tuple(o.shape) for o in outs], tie=tie)
+  per, names, tied = carry_vars(shapes, [tuple(o.shape) for o in outs], tie=tie, share=share)
   return leaf_dims_of(per, shapes), names, tied
 
 
@@ -439,6 +441,13 @@ def overflow_error(items) -> OutOfBucketsError:
       + "\nRaise the policy's max (buckets=), or pass overflow=\"grow\" (compile larger "
       "buckets) or overflow=\"exact\" (run the sizes past the max unpadded, one compile per "
       "shape).")
+
+
+def exact_runs(err: ControlFlowError) -> ControlFlowError:
+  """Marks a loop error that only the symbolic trace meets: a loop of exact-shape steps runs
+  the same code (``build_spec`` falls back to one and warns)."""
+  err.exact_runs = True
+  return err
 
 
 class EmptiedCarry(ControlFlowError):

@@ -37,7 +37,9 @@ class Loop:
   def __init__(self, spec: LoopSpec):
     self.spec = spec
     self.mode = "hoisted"
-    if spec.padding == "exact":
+    if spec.exact_only:  # (its fallback_reason says why)
+      self.mode = "exact"
+    elif spec.padding == "exact":
       self.mode, spec.fallback_reason = "exact", 'padding="exact"'
     elif pad_jaxpr is None:
       self.mode, spec.fallback_reason = "exact", "the padding pass is not available"
@@ -49,6 +51,8 @@ class Loop:
   def accepts(self, shapes) -> bool:
     """Whether concrete carry shapes fit this loop's dims (static axes and shared sizes)."""
     spec = self.spec
+    if spec.exact_only:
+      return True
     for fixed, shape in zip(self._fixed, shapes, strict=True):
       for ax, n in fixed:
         if shape[ax] != n:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -29,12 +30,13 @@ import numpy as np
 from jax import export, lax
 
 from dynjax import _symbolic
-from dynjax._errors import ControlFlowError, format_list
+from dynjax._errors import ControlFlowError, format_list, user_stacklevel
 from dynjax.bucketing._policies import BucketPolicy
 from dynjax.control._carry import (
   check_structure,
   concrete_dims,
   const_diff,
+  exact_runs,
   flat_fns,
   hoist_consts,
   keypaths,
@@ -96,6 +98,7 @@ class LoopSpec:
   cap: Cap | None = None
   shrinks: tuple[int, ...] = ()  # vars whose next size can be smaller (guarded: >= 1)
   staged: bool = False  # a loop inside a dynjax.jit program (padded I/O)
+  exact_only: bool = False  # no symbolic form (exact_spec): exact steps, any carry shapes
   shapes_fn: Callable = None
   next_host: Callable = None
   next_dev: Callable = None
@@ -108,26 +111,57 @@ class LoopSpec:
 
 def build_spec(cond_fun, body_fun, treedef, avals, dims, buckets, padding, unroll,
                bucket_from, overflow="error", max_iterations=None) -> LoopSpec:
-  """The spec of a loop run on concrete values (its own symbolic scope)."""
+  """The spec of a loop run on concrete values (its own symbolic scope).
+
+  Where only the symbolic trace fails (a dim compared in Python, by the user or inside a jnp
+  function; next sizes dynjax cannot express) the loop runs per exact shape, as
+  ``padding="exact"``, with a warning (``loop_stats()["fallback"]`` says why).
+  """
   paths = keypaths(treedef)
   cond_flat, body_flat = flat_fns(cond_fun, body_fun, treedef)
   leaf_dims, var_order, tied = concrete_dims(body_flat, avals, dims, treedef, paths)
+  args = (cond_fun, body_fun, treedef, paths, avals)
+  opts = (buckets, padding, unroll, bucket_from, overflow, max_iterations)
   try:
-    spec = _spec_at(cond_fun, body_fun, treedef, paths, avals, leaf_dims, var_order, buckets,
-                    padding, unroll, bucket_from, overflow, max_iterations)
-  except ControlFlowError:
-    if not tied:
-      raise
+    spec = _spec_at(*args, leaf_dims, var_order, *opts)
+  except ControlFlowError as e:
+    spec = None
     # Axes a constant apart that do not stay so (the body changes one of them otherwise at
-    # other sizes): each its own variable, as without tying.
-    leaf_dims, var_order, _ = concrete_dims(body_flat, avals, dims, treedef, paths, tie=False)
-    spec = _spec_at(cond_fun, body_fun, treedef, paths, avals, leaf_dims, var_order, buckets,
-                    padding, unroll, bucket_from, overflow, max_iterations)
+    # other sizes): each its own variable, as without tying.  Then axes of one size that
+    # change alike at the init's sizes only (``r[2:]`` beside ``q[:-1][1:]``): each its own.
+    retries = ([dict(tie=False)] if tied else []) + ([dict(tie=False, share=False)]
+                                                      if dims is None else [])
+    for kw in retries:
+      try:
+        ld, vo, _ = concrete_dims(body_flat, avals, dims, treedef, paths, **kw)
+        if (ld, vo) == (leaf_dims, var_order):
+          continue
+        spec = _spec_at(*args, ld, vo, *opts)
+        break
+      except Exception:  # noqa: BLE001 - the first attempt's error is the one to report
+        continue
+    if spec is None:
+      if not getattr(e, "exact_runs", False) or (dims is not None and "cannot express" in
+                                                 str(e)):
+        raise
+      spec = exact_spec(*args, *opts[1:], reason=str(e))
   spec.exact_body = Kernel("while.body_exact", lambda key: jax.jit(body_flat),
                            lambda key: "exact")
   spec.exact_cond = Kernel("while.cond_exact", lambda key: jax.jit(
       lambda *xs: (jnp.asarray(cond_flat(*xs)),)), lambda key: "exact")
   return spec
+
+
+def exact_spec(cond_fun, body_fun, treedef, paths, avals, padding, unroll, bucket_from,
+               overflow, max_iterations, reason: str) -> LoopSpec:
+  """A loop of exact-shape steps only (``exact_only``): no symbolic trace, any carry shapes."""
+  if padding != "exact":
+    warnings.warn(f"dynjax.while_loop: {reason}\nThe loop runs per exact carry shape (a "
+                  "compile per shape, a host sync per step).", stacklevel=user_stacklevel())
+  return LoopSpec(treedef, paths, [a.dtype for a in avals], (), [tuple(a.shape) for a in avals],
+                  [], [], None, [], None, [], [], "exact", cond_fun, body_fun, unroll=unroll,
+                  bucket_from=bucket_from, overflow=overflow, max_iterations=max_iterations,
+                  exact_only=True, fallback_reason=reason.splitlines()[0])
 
 
 def _spec_at(cond_fun, body_fun, treedef, paths, avals, leaf_dims, var_order, buckets, padding,
@@ -241,10 +275,10 @@ def spec_from_symbolic(cond_fun, body_fun, treedef, paths, sym_avals, leaf_dims,
       elif int(d_out) != int(d_in):
         bad.append(f"{p}.shape[{ax}]: {d_in} -> {d_out}")
   if bad:
-    raise ControlFlowError(
+    raise exact_runs(ControlFlowError(
         "body_fun changes the carry's shape in a way its dims cannot express:\n"
         + format_list(bad)
-        + "\nEach dynamic axis must become an expression of the carry's dims (e.g. t + 1).")
+        + "\nEach dynamic axis must become an expression of the carry's dims (e.g. t + 1)."))
   bcj, bconsts = hoist_consts(body_closed)
   ccj, cconsts = hoist_consts(cond_closed)
   extra = set()

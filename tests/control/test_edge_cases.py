@@ -157,9 +157,39 @@ def test_user_exception_in_a_loop_cond_passes_through():
   assert type(e.value) is ValueError and str(e.value) == "my own check failed"
 
 
-def test_dynjax_own_trace_errors_stay_control_flow_errors():
-  with pytest.raises(ControlFlowError, match="compares a dynamic carry dim in Python"):
-    dc.while_loop(lambda c: c.shape[0] < 8, _grow_body, jnp.ones(1))
+def test_a_jnp_function_that_compares_a_dim_makes_the_loop_exact_not_an_error():
+  # r[2:] has the symbolic dim n - min(n, 2); jnp's r[::-1] then asks whether it is >= 1,
+  # which the symbolic trace cannot decide (JAX's, not the user's comparison).  It raised
+  # (even with padding="exact"); now the loop runs per exact shape and warns.
+  def body(c):
+    q, r, i = c
+    return q, r[2:][::-1] * 0.5, i + 1
+
+  init = (jnp.arange(3.0), jnp.arange(6.0), jnp.int32(0))
+  want = jit_loop(lambda c: c[2] < 3, body, init)
+  with pytest.warns(UserWarning, match=r"itself or in a jnp function it calls"):
+    got = dc.while_loop(lambda c: c[2] < 3, body, init)
+  assert got[1].shape == want[1].shape == (0,) and dc.loop_stats()["mode"] == "exact"
+  init = (jnp.arange(3.0), jnp.arange(9.0), jnp.int32(0))  # another shape: the same loop
+  want = jit_loop(lambda c: c[2] < 3, body, init)
+  got = dc.while_loop(lambda c: c[2] < 3, body, init, padding="exact")  # no warning asked
+  np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+
+
+def test_axes_of_one_size_that_change_alike_only_there_get_a_dim_each():
+  # q and r start at 4 and both lose 2 a step, as q[:-1][1:] and r[2:]: one step changes
+  # them alike, so they shared a dim, whose two next sizes then differed as expressions
+  # (- min(n0 - 1, 1) + n0 - 1 vs - min(n0, 2) + n0): raised.  Now each its own dim.
+  def body(c):
+    q, r, i = c
+    return q[:-1][1:], r[2:] + 1.0, i + 1
+
+  init = (jnp.arange(4.0), jnp.arange(4.0), jnp.int32(0))
+  cond = lambda c: (jnp.asarray(c[0].shape[0]) < 10) & (c[2] < 12)  # noqa: E731
+  want = jit_loop(cond, body, init)
+  got = dc.while_loop(cond, body, init, bucket_from="init")
+  assert [g.shape for g in got[:2]] == [w.shape for w in want[:2]] == [(0,), (0,)]
+  assert int(got[2]) == int(want[2]) and dc.loop_stats()["mode"] == "hoisted", dc.loop_stats()
 
 
 def _inner(x):

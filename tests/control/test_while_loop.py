@@ -152,10 +152,16 @@ def test_error_shared_dim_changes_differently():
                   (jnp.ones(3), jnp.ones(3)), dims=("t", "t"))
 
 
-def test_error_python_shape_comparison():
-  with pytest.raises(ControlFlowError, match=r"write the comparison as an array op, e.g. "
-                     r"jnp.asarray\(x.shape\[0\]\) < 8"):
-    dc.while_loop(lambda c: c.shape[0] < 8, lambda c: jnp.concatenate([c, c]), jnp.ones(1))
+def test_a_python_shape_comparison_runs_exact_and_says_how_to_pad():
+  # The symbolic trace cannot decide c.shape[0] < 8; a loop of exact-shape steps can (it
+  # raised before).  The warning teaches the padded form.
+  with pytest.warns(UserWarning, match=r"write such a comparison as an array op, e.g. "
+                    r"jnp.asarray\(x.shape\[0\]\) < 8(.|\n)*runs per exact carry shape"):
+    out = dc.while_loop(lambda c: c.shape[0] < 8, lambda c: jnp.concatenate([c, c]),
+                        jnp.ones(1))
+  assert out.shape == (8,) and dc.loop_stats()["mode"] == "exact", dc.loop_stats()
+  assert dc.loop_stats()["fallback"].startswith("cond_fun compares a dynamic carry dim"), \
+      dc.loop_stats()
 
 
 def test_loop_program_text():
