@@ -136,12 +136,24 @@ class _HostIterations:
       info["buckets"].append(tuple(buckets[v] for v in self.carry_vars))
 
 
-def _carry_axes(avals, outs, dims, treedef) -> tuple[list[tuple], list[str]]:
+def _carry_axes(avals, outs, dims, treedef, share: bool = True) -> tuple[list[tuple], list[str]]:
   """Carry variables from one staged abstract step (or from ``dims``)."""
   shapes = [tuple(a.shape) for a in avals]
   named = None if dims is None else named_axes(dims, treedef, shapes, keypaths(treedef))
-  per, names, _ = carry_vars(shapes, [tuple(o.shape) for o in outs], named, tie=False)
+  per, names, _ = carry_vars(shapes, [tuple(o.shape) for o in outs], named, tie=False,
+                             share=share)
   return leaf_dims_of(per, shapes), sorted(names) if named is not None else names
+
+
+def _shared_apart(leaf_dims, body_out) -> bool:
+  """Whether axes sharing a variable get different next sizes in the symbolic body (they
+  were one size, and changed alike, only at the init's sizes)."""
+  nxt: dict[str, set] = {}
+  for ld, o in zip(leaf_dims, body_out, strict=True):
+    for d, n in zip(ld, o.shape, strict=True):
+      if isinstance(d, str):
+        nxt.setdefault(d, set()).add(str(n))
+  return any(len(v) > 1 for v in nxt.values())
 
 
 class HostLoop:
@@ -163,10 +175,10 @@ class HostLoop:
     except Exception as e:  # noqa: BLE001 - an unstageable body still runs, eagerly
       self.mode, self.fallback = "host_eager", f"{type(e).__name__}: {first_line(e)}"
 
-  def _stage(self, avals, dims, buckets):
+  def _stage(self, avals, dims, buckets, share: bool = True):
     cond_flat, body_flat = flat_fns(self.cond_fun, self.body_fun, self.treedef)
     _, outs = stage(body_flat, avals, export.SymbolicScope(), {}, "while_loop.body")
-    leaf_dims, names = _carry_axes(avals, outs, dims, self.treedef)
+    leaf_dims, names = _carry_axes(avals, outs, dims, self.treedef, share)
     self.leaf_dims, self.carry_vars = leaf_dims, tuple(names)
     scope = export.SymbolicScope()
     syms = export.symbolic_shape(", ".join(names), scope=scope) if names else ()
@@ -175,10 +187,10 @@ class HostLoop:
                  for ld, a in zip(leaf_dims, avals, strict=True)]
     pols = dict(zip(names, policies(buckets, tuple(names)), strict=True))
     body, body_out = stage(body_flat, sym_avals, scope, pols, "while_loop.body")
+    if share and dims is None and _shared_apart(leaf_dims, body_out):
+      return self._stage(avals, dims, buckets, share=False)  # each such axis its own var
     cond, _ = stage(lambda *xs: [jnp.asarray(cond_flat(*xs))], sym_avals, scope, pols,
                       "while_loop.cond")
-    if body.consts or cond.consts:  # closure values: constants of the staged programs
-      pass
     self.core = _HostIterations(cond, body, body_out, leaf_dims, names, body.policies)
     self.core.overflow, self.core.max_iterations = self.overflow, self.max_iterations
     self.core.paths = keypaths(self.treedef)

@@ -510,3 +510,26 @@ def test_a_host_loop_staged_in_a_program_that_empties_its_carry_runs_the_call_ex
     assert q.shape == want[0].shape and float(acc) == float(want[2]), (n, q, acc, want)
   prog = f.stats()["programs"][0]
   assert prog["control_ops"] == ["host_loop"] and prog["runs_with_an_emptied_carry"] == 1, prog
+
+
+def test_a_host_mode_loop_gives_axes_of_one_size_that_part_a_dim_each():
+  # q and r start at 2 and change alike in the first step (q[:-1] and r[::2] are both 1):
+  # host mode made them one dim, then raised when the body's sizes disagreed (0 vs 1).
+  def body(c):
+    q, r, i, acc = c
+    r = r[::2] + 0.5
+    return q[:-1], r, i + 1, acc + jnp.sum(r)
+
+  def host_body(c):
+    q, r, i, acc = body(c)
+    z = dc.while_loop(_below_four, _grow_to_four, jnp.ones(1))
+    return q, r, i, acc + jnp.sum(z) - 4.0
+
+  def cond(c):
+    return (jnp.asarray(c[0].shape[0]) < 5) & (c[2] < 4)
+
+  init = (jnp.arange(2.0), jnp.arange(2.0), jnp.int32(0), jnp.float32(0))
+  want = jit_loop(cond, body, init)
+  got = dc.while_loop(cond, host_body, init)
+  assert [g.shape for g in got[:2]] == [w.shape for w in want[:2]] == [(0,), (1,)]
+  assert float(got[3]) == float(want[3]) and int(got[2]) == int(want[2])
