@@ -25,6 +25,8 @@ TESTS = {
   # session 22: 75 public idioms over a dynamic axis (one test, ~16 s alone)
   "tests/trials/test_idioms.py::test_public_idioms_are_exact_and_bucketed_or_fall_back_for_the_known_reason": 21.4,
   "tests/trials/test_idioms.py::test_the_same_idioms_with_x64_on": 34.2,
+  # session 29: random loops vs the exact-shape loop (40 hypothesis examples, 17 s alone)
+  "tests/control/test_loop_fuzz.py::test_random_loops_equal_the_exact_shape_loop": 17.4,
   # session 22: random programs of everyday ops, padded vs exact (60 hypothesis examples)
   "tests/bucketing/test_fuzz.py::test_random_programs_are_exact_on_the_true_prefix": 12.0,
   "tests/bucketing/test_fuzz.py::test_random_programs_have_exact_gradients": 10.8,
