@@ -60,6 +60,8 @@ class Loop:
     sizes = [0] * len(spec.var_order)
     for li, ax, vi, k in spec.solve:
       sizes[vi] = shapes[li][ax] + k
+    if any(n < m for n, m in zip(sizes, spec.least, strict=True)):
+      return False  # (a tied axis empty where the spec's trace took it non-empty)
     return tuple(map(tuple, spec.shapes_fn(*sizes))) == tuple(map(tuple, shapes))
 
   def vm(self, mode: str) -> VM:
@@ -192,7 +194,9 @@ def hoisted_program(spec: LoopSpec, padded_io: bool = False):
     a shrinking dim below 1 (emptied): None (spill)."""
     low = empties(spec, sizes)
     if low:
-      names = ", ".join(f"{spec.var_order[i]} = {sizes[i]}" for i in low)
+      names = ", ".join(f"{spec.var_order[i]} = {sizes[i]}" + (
+          f" (< {spec.least[i]}: an axis tied to it is empty)" if spec.least[i] > 1 else "")
+          for i in low)
       if padded_io:  # staged in a program: no exact rest here; the caller runs the call exact
         raise emptied_error("while_loop staged in a program", names)
       LAST_RUN["info"]["spill"] = (f"a shrinking carry dim reached {names}: the rest ran "
@@ -248,7 +252,7 @@ def hoisted_program(spec: LoopSpec, padded_io: bool = False):
     info["iterations"] += int(status[-1])
     # an emptied shrinking dim stopped the loop: its pred (and so the budget's check) is the
     # exact loop's to compute
-    emptied = any(int(status[1 + i]) < 1 for i in spec.shrinks)
+    emptied = any(int(status[1 + i]) < spec.least[i] for i in spec.shrinks)
     go = bool(status[0]) or emptied
     if go and not emptied and max_it is not None and info["iterations"] >= max_it:
       raise max_iterations_error(max_it)
@@ -257,8 +261,8 @@ def hoisted_program(spec: LoopSpec, padded_io: bool = False):
   def grow_sizes(status):
     cur = tuple(int(x) for x in status[1:1 + nv])
     nxt = tuple(int(x) for x in spec.next_host(*cur))
-    # an emptied shrinking dim keeps its size (< 1): checked() spills to exact
-    return tuple(a if i in spec.shrinks and a < 1 else max(a, c)
+    # an emptied shrinking dim keeps its size (< least): checked() spills to exact
+    return tuple(a if i in spec.shrinks and a < spec.least[i] else max(a, c)
                  for i, (a, c) in enumerate(zip(cur, nxt, strict=True))), cur
 
   def first(pair):

@@ -96,7 +96,8 @@ class LoopSpec:
   max_iterations: int | None = None
   labels: dict = dataclasses.field(default_factory=dict)  # var -> the user's name (staged)
   cap: Cap | None = None
-  shrinks: tuple[int, ...] = ()  # vars whose next size can be smaller (guarded: >= 1)
+  shrinks: tuple[int, ...] = ()  # vars whose next size can be smaller (guarded: >= least)
+  least: tuple[int, ...] = ()  # per var the smallest size its trace holds (1; a tie's n0 >= 2)
   staged: bool = False  # a loop inside a dynjax.jit program (padded I/O)
   exact_only: bool = False  # no symbolic form (exact_spec): exact steps, any carry shapes
   shapes_fn: Callable = None
@@ -184,9 +185,10 @@ def _spec_at(cond_fun, body_fun, treedef, paths, avals, leaf_dims, var_order, bu
   sym_avals = [jax.ShapeDtypeStruct(tuple(next(it) for _ in ld), a.dtype)
                for ld, a in zip(leaf_dims, avals, strict=True)]
   policy_of = dict(zip(var_order, policies(buckets, var_order), strict=True))
-  return spec_from_symbolic(cond_fun, body_fun, treedef, paths, sym_avals, leaf_dims,
+  spec = spec_from_symbolic(cond_fun, body_fun, treedef, paths, sym_avals, leaf_dims,
                             var_order, policy_of.__getitem__, padding, unroll, bucket_from,
-                            overflow=overflow, max_iterations=max_iterations)
+                            overflow=overflow, max_iterations=max_iterations, least=least)
+  return spec
 
 
 def dim_sources(paths, leaf_dims, sym_avals, text: str) -> str:
@@ -202,7 +204,8 @@ def dim_sources(paths, leaf_dims, sym_avals, text: str) -> str:
 
 def spec_from_symbolic(cond_fun, body_fun, treedef, paths, sym_avals, leaf_dims, var_order,
                        policy_of, padding, unroll, bucket_from, allow_tracer_consts=False,
-                       overflow="error", max_iterations=None, staged=False) -> LoopSpec:
+                       overflow="error", max_iterations=None, staged=False,
+                       least=None) -> LoopSpec:
   """Traces body and cond over symbolic carries and derives next sizes, cap and kernels.
 
   ``leaf_dims``: per leaf per axis an int, a var name of ``var_order`` (a loop variable) or, for
@@ -311,6 +314,9 @@ def spec_from_symbolic(cond_fun, body_fun, treedef, paths, sym_avals, leaf_dims,
   spec.shapes_fn = _symbolic.shape_fn(leaf_dims, var_order)
   spec.next_host = _symbolic.dim_fn(next_exprs, var_order)
   spec.next_dev = _symbolic.dim_fn(next_exprs, var_order, device=True)
+  # The trace holds for sizes >= ``least`` (JAX's dims >= 1; a tie's constraint): a var
+  # shrunk below it has no padded form there (its tied axis emptied): guarded as an emptied one.
+  spec.least = tuple((least or {}).get(v, 1) for v in var_order)
   spec.shrinks = shrinking(spec)
   spec.hoisted = Kernel("while.hoisted", lambda key: build_hoisted(spec, key),
                         lambda key: f"bucket={dict(zip(var_order, key, strict=True))}")
@@ -404,8 +410,9 @@ def shrinking(spec: LoopSpec) -> tuple[int, ...]:
 
 
 def empties(spec: LoopSpec, sizes) -> list[int]:
-  """The shrinking variables (indices) whose size is below 1 (past the padded domain)."""
-  return [i for i in spec.shrinks if sizes[i] < 1]
+  """The shrinking variables (indices) whose size is below their ``least`` (1, or a tie's
+  bound: past the padded domain)."""
+  return [i for i in spec.shrinks if sizes[i] < spec.least[i]]
 
 
 def bucket_for(spec: LoopSpec, sizes) -> tuple[int, ...]:
@@ -499,7 +506,8 @@ def build_hoisted(spec: LoopSpec, bucket: tuple[int, ...]):
     ns = jnp.stack([jnp.asarray(x, jnp.int32) for x in next_dev(*s)])
     go = go & jnp.all(ns <= limit)
     if shrinks:  # an emptied variable (< 1): its cond has no padded form, the host's (exact)
-      go = go & jnp.all(jnp.stack([jnp.asarray(s[i], jnp.int32) for i in shrinks]) >= 1)
+      go = go & jnp.all(jnp.stack([jnp.asarray(s[i], jnp.int32) for i in shrinks])
+                        >= jnp.asarray([spec.least[i] for i in shrinks], jnp.int32))
     return p, go
 
   def step(bconsts, s, carry):

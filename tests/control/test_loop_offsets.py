@@ -327,3 +327,23 @@ def test_an_inner_loop_over_an_outer_cache_that_starts_empty_is_exact():
   got = dc.while_loop(cond, outer(dc.while_loop), init)
   _same(got, want)
   assert dc.loop_stats()["mode"] == "host"
+
+
+def test_a_tied_axis_emptied_while_its_dim_is_still_one_stops_the_padded_loop():
+  # t and the cache one behind both lose a column a step: one dim n0 (t), the cache n0 - 1,
+  # traced under n0 >= 2 (the cache non-empty).  At n0 = 1 the cache is empty: the padded
+  # loop went on and the cache came back with 6 columns of garbage where JAX gives 0.
+  def body(s):
+    t, c, i, a = s
+    return t[:, 1:], c[:, 1:], i + 1, a + jnp.sum(c[:, -1:]) + jnp.sum(t)
+
+  def cond(s):
+    return (jnp.asarray(s[0].shape[1]) < 10) & (s[2] < 10)
+
+  init = (jnp.ones((2, 3), jnp.int32), jnp.ones((2, 2, 4)), jnp.int32(0), jnp.float32(0))
+  want = jit_loop(cond, body, init)
+  for start in ("init", "auto"):
+    got = dc.while_loop(cond, body, init, bucket_from=start)
+    assert [g.shape for g in got] == [w.shape for w in want], (start, got)
+    assert float(got[3]) == float(want[3]) and int(got[2]) == int(want[2]) == 10
+    assert "n0 = 1 (< 2: an axis tied to it is empty)" in dc.loop_stats()["fallback"]
