@@ -352,19 +352,29 @@ def leaf_dims_of(per, shapes) -> list[tuple]:
           for pl, shape in zip(per, shapes, strict=True)]
 
 
-def concrete_dims(body_flat, avals, dims, treedef, paths, tie: bool = True, share: bool = True
-                  ) -> tuple[list[tuple], list[str], bool]:
+def concrete_dims(body_flat, avals, dims, treedef, paths, tie: bool = True, share: bool = True,
+                  force=()) -> tuple[list[tuple], list[str], bool]:
   """``(leaf_dims, var names, tied)`` of a carry of concrete avals: named by ``dims`` or found
   by one abstract step of the body (:func:`carry_vars`; ``leaf_dims`` may hold texts like
-  ``"n0 - 1"``)."""
+  ``"n0 - 1"``).  ``force``: (leaf, axis) pairs that are variables though that step kept
+  them."""
   shapes = [tuple(a.shape) for a in avals]
   if dims is not None:
     per, names, tied = carry_vars(shapes, None, named_axes(dims, treedef, shapes, paths))
     return leaf_dims_of(per, shapes), sorted(names), tied
   outs = eval_shape_body(body_flat, avals)
   check_structure("body_fun", avals, outs, None, None, paths)
-  per, names, tied = carry_vars(shapes, [tuple(o.shape) for o in outs], tie=tie, share=share)
+  per, names, tied = carry_vars(shapes, moved_outs(outs, force), tie=tie, share=share)
   return leaf_dims_of(per, shapes), names, tied
+
+
+def moved_outs(outs, force) -> list[tuple]:
+  """The out shapes of one abstract step with the ``force``d (leaf, axis) pairs marked as
+  changed (one more), so :func:`carry_vars` makes each a variable."""
+  shapes = [list(o.shape) for o in outs]
+  for li, ax in force:
+    shapes[li][ax] = shapes[li][ax] + 1
+  return [tuple(s) for s in shapes]
 
 
 def policies(buckets, var_order) -> list[BucketPolicy]:

@@ -35,6 +35,7 @@ from dynjax.control._carry import (
   keypaths,
   leaf_dims_of,
   max_iterations_error,
+  moved_outs,
   named_axes,
   overflow_error,
   policies,
@@ -136,12 +137,13 @@ class _HostIterations:
       info["buckets"].append(tuple(buckets[v] for v in self.carry_vars))
 
 
-def _carry_axes(avals, outs, dims, treedef, share: bool = True) -> tuple[list[tuple], list[str]]:
-  """Carry variables from one staged abstract step (or from ``dims``)."""
+def _carry_axes(avals, outs, dims, treedef, share: bool = True, force=()
+                ) -> tuple[list[tuple], list[str]]:
+  """Carry variables from one staged abstract step (or from ``dims``); ``force``: (leaf,
+  axis) pairs that are variables though that step kept them."""
   shapes = [tuple(a.shape) for a in avals]
   named = None if dims is None else named_axes(dims, treedef, shapes, keypaths(treedef))
-  per, names, _ = carry_vars(shapes, [tuple(o.shape) for o in outs], named, tie=False,
-                             share=share)
+  per, names, _ = carry_vars(shapes, moved_outs(outs, force), named, tie=False, share=share)
   return leaf_dims_of(per, shapes), sorted(names) if named is not None else names
 
 
@@ -154,6 +156,13 @@ def _shared_apart(leaf_dims, body_out) -> bool:
       if isinstance(d, str):
         nxt.setdefault(d, set()).add(str(n))
   return any(len(v) > 1 for v in nxt.values())
+
+
+def _moved(leaf_dims, body_out) -> list[tuple[int, int]]:
+  """(leaf, axis) of the axes fixed in the first step that the symbolic body changes."""
+  return [(li, ax) for li, (ld, o) in enumerate(zip(leaf_dims, body_out, strict=True))
+          for ax, (d, n) in enumerate(zip(ld, o.shape, strict=True))
+          if not isinstance(d, str) and (_symbolic.is_symbolic(n) or int(n) != int(d))]
 
 
 class HostLoop:
@@ -175,10 +184,10 @@ class HostLoop:
     except Exception as e:  # noqa: BLE001 - an unstageable body still runs, eagerly
       self.mode, self.fallback = "host_eager", f"{type(e).__name__}: {first_line(e)}"
 
-  def _stage(self, avals, dims, buckets, share: bool = True):
+  def _stage(self, avals, dims, buckets, share: bool = True, force=()):
     cond_flat, body_flat = flat_fns(self.cond_fun, self.body_fun, self.treedef)
     _, outs = stage(body_flat, avals, export.SymbolicScope(), {}, "while_loop.body")
-    leaf_dims, names = _carry_axes(avals, outs, dims, self.treedef, share)
+    leaf_dims, names = _carry_axes(avals, outs, dims, self.treedef, share, force)
     self.leaf_dims, self.carry_vars = leaf_dims, tuple(names)
     scope = export.SymbolicScope()
     syms = export.symbolic_shape(", ".join(names), scope=scope) if names else ()
@@ -189,6 +198,9 @@ class HostLoop:
     body, body_out = stage(body_flat, sym_avals, scope, pols, "while_loop.body")
     if share and dims is None and _shared_apart(leaf_dims, body_out):
       return self._stage(avals, dims, buckets, share=False)  # each such axis its own var
+    moved = _moved(leaf_dims, body_out) if dims is None and not force else []
+    if moved:  # fixed in the first step only (r grown by q's length, q empty at the start)
+      return self._stage(avals, dims, buckets, share=False, force=moved)
     cond, _ = stage(lambda *xs: [jnp.asarray(cond_flat(*xs))], sym_avals, scope, pols,
                       "while_loop.cond")
     self.core = _HostIterations(cond, body, body_out, leaf_dims, names, body.policies)

@@ -130,8 +130,12 @@ def build_spec(cond_fun, body_fun, treedef, avals, dims, buckets, padding, unrol
     # Axes a constant apart that do not stay so (the body changes one of them otherwise at
     # other sizes): each its own variable, as without tying.  Then axes of one size that
     # change alike at the init's sizes only (``r[2:]`` beside ``q[:-1][1:]``): each its own.
+    # And axes fixed in the first (concrete) step that the body changes at other sizes
+    # (``r`` grown by ``q``'s length, ``q`` empty at the start): a dim each.
     retries = ([dict(tie=False)] if tied else []) + ([dict(tie=False, share=False)]
                                                       if dims is None else [])
+    if dims is None and getattr(e, "moved", None):
+      retries.append(dict(tie=False, share=False, force=e.moved))
     for kw in retries:
       try:
         ld, vo, _ = concrete_dims(body_flat, avals, dims, treedef, paths, **kw)
@@ -249,7 +253,8 @@ def spec_from_symbolic(cond_fun, body_fun, treedef, paths, sym_avals, leaf_dims,
     if v not in next_sym:
       now_sym[v], next_sym[v] = d_in, d_out
       next_of[v], where_of[v] = str(d_out), where
-  for p, ld, a, o in zip(paths, leaf_dims, sym_avals, outs, strict=True):
+  moved = []  # (leaf, axis) of fixed axes the body changes (a dim each may express them)
+  for li, (p, ld, a, o) in enumerate(zip(paths, leaf_dims, sym_avals, outs, strict=True)):
     for ax, (d_dim, d_in, d_out) in enumerate(zip(ld, a.shape, o.shape, strict=True)):
       tied = (isinstance(d_dim, str) and d_dim not in var_order
               and bool(_symbolic.dim_vars_of(d_dim) & set(next_sym)))
@@ -275,13 +280,17 @@ def spec_from_symbolic(cond_fun, body_fun, treedef, paths, sym_avals, leaf_dims,
       elif _symbolic.is_symbolic(d_out):
         bad.append(f"{p}.shape[{ax}]: {d_in} -> {d_out} (a fixed axis whose new size depends "
                    "on other dims); declare it dynamic with dims=")
+        moved.append((li, ax))
       elif int(d_out) != int(d_in):
         bad.append(f"{p}.shape[{ax}]: {d_in} -> {d_out}")
+        moved.append((li, ax))
   if bad:
-    raise exact_runs(ControlFlowError(
+    err = exact_runs(ControlFlowError(
         "body_fun changes the carry's shape in a way its dims cannot express:\n"
         + format_list(bad)
         + "\nEach dynamic axis must become an expression of the carry's dims (e.g. t + 1)."))
+    err.moved = moved
+    raise err
   bcj, bconsts = hoist_consts(body_closed)
   ccj, cconsts = hoist_consts(cond_closed)
   extra = set()

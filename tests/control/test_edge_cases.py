@@ -533,3 +533,32 @@ def test_a_host_mode_loop_gives_axes_of_one_size_that_part_a_dim_each():
   got = dc.while_loop(cond, host_body, init)
   assert [g.shape for g in got[:2]] == [w.shape for w in want[:2]] == [(0,), (1,)]
   assert float(got[3]) == float(want[3]) and int(got[2]) == int(want[2])
+
+
+def _r_grown_by_q(c):  # q starts empty, so the first step keeps r: r looked fixed
+  q, r, i = c
+  q = jnp.concatenate([q, q[:1] * 0.5 + 1.0])
+  r = jnp.concatenate([r, q])
+  q = jnp.concatenate([q, jnp.full((2,), i, q.dtype)])
+  return q[-3:] * 1.5, r, i + 1
+
+
+def _r_grown_by_q_host(c):
+  q, r, i = _r_grown_by_q(c)
+  z = dc.while_loop(_below_four, _grow_to_four, jnp.ones(1))
+  return q, r + jnp.sum(z) - 4.0, i
+
+
+@pytest.mark.parametrize("body", [_r_grown_by_q, _r_grown_by_q_host], ids=["hoisted", "host"])
+def test_an_axis_the_first_step_keeps_and_later_steps_change_is_a_dim(body):
+  # Host mode raised "body_fun changed fixed carry axes" at the second step; the hoisted
+  # loop refused it ("a fixed axis whose new size depends on other dims").
+  def cond(c):
+    return (jnp.asarray(c[0].shape[0]) < 6) & (c[2] < 5)
+
+  init = (jnp.zeros(0), jnp.arange(3.0), jnp.int32(0))
+  want = jit_loop(cond, _r_grown_by_q, init)
+  got = dc.while_loop(cond, body, init)
+  assert [g.shape for g in got] == [w.shape for w in want] == [(3,), (18,), ()]
+  np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), rtol=1e-6)
+  assert dc.loop_stats()["mode"] == ("hoisted" if body is _r_grown_by_q else "host")
