@@ -298,8 +298,9 @@ _EQ_LOCK = threading.Lock()
 
 
 def _wrap_dim_equality() -> bool:
-  """Wraps ``_DimExpr.__eq__`` once a process; False where jax's class moved (no recording:
-  jax's own answer, as before)."""
+  """Wraps ``_DimExpr.__eq__`` once a process and gives the class a ``__bool__`` (``d != 0``,
+  recorded alike: without one ``if x.shape[0]:`` was True for every size); False where jax's
+  class moved (no recording: jax's own answer, as before)."""
   if "patched" in _EQ_STATE:
     return _EQ_STATE["patched"]
   with _EQ_LOCK:
@@ -327,7 +328,18 @@ def _wrap_dim_equality() -> bool:
       record = getattr(_EQ_LOCAL, "record", None)
       if record is None or answer is not False:  # not tracing a family, or decided equal
         return answer
-      frame = sys._getframe(1)
+      _note(self, other, answer, sys._getframe(1), record)
+      return answer
+
+    def __bool__(self):  # noqa: N807 - jax's class has none: ``if x.shape[0]:`` was True
+      # for every size, silently (``x[1:]`` of one row is empty).  Now ``d != 0``, recorded.
+      answer = original(self, 0)
+      record = getattr(_EQ_LOCAL, "record", None)
+      if record is not None and answer is False:
+        _note(self, 0, answer, sys._getframe(1), record)
+      return not answer
+
+    def _note(self, other, answer, frame, record):
       # Past shape_poly's own frames and generated equality methods (a dataclass's ``__eq__``
       # is compiled from "<string>"): a cache keyed by such objects compares dims when two
       # keys' hashes collide, which varies per process (string hashing, keys hashed by id).
@@ -338,16 +350,17 @@ def _wrap_dim_equality() -> bool:
           and frame.f_code.co_name in ("__eq__", "__ne__"))):
         frame = frame.f_back
       if frame is None or frame.f_code.co_filename.startswith(internal):
-        return answer  # jax's own shape rules (``definitely_equal(d, 1)``) and dynjax's
+        return  # jax's own shape rules (``definitely_equal(d, 1)``) and dynjax's
       try:
         if not is_symbolic(self - other):
-          return answer  # decided: unequal for every size
+          return  # decided: unequal for every size
       except Exception:  # noqa: BLE001 - another scope, not a dimension: jax's answer stands
-        return answer
+        return
       record.append((self, other, f"{frame.f_code.co_filename}:{frame.f_lineno}"))
-      return answer
 
     cls.__eq__ = __eq__
+    if "__bool__" not in vars(cls):
+      cls.__bool__ = __bool__
     _EQ_STATE["patched"] = True
     return True
 

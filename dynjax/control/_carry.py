@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from dynjax import _jax_private as jp
 from dynjax import _symbolic
 from dynjax._errors import ControlFlowError, OutOfBucketsError, format_list
 from dynjax.bucketing._policies import BucketPolicy, as_policy, pow2
@@ -114,10 +115,14 @@ def eval_shape_body(body_flat, avals):
 
 
 def trace_symbolic(part: str, fn, sym_avals):
-  """``make_jaxpr`` of the loop's body or cond over symbolic carries, errors named for the user."""
+  """``make_jaxpr`` of the loop's body or cond over symbolic carries, errors named for the user.
+
+  An equality of carry dims that the trace cannot decide (``if q.shape[0] == 0:``, ``if
+  q.shape[0]:``; jax answers "not equal" for every size) makes the loop exact (a guard would
+  have to hold at every iteration's sizes; ``_jax_private.undecided_equalities``)."""
   try:
-    with building(f"while_loop {part}"):
-      return jax.make_jaxpr(fn)(*sym_avals)
+    with building(f"while_loop {part}"), jp.undecided_equalities() as undecided:
+      closed = jax.make_jaxpr(fn)(*sym_avals)
   except ControlFlowError:
     raise
   except Exception as e:
@@ -125,6 +130,13 @@ def trace_symbolic(part: str, fn, sym_avals):
     if err is None:
       raise
     raise err from None
+  if undecided:
+    lhs, rhs, where = undecided[0]
+    raise exact_runs(ControlFlowError(
+        f"{part}_fun compares {lhs} == {rhs} at {where}, which the symbolic trace cannot "
+        "decide (JAX takes it as unequal at every size). Compare as an array op, e.g. "
+        "jnp.asarray(x.shape[0]) == 0 in jnp.where or lax.cond, to have the loop padded."))
+  return closed
 
 
 def check_structure(what, avals_in, outs, treedef, out_tree, paths) -> None:

@@ -195,14 +195,19 @@ class HostLoop:
     sym_avals = [jax.ShapeDtypeStruct(tuple(next(it) for _ in ld), a.dtype)
                  for ld, a in zip(leaf_dims, avals, strict=True)]
     pols = dict(zip(names, policies(buckets, tuple(names)), strict=True))
-    body, body_out = stage(body_flat, sym_avals, scope, pols, "while_loop.body")
+    with jp.undecided_equalities() as undecided:  # (``if q.shape[0]:``: see trace_symbolic)
+      body, body_out = stage(body_flat, sym_avals, scope, pols, "while_loop.body")
+      cond, _ = stage(lambda *xs: [jnp.asarray(cond_flat(*xs))], sym_avals, scope, pols,
+                      "while_loop.cond")
+    if undecided:
+      lhs, rhs, where = undecided[0]
+      raise StagingError(f"the loop compares {lhs} == {rhs} at {where}, which the symbolic "
+                         "trace cannot decide: it runs eagerly")
     if share and dims is None and _shared_apart(leaf_dims, body_out):
       return self._stage(avals, dims, buckets, share=False)  # each such axis its own var
     moved = _moved(leaf_dims, body_out) if dims is None and not force else []
     if moved:  # fixed in the first step only (r grown by q's length, q empty at the start)
       return self._stage(avals, dims, buckets, share=False, force=moved)
-    cond, _ = stage(lambda *xs: [jnp.asarray(cond_flat(*xs))], sym_avals, scope, pols,
-                      "while_loop.cond")
     self.core = _HostIterations(cond, body, body_out, leaf_dims, names, body.policies)
     self.core.overflow, self.core.max_iterations = self.overflow, self.max_iterations
     self.core.paths = keypaths(self.treedef)

@@ -136,6 +136,7 @@ def build_spec(cond_fun, body_fun, treedef, avals, dims, buckets, padding, unrol
                                                       if dims is None else [])
     if dims is None and getattr(e, "moved", None):
       retries.append(dict(tie=False, share=False, force=e.moved))
+    why = e  # the reason to report: the first error, or a retry's that got further
     for kw in retries:
       try:
         ld, vo, _ = concrete_dims(body_flat, avals, dims, treedef, paths, **kw)
@@ -143,13 +144,15 @@ def build_spec(cond_fun, body_fun, treedef, avals, dims, buckets, padding, unrol
           continue
         spec = _spec_at(*args, ld, vo, *opts)
         break
+      except ControlFlowError as e2:
+        why = e2 if getattr(e2, "exact_runs", False) else why
       except Exception:  # noqa: BLE001 - the first attempt's error is the one to report
         continue
     if spec is None:
       if not getattr(e, "exact_runs", False) or (dims is not None and "cannot express" in
                                                  str(e)):
         raise
-      spec = exact_spec(*args, *opts[1:], reason=str(e))
+      spec = exact_spec(*args, *opts[1:], reason=str(why))
   spec.exact_body = Kernel("while.body_exact", lambda key: jax.jit(body_flat),
                            lambda key: "exact")
   spec.exact_cond = Kernel("while.cond_exact", lambda key: jax.jit(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -562,3 +564,48 @@ def test_an_axis_the_first_step_keeps_and_later_steps_change_is_a_dim(body):
   assert [g.shape for g in got] == [w.shape for w in want] == [(3,), (18,), ()]
   np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), rtol=1e-6)
   assert dc.loop_stats()["mode"] == ("hoisted" if body is _r_grown_by_q else "host")
+
+
+def _drop_then_refill(c):  # ``if q.shape[0]:``: Python truthiness of a carry dim
+  q, i = c
+  q = q[1:]
+  q = jnp.concatenate([q, q[-1:] * 0.5]) if q.shape[0] else jnp.full((2,), 9.0)
+  return q, i + 1
+
+
+def _drop_then_refill_eq(c):  # the same as an equality
+  q, i = c
+  q = q[1:]
+  q = jnp.full((2,), 9.0) if q.shape[0] == 0 else jnp.concatenate([q, q[-1:] * 0.5])
+  return q, i + 1
+
+
+@pytest.mark.parametrize("body", [_drop_then_refill, _drop_then_refill_eq], ids=["bool", "eq"])
+@pytest.mark.parametrize("host", [False, True], ids=["hoisted", "host"])
+def test_a_python_test_of_a_carry_dim_the_trace_cannot_decide_makes_the_loop_exact(body, host):
+  # JAX answers an undecided d == 0 with False and took bool(d) as True: the loop traced the
+  # "non-empty" side at every size.  With one entry left, q[1:] is empty and JAX refills it
+  # (9, 9); dynjax's loop came back with garbage.  Now such a loop runs per exact shape.
+  def step(c):
+    q, i = body(c)
+    if host:  # a shape-changing inner loop: the outer loop in host mode
+      z = dc.while_loop(_below_four, _grow_to_four, jnp.ones(1))
+      q = q + jnp.sum(z) - 4.0
+    return q, i
+
+  def cond(c):
+    return c[1] < 4
+
+  init = (jnp.arange(1.0, 2.0), jnp.int32(0))
+  want = jit_loop(cond, body, init)
+  with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    got = dc.while_loop(cond, step, init)
+  np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+  st = dc.loop_stats()
+  if host:
+    assert st["mode"] == "host_eager" and "which the symbolic trace cannot decide" in \
+        st["fallback"], st
+  else:
+    assert st["mode"] == "exact" and st["fallback"].startswith("body_fun compares n0 - 1 == 0 at")
+    assert any("which the symbolic trace cannot decide" in str(w.message) for w in seen)

@@ -231,11 +231,19 @@ def where_eq(x):
   return jnp.where(x.shape[1] != 5, x.max(-1), x.sum(-1))  # != too
 
 
+def branch_nonempty(x):
+  rest = x[:, 1:]
+  if rest.shape[1]:  # Python truthiness: jax's dims had no __bool__ (True at every size)
+    return rest.sum(-1) + 1.0
+  return x.max(-1) - 7.0
+
+
 EQUALITIES = {  # (function, its guard, a violating (b, t))
   "if t == 5": (branch_eq, "t != 5", (2, 5)),
   "t % 2 == 0": (branch_even, "mod(t, 2) != 0", (2, 4)),
   "b == t": (branch_square, "b != t", (3, 3)),
   "jnp.where(t != 5)": (where_eq, "t != 5", (2, 5)),
+  "if x[:, 1:].shape[1]": (branch_nonempty, "t - 1 != 0", (2, 1)),  # session 29: was wrong
 }
 
 
