@@ -111,6 +111,9 @@ class Fold:
         n = m.shape[0]
         cols.append(None)
         mats.append(m)
+      if n == 0:
+        raise ControlFlowError(f"fold: structure {i} has no nodes (its children array has 0 "
+                               "rows); a structure needs at least its root node.")
       x = () if inputs is None else inputs(s)
       x = (x,) if isinstance(x, np.ndarray | jax.Array) else tuple(x)
       if not all(type(v) is np.ndarray for v in x):
@@ -264,6 +267,8 @@ class Fold:
     if any_tracer(leaves):
       raise needs_vm("control.fold", f"{self.name} was called with JAX tracers; it runs a "
                      "schedule of batched cell calls on the VM", leaves)
+    if not structures:  # an empty minibatch (as recursive.batch([]))
+      return []
     t0 = time.perf_counter()
     sch = self.schedule(structures)
     t1 = time.perf_counter()

@@ -72,6 +72,10 @@ def _tree(types, children):
   return BinTree("t", np.asarray(types, np.int32), fc, ns)
 
 
+def test_an_empty_minibatch_gives_no_results_as_recursive_batch_does():
+  assert _fold().batch([], PJ) == [] and _fold().batch((), PJ) == []  # it raised before
+
+
 def test_fold_dag_runs_a_shared_child_once():
   # node 0 reads nodes 1 and 2; node 1 reads node 2 as well (a DAG: 2 is shared)
   dag = _tree([3, 5, 7], [(1, 2), (2, -1), (-1, -1)])
@@ -130,6 +134,11 @@ def test_fold_errors():
       "fold: the structures have nodes with [3] children but no cell for that arity; cells "
       "are given for arities [0, 1, 2]. Pass cells[k] for every k, or binarize the structure "
       "(first-child / next-sibling).")
+
+  empty = _tree([], [])  # a structure of no nodes: named (it was numpy's IndexError)
+  with pytest.raises(ControlFlowError, match=r"^fold: structure 1 has no nodes \(its children "
+                     r"array has 0 rows\); a structure needs at least its root node\.$"):
+    _fold().batch([TREES[0], empty], PJ)
 
   with pytest.raises(ControlFlowError) as e:
     _fold(inputs=lambda s: s.types[:-1]).batch([TREES[0]], PJ)
