@@ -95,6 +95,7 @@ class ProgramRunner:
     self.runs = 0
     self.empty_runs = 0  # calls with a dynamic size of 0, run op by op
     self.emptied_runs = 0  # calls whose staged loop emptied a shrinking carry: op by op
+    self.outside_runs = 0  # calls whose sizes break a guard the family traced under: op by op
     self._sig = sig
     self._dyn = tuple(i for i, s in enumerate(sig.leaves) if s is not None)
     if padding == "exact":
@@ -112,26 +113,35 @@ class ProgramRunner:
       first = str(e).strip().splitlines()[0] if str(e).strip() else ""
       self.reason = f"{type(e).__name__}: {first}"
 
-  def _empty(self, leaves) -> bool:
+  def _sizes(self, leaves) -> tuple:
     shapes = [None] * len(self._sig.leaves)
     for i in self._dyn:
       shapes[i] = tuple(np.shape(leaves[i]))
-    return 0 in _symbolic.solve_sizes(self._sig, shapes)
+    return tuple(_symbolic.solve_sizes(self._sig, shapes))
 
   def describe(self) -> dict:
     st = self.staged
     return {"compiled": st is not None, "reason": self.reason, "runs": self.runs,
             "runs_with_an_empty_dim": self.empty_runs,
             "runs_with_an_emptied_carry": self.emptied_runs,
+            "runs_outside_guards": self.outside_runs,
             "segments": None if st is None else len(st.segments),
             "control_ops": None if st is None else [
                 s.params["call"].name for s in st.steps if not hasattr(s, "eqns")]}
 
-  def run(self, leaves, to_host: bool, eager: Callable[[], Any]):
-    """Flat outputs and their tree: compiled when possible, else ``eager()`` (op by op)."""
+  def run(self, leaves, to_host: bool, eager: Callable[[], Any],
+          holds: Callable[[tuple], bool] | None = None):
+    """Flat outputs and their tree: compiled when possible, else ``eager()`` (op by op).
+
+    ``holds(sizes)``: whether the call's sizes keep the guards the family (and so the staged
+    program, which shares its symbolic scope) was traced under; else it runs op by op."""
     t0 = time.perf_counter()
     why = None
-    if self.staged is not None and self._empty(leaves):
+    sizes = self._sizes(leaves) if self.staged is not None else ()
+    if self.staged is not None and holds is not None and 0 not in sizes and not holds(sizes):
+      self.outside_runs += 1  # (before: such a call ran the program, wrong or raising)
+      why = "sizes outside the guards the function was traced under"
+    elif self.staged is not None and 0 in sizes:
       # A dynamic size of 0: the staged program's dims are JAX dim variables, taken to be
       # >= 1 (code reading an empty axis, x[-1:], was traced as one entry).  Such calls run
       # op by op, as dynjax.jit runs a size of 0 exact.

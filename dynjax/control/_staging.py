@@ -138,11 +138,18 @@ def split(jaxpr) -> list:
   """Steps ``[_Segment, control eqn, _Segment, ...]`` of a staged jaxpr (dead code dropped)."""
   Var = jex.Var
   live = {v for v in jaxpr.outvars if isinstance(v, Var)}
+  # A control op whose values are dead may still make a dim that later code reads
+  # (``z.shape[0]`` of a cond's result): it is kept for that dim (it raised KeyError).
+  live_dims: set[str] = set()
+  for v in jaxpr.outvars:
+    live_dims |= _symbolic.vars_of_dims(getattr(v.aval, "shape", ()))
   keep = []
   for e in reversed(jaxpr.eqns):
-    if any(o in live for o in e.outvars):
+    if any(o in live for o in e.outvars) or (e.primitive is control_p and any(
+        _symbolic.vars_of_dims(o.aval.shape) & live_dims for o in e.outvars)):
       keep.append(e)
       live.update(v for v in e.invars if isinstance(v, Var))
+      live_dims |= _eqn_dim_vars(e)
   keep.reverse()
   level: dict = {}
   dim_level: dict[str, int] = {}  # a fresh dim exists from the control op that makes it

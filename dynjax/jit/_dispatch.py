@@ -381,7 +381,15 @@ class Dispatcher:
   # -- unpadded runs -----------------------------------------------------------------------
   def run_exact(self, fam: Family, leaves, device: bool):
     leaves = [x.unpad() if is_padded(x) else x for x in leaves]
-    exe = fam.exact_executable(leaves)
+    try:
+      exe = fam.exact_executable(leaves)
+    except Exception as e:
+      from dynjax.control._frontend import NeedsProgram
+      if not isinstance(e, NeedsProgram):
+        raise
+      # A dynjax control op that has an XLA form symbolically (a cond whose branches agree
+      # on n) but not at these sizes (at n = 0 they differ): this call runs op by op.
+      return self._op_by_op(fam, leaves, device)
     flat = exe(*leaves)
     tree = fam.flat_fun.out_tree
     if not device:  # as the padded path: with dims numpy, without dims device arrays
@@ -393,6 +401,15 @@ class Dispatcher:
     if self.opts.return_padded:
       flat = [Padded(o, np.shape(o)) for o in flat]
     return tree_unflatten(tree, flat)
+
+  def _op_by_op(self, fam: Family, leaves, device: bool):
+    from dynjax.control import run_in_program
+
+    args, kw = self.binder.call_args(fam.key[0], tree_unflatten(fam.key[1], leaves))
+    flat, tree = jax.tree_util.tree_flatten(run_in_program(self.binder.fun, tuple(args), kw,
+                                                           options=self.opts))
+    self.counters.unpadded(fam.fid, "program", 0, False)
+    return tree_unflatten(tree, to_host(flat) if not device else flat)
 
   def run_program(self, fam: Family, leaves, device: bool):
     """A function with dynjax control flow: a host program on the VM whose straight-line
@@ -410,7 +427,13 @@ class Dispatcher:
       args, kw = self.binder.call_args(fam.key[0], tree_unflatten(fam.key[1], leaves))
       return run_in_program(self.binder.fun, tuple(args), kw, options=self.opts)
 
-    flat, tree = fam.program.run(leaves, not device, eager)
+    def holds(sizes) -> bool:  # the family's guards (program families were traced under them)
+      if fam.guard_ok(sizes):
+        return True
+      fam.outside_guards(sizes)  # warns once (raises under on_fallback="error")
+      return False
+
+    flat, tree = fam.program.run(leaves, not device, eager, holds)
     if not device:
       flat = to_host(flat)
     self.counters.unpadded(fam.fid, "program", 0, False)

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import dynjax
 import dynjax.control as dc
 from dynjax.runtime import collect_stats
 
@@ -67,3 +68,65 @@ def test_a_staged_cond_whose_branch_may_be_empty_is_exact():
       assert [float(a) for a in got] == [float(jnp.max(y[-1:], initial=-5.0)),
                                          float(y.sum()), float(y.shape[0])]
   assert g.stats()["programs"][0]["compiled"]
+
+
+# -- session 29: conds inside dynjax.jit that a cond fuzzer broke ---------------------------
+def _py_cond(pred, t, f, v):  # the reference: Python's if on the concrete predicate
+  return t(v) if bool(pred) else f(v)
+
+
+def _same(got, want):
+  for g, w in zip(got, want, strict=True):
+    assert np.shape(g) == np.shape(w)
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6)
+
+
+def test_a_cond_used_only_for_its_result_shape_is_kept():
+  # z's values are dead, its length is read: the program dropped the cond as dead code and
+  # the segment that reads z.shape[0] raised KeyError('_dj0').
+  def make(cond):
+    def f(x):
+      z = cond(jnp.sum(x) > 4.8, lambda v: v, lambda v: v[1:][-2:] * 2, x[::-1] + 1)
+      return jnp.asarray(z.shape[0], jnp.float32) + jnp.sum(x)
+    return f
+
+  g = dynjax.jit(make(dc.cond), dims={"x": "n"})
+  for n in (8, 3, 1):
+    x = np.arange(float(n), dtype=np.float32)
+    _same([g(x)], [make(_py_cond)(jnp.asarray(x))])
+
+
+def test_sizes_outside_the_guards_of_a_program_run_op_by_op():
+  # v[1:][::-1] makes the family trace under n >= 2 (jax asks min(n, 3) - 1 >= 1); the
+  # program shares that scope but ran n = 1 anyway (a bucket of 0: ValueError).
+  def make(cond):
+    def f(x):
+      z = cond(jnp.sum(x[:3]) > 8.0, lambda v: v[::2][-2:] * 2, lambda v: v[1:][::-1] + 1,
+               x[:3])
+      w = z[::2]
+      return jnp.concatenate([w, w])
+    return f
+
+  g = dynjax.jit(make(dc.cond), dims={"x": "n"})
+  _same([g(np.ones(5, np.float32))], [make(_py_cond)(jnp.ones(5))])
+  with pytest.warns(UserWarning, match=r"sizes n = 1 violate the guard\(s\) n >= 2"):
+    _same([g(np.ones(1, np.float32))], [make(_py_cond)(jnp.ones(1))])
+  prog = g.stats()["programs"][0]
+  assert prog["compiled"] and prog["runs_outside_guards"] == 1, prog
+
+
+def test_a_cond_whose_branches_part_only_at_size_zero_runs_op_by_op_there():
+  # Symbolically both branches give n (a lax.cond: no program); at n = 0 the second gives 1,
+  # so the exact-shape jax.jit raised NeedsProgram.  Such a call now runs op by op.
+  def make(cond):
+    def f(x):
+      z = cond(jnp.sum(x) > -2.0, jnp.sort,
+               lambda v: jnp.pad(v[:-1], (1, 0), constant_values=3.0), x)
+      return z, jnp.sum(z)
+    return f
+
+  g = dynjax.jit(make(dc.cond), dims={"x": "n"})
+  for n in (0, 3, 0):
+    for sign in (1.0, -1.0):
+      x = sign * np.ones(n, np.float32)
+      _same(g(x), make(_py_cond)(jnp.asarray(x)))
