@@ -27,6 +27,7 @@ TESTS = {
   "tests/trials/test_idioms.py::test_the_same_idioms_with_x64_on": 34.2,
   # session 29: random loops vs the exact-shape loop (40 hypothesis examples, 17 s alone)
   "tests/control/test_loop_fuzz.py::test_random_loops_equal_the_exact_shape_loop": 17.4,
+  "tests/control/test_loop_fuzz.py::test_random_conds_in_dynjax_jit_equal_python_if": 10.0,
   # session 22: random programs of everyday ops, padded vs exact (60 hypothesis examples)
   "tests/bucketing/test_fuzz.py::test_random_programs_are_exact_on_the_true_prefix": 12.0,
   "tests/bucketing/test_fuzz.py::test_random_programs_have_exact_gradients": 10.8,
