@@ -402,19 +402,21 @@ class Dispatcher:
       flat = [Padded(o, np.shape(o)) for o in flat]
     return tree_unflatten(tree, flat)
 
-  def _op_by_op(self, fam: Family, leaves, device: bool):
+  def _eager(self, fam: Family, leaves):
+    """The user's function on this call's exact arguments, op by op (control ops on the VM)."""
     from dynjax.control import run_in_program
 
     args, kw = self.binder.call_args(fam.key[0], tree_unflatten(fam.key[1], leaves))
-    flat, tree = jax.tree_util.tree_flatten(run_in_program(self.binder.fun, tuple(args), kw,
-                                                           options=self.opts))
+    return run_in_program(self.binder.fun, tuple(args), kw, options=self.opts)
+
+  def _op_by_op(self, fam: Family, leaves, device: bool):
+    flat, tree = jax.tree_util.tree_flatten(self._eager(fam, leaves))
     self.counters.unpadded(fam.fid, "program", 0, False)
     return tree_unflatten(tree, to_host(flat) if not device else flat)
 
   def run_program(self, fam: Family, leaves, device: bool):
     """A function with dynjax control flow: a host program on the VM whose straight-line
     segments are compiled per bucket (dynjax.control), or op by op when it cannot be staged."""
-    from dynjax.control import run_in_program
     from dynjax.control._inprogram import ProgramRunner
 
     leaves = [x.unpad() if is_padded(x) else x for x in leaves]
@@ -424,8 +426,7 @@ class Dispatcher:
           self.name, self.opts.padding)
 
     def eager():
-      args, kw = self.binder.call_args(fam.key[0], tree_unflatten(fam.key[1], leaves))
-      return run_in_program(self.binder.fun, tuple(args), kw, options=self.opts)
+      return self._eager(fam, leaves)
 
     def holds(sizes) -> bool:  # the family's guards (program families were traced under them)
       if fam.guard_ok(sizes):
