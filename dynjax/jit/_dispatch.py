@@ -11,7 +11,7 @@ LRU bound, which may evict the bucket).
 
 :class:`Dispatcher` is the per-function state behind ``Wrapped``: families, the executable
 cache, the compiler, counters.  Exact-shape and host-program calls (``run_exact``,
-``run_program``) are not padded and have routines of their own.
+``_programs.run_program``) are not padded and have routines of their own.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from dynjax._errors import (
   PaddingUnsupportedError,
 )
 from dynjax._padded import Padded
-from dynjax.jit import _args, _casts, _devpad, _forward, _placement, _serving
+from dynjax.jit import _args, _casts, _devpad, _forward, _placement, _programs, _serving
 from dynjax.jit._args import (
   is_key,
   is_padded,
@@ -43,6 +43,7 @@ from dynjax.jit._args import (
 from dynjax.jit._cache import ExecutableCache
 from dynjax.jit._family import PADDED_MODES, Family
 from dynjax.jit._options import Policies
+from dynjax.jit._placement import to_host
 from dynjax.jit._serving import Compiler
 from dynjax.jit._stats import Counters
 
@@ -325,7 +326,7 @@ class Dispatcher:
       return ex.run(leaves)
     device = any(on_device(leaves[i]) for i in fam.dyn_leaves)
     if fam.mode == "program":
-      return self.run_program(fam, leaves, device)
+      return _programs.run_program(self, fam, leaves, device)
     return self.run_exact(fam, leaves, device)
 
   # -- a miss: plan the bucket, get the entry, build the executor --------------------------
@@ -389,7 +390,7 @@ class Dispatcher:
         raise
       # A dynjax control op that has an XLA form symbolically (a cond whose branches agree
       # on n) but not at these sizes (at n = 0 they differ): this call runs op by op.
-      return self._op_by_op(fam, leaves, device)
+      return _programs.op_by_op(self, fam, leaves, device)
     flat = exe(*leaves)
     tree = fam.flat_fun.out_tree
     if not device:  # as the padded path: with dims numpy, without dims device arrays
@@ -400,44 +401,6 @@ class Dispatcher:
                            not device)
     if self.opts.return_padded:
       flat = [Padded(o, np.shape(o)) for o in flat]
-    return tree_unflatten(tree, flat)
-
-  def _eager(self, fam: Family, leaves):
-    """The user's function on this call's exact arguments, op by op (control ops on the VM)."""
-    from dynjax.control import run_in_program
-
-    args, kw = self.binder.call_args(fam.key[0], tree_unflatten(fam.key[1], leaves))
-    return run_in_program(self.binder.fun, tuple(args), kw, options=self.opts)
-
-  def _op_by_op(self, fam: Family, leaves, device: bool):
-    flat, tree = jax.tree_util.tree_flatten(self._eager(fam, leaves))
-    self.counters.unpadded(fam.fid, "program", 0, False)
-    return tree_unflatten(tree, to_host(flat) if not device else flat)
-
-  def run_program(self, fam: Family, leaves, device: bool):
-    """A function with dynjax control flow: a host program on the VM whose straight-line
-    segments are compiled per bucket (dynjax.control), or op by op when it cannot be staged."""
-    from dynjax.control._inprogram import ProgramRunner
-
-    leaves = [x.unpad() if is_padded(x) else x for x in leaves]
-    if fam.program is None:
-      fam.program = ProgramRunner(
-          fam.flat_fun, _symbolic.symbolic_avals(fam.sig, fam.avals), fam.sig, fam.policies,
-          self.name, self.opts.padding)
-
-    def eager():
-      return self._eager(fam, leaves)
-
-    def holds(sizes) -> bool:  # the family's guards (program families were traced under them)
-      if fam.guard_ok(sizes):
-        return True
-      fam.outside_guards(sizes)  # warns once (raises under on_fallback="error")
-      return False
-
-    flat, tree = fam.program.run(leaves, not device, eager, holds)
-    if not device:
-      flat = to_host(flat)
-    self.counters.unpadded(fam.fid, "program", 0, False)
     return tree_unflatten(tree, flat)
 
   def maybe_check(self, fam: Family, leaves, result) -> None:
@@ -606,17 +569,3 @@ def pad_leaf(x, shape, target):
   buf = np.zeros(target, x.dtype)
   buf[tuple(slice(0, n) for n in x.shape)] = x
   return buf
-
-
-def to_host(outs, which=None) -> list:
-  """Device outputs to numpy (those ``which`` marks; default all). ``np.asarray`` per output
-  costs ~2 us on CPU where ``jax.device_get`` costs ~40 us (tree walk); several outputs start
-  their copies first. Arrays of an extended dtype (PRNG keys) have no numpy form and stay jax
-  arrays."""
-  if which is None:
-    which = (True,) * len(outs)
-  if len(outs) > 1:
-    for o, w in zip(outs, which, strict=True):
-      if w and isinstance(o, jax.Array) and not is_key(o):
-        o.copy_to_host_async()
-  return [np.asarray(o) if w and not is_key(o) else o for o, w in zip(outs, which, strict=True)]
