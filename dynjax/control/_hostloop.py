@@ -16,6 +16,8 @@ Python loop of eager calls (``mode="host_eager"``, reason in ``loop_stats()["fal
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -82,13 +84,16 @@ class _HostIterations:
     self.overflow, self.max_iterations = "grow", None
     self.paths = [f"init leaf {i}" for i in range(len(leaf_dims))]  # keypaths, when known
 
-  def bucket(self, sizes: dict) -> dict:
+  def bucket(self, sizes: dict, rest=None) -> dict:
     """The buckets of the carry vars' sizes (raises past a max with overflow="error", and
     :class:`EmptiedCarry` where a var is below 1: JAX dims are >= 1, an empty axis of a var
-    that did not start empty has no padded form; the caller runs exact)."""
+    that did not start empty has no padded form; the caller runs exact).  ``rest()``: the
+    exact carry the caller may go on from (``err.rest``), or None."""
     low = [f"{v} = {n}" for v, n in sizes.items() if n < 1]
     if low:
-      raise emptied_error("while_loop in host mode", ", ".join(low))
+      err = emptied_error("while_loop in host mode", ", ".join(low))
+      err.rest = None if rest is None else rest()
+      raise err
     if self.overflow == "error":
       over = [(v, n, ", ".join(f"{self.paths[li]}.shape[{ax}]" for li, ax, u, _ in self.solve
                                if u == v), self.policies[v])
@@ -121,13 +126,7 @@ class _HostIterations:
       if bad:
         raise ControlFlowError("body_fun returned a carry whose axes sharing a dimension "
                                "disagree:\n" + format_list(bad))
-      low = [f"{v} = {n}" for v, n in sizes.items() if n < 1]
-      if low:  # the step ran on sizes >= 1, so the carry is exact: HostLoop goes on eagerly
-        err = emptied_error("while_loop in host mode", ", ".join(low))
-        if all(d >= 0 for shape in exact for d in shape):
-          err.rest = (self, list(unpad(outs, exact)[0]))
-        raise err
-      buckets = self.bucket(sizes)
+      buckets = self.bucket(sizes, functools.partial(self._rest, outs, exact))
       env = env.updated(sizes, buckets)
       want = self.shapes(env.sizes)
       if tuple(map(tuple, want)) != tuple(map(tuple, exact)):
@@ -135,6 +134,13 @@ class _HostIterations:
                                f"{exact}")
       carry = list(repad(outs, self.shapes(env.buckets)))
       info["buckets"].append(tuple(buckets[v] for v in self.carry_vars))
+
+  def _rest(self, outs, exact):
+    """An emptied carry's exact values (the step that emptied it ran on sizes >= 1), for
+    HostLoop to go on from eagerly: ``(self, leaves)``; None where a size came out negative."""
+    if all(d >= 0 for shape in exact for d in shape):
+      return self, list(unpad(outs, exact)[0])
+    return None
 
 
 def _carry_axes(avals, outs, dims, treedef, share: bool = True, force=()

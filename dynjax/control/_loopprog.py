@@ -252,7 +252,7 @@ def hoisted_program(spec: LoopSpec, padded_io: bool = False):
     info["iterations"] += int(status[-1])
     # an emptied shrinking dim stopped the loop: its pred (and so the budget's check) is the
     # exact loop's to compute
-    emptied = any(int(status[1 + i]) < spec.least[i] for i in spec.shrinks)
+    emptied = bool(empties(spec, [int(x) for x in status[1:1 + nv]]))
     go = bool(status[0]) or emptied
     if go and not emptied and max_it is not None and info["iterations"] >= max_it:
       raise max_iterations_error(max_it)
@@ -262,7 +262,8 @@ def hoisted_program(spec: LoopSpec, padded_io: bool = False):
     cur = tuple(int(x) for x in status[1:1 + nv])
     nxt = tuple(int(x) for x in spec.next_host(*cur))
     # an emptied shrinking dim keeps its size (< least): checked() spills to exact
-    return tuple(a if i in spec.shrinks and a < spec.least[i] else max(a, c)
+    low = empties(spec, cur)
+    return tuple(a if i in low else max(a, c)
                  for i, (a, c) in enumerate(zip(cur, nxt, strict=True))), cur
 
   def first(pair):

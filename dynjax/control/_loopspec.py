@@ -192,10 +192,9 @@ def _spec_at(cond_fun, body_fun, treedef, paths, avals, leaf_dims, var_order, bu
   sym_avals = [jax.ShapeDtypeStruct(tuple(next(it) for _ in ld), a.dtype)
                for ld, a in zip(leaf_dims, avals, strict=True)]
   policy_of = dict(zip(var_order, policies(buckets, var_order), strict=True))
-  spec = spec_from_symbolic(cond_fun, body_fun, treedef, paths, sym_avals, leaf_dims,
+  return spec_from_symbolic(cond_fun, body_fun, treedef, paths, sym_avals, leaf_dims,
                             var_order, policy_of.__getitem__, padding, unroll, bucket_from,
                             overflow=overflow, max_iterations=max_iterations, least=least)
-  return spec
 
 
 def dim_sources(paths, leaf_dims, sym_avals, text: str) -> str:
@@ -394,7 +393,8 @@ def shrinking(spec: LoopSpec) -> tuple[int, ...]:
 
   JAX takes dim variables to be >= 1 (and shapes ``x[1:]`` as ``n - 1`` even where ``n`` may
   be 0), so a carry shrunk to nothing has no padded form: the hoisted loop stops once such a
-  variable is below 1 (the step that emptied it ran on a size >= 1), and the rest of the loop,
+  variable is below its ``least`` (1, or a tie's bound; the step that emptied it ran on a size
+  in the traced domain), and the rest of the loop,
   the cond on the emptied carry first, runs exact.  A loop staged inside ``dynjax.jit``
   (``spec.staged``) stops there too and raises :class:`~dynjax.control._carry.EmptiedCarry`:
   it cannot leave its program, so the whole call runs op by op.
@@ -517,7 +517,7 @@ def build_hoisted(spec: LoopSpec, bucket: tuple[int, ...]):
       return p, go
     ns = jnp.stack([jnp.asarray(x, jnp.int32) for x in next_dev(*s)])
     go = go & jnp.all(ns <= limit)
-    if shrinks:  # an emptied variable (< 1): its cond has no padded form, the host's (exact)
+    if shrinks:  # an emptied variable (< least): its cond has no padded form, the host's
       go = go & jnp.all(jnp.stack([jnp.asarray(s[i], jnp.int32) for i in shrinks])
                         >= jnp.asarray([spec.least[i] for i in shrinks], jnp.int32))
     return p, go

@@ -144,12 +144,14 @@ def split(jaxpr) -> list:
   for v in jaxpr.outvars:
     live_dims |= _symbolic.vars_of_dims(getattr(v.aval, "shape", ()))
   keep = []
+  dims_of: dict[int, set[str]] = {}  # id(eqn) -> its dim vars (walks sub-jaxprs: once each)
   for e in reversed(jaxpr.eqns):
     if any(o in live for o in e.outvars) or (e.primitive is control_p and any(
         _symbolic.vars_of_dims(o.aval.shape) & live_dims for o in e.outvars)):
       keep.append(e)
       live.update(v for v in e.invars if isinstance(v, Var))
-      live_dims |= _eqn_dim_vars(e)
+      dims_of[id(e)] = _eqn_dim_vars(e)
+      live_dims |= dims_of[id(e)]
   keep.reverse()
   level: dict = {}
   dim_level: dict[str, int] = {}  # a fresh dim exists from the control op that makes it
@@ -157,7 +159,7 @@ def split(jaxpr) -> list:
   controls = []
   for e in keep:
     lv = max((level.get(v, 0) for v in e.invars if isinstance(v, Var)), default=0)
-    lv = max([lv] + [dim_level.get(n, 0) for n in _eqn_dim_vars(e)])
+    lv = max([lv] + [dim_level.get(n, 0) for n in dims_of[id(e)]])
     if e.primitive is control_p:
       controls.append(e)
       segs.append([])
@@ -196,7 +198,7 @@ def split(jaxpr) -> list:
     outs = [o for e in step for o in e.outvars if o in later]
     names: set[str] = set()
     for e in step:
-      names |= _eqn_dim_vars(e)
+      names |= dims_of[id(e)]
     for v in ins:
       names |= _symbolic.vars_of_dims(v.aval.shape)
     out.append(_Segment(len([s for s in out if isinstance(s, _Segment)]), step, ins, outs,
