@@ -16,7 +16,7 @@ region and are exact.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
+import copy
 import itertools
 import math
 import threading
@@ -31,6 +31,8 @@ from jax.extend import core as jex_core
 
 from dynjax import _jax_private as jp
 from dynjax._errors import PaddingUnsupportedError, format_list
+from dynjax.bucketing import _outline
+from dynjax.bucketing._padded_value import PaddedValue, common_fill, same_fill
 
 Rule = Callable[["Context", Any, list["PaddedValue"]], list["PaddedValue"]]
 
@@ -42,74 +44,6 @@ RULES: dict[Any, Rule] = {}
 FUSED: dict[Any, Callable] = {}
 # primitive name -> why it has no exact rule (for the fallback message).
 WHY_NO_RULE: dict[str, str] = {}
-
-
-@dataclasses.dataclass(frozen=True)
-class PaddedValue:
-  """A padded array and what is known of its padded region.
-
-  Attributes:
-    val: the array, of the aval's shape evaluated at the bucket sizes.
-    fill: ``None`` when the padded region may hold anything (garbage); otherwise the Python
-      scalar every element of the padded region equals.
-  """
-
-  val: Any
-  fill: Any = None
-  # ((axis, c), ...): along ``axis``, the padded positions of every row whose other dynamic
-  # coordinates are valid hold ``c`` -- or every valid element of that row is NaN (then every
-  # sum, contraction or reversed cumsum over ``axis`` of the row is NaN, padded or not).  Only
-  # sum-like masks over that one axis read it (to skip themselves); see ``fused_softmax``.
-  axis_fill: tuple = ()
-
-  def __post_init__(self):
-    # Fills come from jaxpr literals (jax's ``TypedNdArray``, an unhashable 0-d ndarray), NumPy
-    # scalars or Python numbers: keep one hashable NumPy scalar, or None if it is not a scalar.
-    if self.fill is not None:
-      object.__setattr__(self, "fill", normalize_fill(self.fill))
-
-  def fill_along(self, axis: int):
-    """The known constant of the padded region along ``axis`` (for rows valid elsewhere)."""
-    if self.fill is not None:
-      return self.fill
-    return next((c for a, c in self.axis_fill if a == axis), None)
-
-
-def normalize_fill(fill):
-  """A known padded-region constant as a hashable NumPy scalar (None when not a scalar)."""
-  if fill is None:
-    return None
-  try:
-    f = np.asarray(fill)
-  except Exception:
-    return None
-  if f.ndim != 0 or f.dtype == object:
-    return None
-  return f[()]
-
-
-def common_fill(fills):
-  """The fill shared by every value (same value and sign, e.g. not 0.0 vs -0.0), else None."""
-  fills = list(fills)
-  if not fills or fills[0] is None:
-    return None
-  return fills[0] if all(same_fill(f, fills[0]) for f in fills[1:]) else None
-
-
-def same_fill(fill, identity) -> bool:
-  if fill is None:
-    return False
-  try:
-    f, i = np.asarray(fill), np.asarray(identity)
-    if f.ndim or i.ndim:
-      return False
-    if f.dtype == np.bool_ or i.dtype == np.bool_:
-      return bool(f) == bool(i)
-    if np.iscomplexobj(f) or np.iscomplexobj(i):
-      return bool(f == i)
-    return bool(f == i) and bool(np.signbit(f) == np.signbit(i))
-  except Exception:
-    return False
 
 
 is_dynamic_dim = jp.is_dim_expr
@@ -144,7 +78,7 @@ class JaxprInfo:
   Every bucket of a family re-interprets the same jaxpr (BERT-base, CPU box: these took
   ~15 ms of a bucket's ~125 ms padding pass)."""
 
-  __slots__ = ("touches", "live", "any_touch", "_uses")
+  __slots__ = ("touches", "live", "any_touch", "_uses", "_runs")
 
   def __init__(self, jaxpr):
     self.touches = [eqn_touches_dynamic(e) for e in jaxpr.eqns]
@@ -152,6 +86,13 @@ class JaxprInfo:
     self.any_touch = any(self.touches) or any(
         dynamic_axes(v.aval) for v in (*jaxpr.invars, *jaxpr.constvars))
     self._uses = None
+    self._runs = None
+
+  def runs(self, jaxpr) -> dict:
+    """Runs of repeated blocks (``_outline.find_runs``), found at the first bucket."""
+    if self._runs is None:
+      self._runs = _outline.find_runs(jaxpr)
+    return self._runs
 
   def uses(self, jaxpr) -> dict:
     if self._uses is None:
@@ -272,9 +213,17 @@ class Context:
     self.stash: dict[Any, Any] = {}
     self._true_cache: dict[Any, Any] = {}
     self._padded: dict[int, tuple] = {}  # id(dim) -> (dim, padded size)
+    # (id(run), input fills) -> the jitted template of a run of repeated blocks (_outline)
+    self.blocks: dict[Any, Any] = {}
     size_max = size_max or {}
     self.box = {v: (1, min(n, size_max.get(v, n))) for v, n in bucket_env.items()}
     self._box_key = tuple(sorted(self.box.items()))
+
+  def with_sizes(self, sizes_env: dict[str, Any], problems: list[str] | None) -> Context:
+    """This bucket's context with other traced true sizes (a jitted template's arguments)."""
+    sub = copy.copy(self)
+    sub.sizes_env, sub.problems, sub._true_cache, sub.blocks = sizes_env, problems, {}, {}
+    return sub
 
   # -- dimensions -------------------------------------------------------------------------
   def padded_dim(self, d) -> int:
@@ -467,10 +416,15 @@ def interpret(ctx: Context, jaxpr, consts: Sequence[PaddedValue], args: Sequence
     write(v, pv)
   eqns = jaxpr.eqns
   info = jaxpr_info(jaxpr)
+  runs = info.runs(jaxpr)
   uses = None
   skip_to = 0
   for i, (eqn, live, touches) in enumerate(zip(eqns, info.live, info.touches, strict=True)):
     if i < skip_to:
+      continue
+    run = runs.get(i) if runs else None
+    if run is not None and _outline.call_run(ctx, run, env, write, interpret):
+      skip_to = run.end
       continue
     if not live:
       if touches:

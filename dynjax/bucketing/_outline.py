@@ -1,0 +1,341 @@
+"""Repeated blocks of a jaxpr, padded and lowered once a bucket (issue 18, goal 3).
+
+A model's layers trace to one run of equations repeated: BERT-base's 12 encoder layers are
+~80 of its ~1,100 equations each.  The padding pass interprets every equation of a bucket
+inside JAX's trace, and JAX then lowers each one to StableHLO: both scale with the layers,
+and both hold the GIL, which a cold server's warm-up shares with the requests' own Python.
+
+``find_runs`` finds, once a jaxpr, runs of ``count`` structurally equal blocks: the same
+primitives, parameters, avals and dataflow, up to which outside values each block reads
+(those must alias alike in every block).  The interpreter (``_padding_core.interpret``) then
+pads block 0 inside a ``jax.jit`` of its own and calls that function for every block
+(``call_run``): JAX traces it once a bucket (its trace cache: one function, equal avals) and
+lowers it once (its lowering cache emits one private function and ``count`` calls).  XLA
+inlines calls before it optimizes, so the executable computes what the flat program does.
+
+When a block cannot be padded as a template (an equation dead in every flat block but live
+in the template fails its rule; an input a dead equation would have made is missing), the run
+is interpreted flat, as before.  ``DYNJAX_OUTLINE=0`` turns this off.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jex_core
+
+from dynjax import _jax_private as jp
+from dynjax._config import config
+from dynjax._errors import PaddingUnsupportedError
+from dynjax.bucketing._padded_value import PaddedValue
+
+MIN_PERIOD = 8  # equations in a block
+MIN_SAVED = 64  # equations a run must save: period * (count - 1)
+MAX_RUNS = 4  # runs a jaxpr (a training step: the layers forward, then their backward)
+CANDIDATES = 12  # periods tried a region: its most common distances between equal equations
+
+# Parameters that only differentiation reads (the padding pass runs the primal ``call_jaxpr``
+# of custom_jvp/custom_vjp calls): blocks whose only difference is such a closure are equal.
+_DIFF_ONLY = frozenset({"jvp_jaxpr_fun", "jvp_jaxpr_thunk", "fwd_jaxpr_thunk", "bwd", "out_trees"})
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Run:
+  """``count`` blocks of ``period`` equations from ``start``; ``template`` is block 0 as an
+  open jaxpr (invars: the outside values it reads, outvars: its results any block's
+  successors read), ``ins[k]`` / ``outs[k]`` the variables block k binds to them."""
+
+  start: int
+  period: int
+  count: int
+  template: Any
+  ins: tuple
+  outs: tuple
+
+  @property
+  def end(self) -> int:
+    return self.start + self.period * self.count
+
+
+class _Keys:
+  """Structural keys of equations, interned as ints (one instance a ``find_runs`` call)."""
+
+  def __init__(self):
+    self._ids: dict = {}
+    self._dims: dict = {}  # id(dim) -> (dim, str): a dim's str ~10 us, its == is symbolic
+    self._subs: dict = {}  # id(jaxpr) -> (jaxpr, key)
+    self._avals: dict = {}  # id(aval) -> (aval, key)
+
+  def intern(self, key) -> int:
+    return self._ids.setdefault(key, len(self._ids))
+
+  def dim(self, d) -> str:
+    hit = self._dims.get(id(d))
+    if hit is None or hit[0] is not d:
+      hit = self._dims[id(d)] = (d, str(d))
+    return hit[1]
+
+  def aval(self, a) -> tuple:
+    hit = self._avals.get(id(a))
+    if hit is None or hit[0] is not a:
+      shape = getattr(a, "shape", None)
+      key = (type(a).__name__,) if shape is None else (
+        tuple(self.dim(d) if jp.is_dim_expr(d) else int(d) for d in shape), a.dtype,
+        bool(getattr(a, "weak_type", False)))
+      hit = self._avals[id(a)] = (a, key)
+    return hit[1]
+
+  def literal(self, v) -> tuple:
+    val = np.asarray(v.val)
+    if val.dtype == object:
+      return ("id", id(v))
+    return ("lit", self.aval(v.aval), val.dtype.str, val.tobytes())
+
+  def value(self, v, name: str = ""):
+    if isinstance(v, (jex_core.ClosedJaxpr, jex_core.Jaxpr)):
+      return ("jaxpr", self.sub(v))
+    if jp.is_dim_expr(v):
+      return ("dim", self.dim(v))
+    if isinstance(v, (tuple, list)):
+      return (type(v).__name__, tuple(self.value(x) for x in v))
+    if isinstance(v, (np.ndarray, jax.Array)):
+      return ("id", id(v))
+    if callable(v) and not isinstance(v, type):
+      return ("fn",) if name in _DIFF_ONLY else ("id", id(v))
+    try:
+      hash(v)
+    except TypeError:
+      return ("id", id(v))
+    return ("v", type(v).__name__, v)
+
+  def sub(self, j) -> int:
+    """A sub-jaxpr's key: its whole structure (consts by identity unless scalars)."""
+    hit = self._subs.get(id(j))
+    if hit is None or hit[0] is not j:
+      jaxpr = getattr(j, "jaxpr", j)
+      consts = tuple(
+        ("c", np.asarray(c).dtype.str, np.asarray(c).tobytes())
+        if isinstance(c, (bool, int, float, complex, np.generic)) else ("id", id(c))
+        for c in getattr(j, "consts", ()))
+      keys, where = self.eqns(jaxpr, top=False)
+      outs = tuple(self.literal(v) if isinstance(v, jex_core.Literal) else where.get(v, ("?",))
+                   for v in jaxpr.outvars)  # (positions: the whole structure is the key)
+      key = (tuple(self.aval(v.aval) for v in jaxpr.constvars),
+             tuple(self.aval(v.aval) for v in jaxpr.invars), consts, tuple(keys), outs)
+      hit = self._subs[id(j)] = (j, self.intern(key))
+    return hit[1]
+
+  def eqns(self, jaxpr, top: bool) -> tuple[list[int], dict]:
+    """One int an equation.  Inside a sub-jaxpr operands are named by position (its whole
+    structure is its key); at the top level only by kind, since blocks read other weights
+    and values made at other distances (a mask made once, read by every layer):
+    ``_make_run`` checks the top-level wiring of a candidate run block by block."""
+    where: dict = {}
+    for k, v in enumerate(jaxpr.constvars):
+      where[v] = ("const", k)
+    for k, v in enumerate(jaxpr.invars):
+      where[v] = ("in", k)
+    keys = []
+    for i, e in enumerate(jaxpr.eqns):
+      refs = tuple(self.literal(v) if isinstance(v, jex_core.Literal)
+                   else ("v",) if top else where.get(v, ("?",)) for v in e.invars)
+      for k, v in enumerate(e.outvars):
+        where[v] = ("e", i, k)
+      if e.effects:
+        keys.append(-1 - i)  # never equal to another equation
+        continue
+      params = tuple(sorted((k, self.value(p, k)) for k, p in e.params.items()))
+      keys.append(self.intern((e.primitive, params, refs,
+                               tuple(self.aval(v.aval) for v in e.invars),
+                               tuple(self.aval(v.aval) for v in e.outvars))))
+    return keys, where
+
+
+def _best_run(keys: np.ndarray, lo: int, hi: int) -> tuple[int, int, int] | None:
+  """The run in ``keys[lo:hi]`` that saves the most equations: ``(start, period, count)``."""
+  seg = keys[lo:hi]
+  m = len(seg)
+  if m < 2 * MIN_PERIOD:
+    return None
+  last: dict = {}
+  dist: collections.Counter = collections.Counter()
+  for i, k in enumerate(seg.tolist()):
+    j = last.get(k)
+    if j is not None and i - j >= MIN_PERIOD:
+      dist[i - j] += 1
+    last[k] = i
+  best = None
+  for p, _ in dist.most_common(CANDIDATES):
+    if 2 * p > m:
+      continue
+    eq = np.concatenate(([False], seg[:-p] == seg[p:], [False])).astype(np.int8)
+    edges = np.diff(eq)
+    starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+    if not len(starts):
+      continue
+    i = int(np.argmax(ends - starts))
+    count = int(ends[i] - starts[i]) // p + 1
+    saved = p * (count - 1)
+    if count >= 2 and saved >= MIN_SAVED and (best is None or saved > best[0]):
+      best = (saved, lo + int(starts[i]), p, count)
+  return None if best is None else best[1:]
+
+
+def _last_uses(jaxpr) -> dict:
+  n = len(jaxpr.eqns)
+  last: dict = {}
+  for i, e in enumerate(jaxpr.eqns):
+    for v in e.invars:
+      if not isinstance(v, jex_core.Literal):
+        last[v] = i
+  for v in jaxpr.outvars:
+    if not isinstance(v, jex_core.Literal):
+      last[v] = n
+  return last
+
+
+def _wiring(block: list) -> tuple[tuple, list]:
+  """How a block's equations read: ``("i", j, k)`` output k of its equation j, ``("x", s)``
+  its s-th outside value (in first-read order), None a literal; and those outside values."""
+  made: dict = {}
+  ext: list = []
+  slot: dict = {}
+  wires = []
+  for j, e in enumerate(block):
+    for v in e.invars:
+      if isinstance(v, jex_core.Literal):
+        wires.append(None)
+      elif v in made:
+        wires.append(made[v])
+      else:
+        if v not in slot:
+          slot[v] = ("x", len(ext))
+          ext.append(v)
+        wires.append(slot[v])
+    for k, v in enumerate(e.outvars):
+      made[v] = ("i", j, k)
+  return tuple(wires), ext
+
+
+def _make_run(jaxpr, start: int, period: int, count: int, last_use: dict) -> Run | None:
+  """The run's template and bindings: the longest stretch of its blocks wired alike (equal
+  equations may read other values: the keys name operands by kind only)."""
+  eqns = jaxpr.eqns
+  wired = [_wiring(eqns[start + k * period:start + (k + 1) * period]) for k in range(count)]
+  first, n, k = 0, 0, 0
+  while k < count:  # the longest stretch of consecutive blocks with block k's wiring
+    j = k
+    while j < count and wired[j][0] == wired[k][0]:
+      j += 1
+    if j - k > n:
+      first, n = k, j - k
+    k = j
+  if n < 2 or period * (n - 1) < MIN_SAVED:
+    return None
+  start, count = start + first * period, n
+  ins = tuple(tuple(ext) for _, ext in wired[first:first + n])
+  positions = set()
+  for k in range(count):
+    b0 = start + k * period
+    for off, e in enumerate(eqns[b0:b0 + period]):
+      for q, v in enumerate(e.outvars):
+        if not isinstance(v, jex_core.DropVar) and last_use.get(v, -1) >= b0 + period:
+          positions.add((off, q))
+  order = sorted(positions)
+  outs = tuple(tuple(eqns[start + k * period + off].outvars[q] for off, q in order)
+               for k in range(count))
+  template = jaxpr.replace(constvars=[], invars=list(ins[0]), outvars=list(outs[0]),
+                           eqns=list(eqns[start:start + period]), effects=jex_core.no_effects)
+  return Run(start, period, count, template, ins, outs)
+
+
+def find_runs(jaxpr) -> dict[int, Run]:
+  """The runs of repeated blocks in ``jaxpr``'s equations, keyed by their first equation."""
+  n = len(jaxpr.eqns)
+  if not config.outline or n < MIN_SAVED + MIN_PERIOD:
+    return {}
+  keys = np.asarray(_Keys().eqns(jaxpr, top=True)[0], np.int64)
+  last_use = _last_uses(jaxpr)
+  runs: dict[int, Run] = {}
+  regions = [(0, n)]
+  while regions and len(runs) < MAX_RUNS:
+    lo, hi = regions.pop()
+    found = _best_run(keys, lo, hi)
+    if found is None:
+      continue
+    run = _make_run(jaxpr, *found, last_use)
+    if run is None:
+      continue
+    runs[run.start] = run
+    regions += [(lo, run.start), (run.end, hi)]
+  return runs
+
+
+@dataclasses.dataclass
+class _Block:
+  """One run's jitted template for one set of input fills, and what its trace found."""
+
+  fn: Any
+  fills: list = dataclasses.field(default_factory=list)  # (fill, axis_fill) an output
+  problems: list = dataclasses.field(default_factory=list)
+
+
+def _block_fn(ctx, run: Run, names: tuple, in_fills: tuple, interpret) -> _Block:
+  blk = _Block(None)
+  collect = ctx.problems is not None
+
+  def block(sizes, *vals):
+    sub = ctx.with_sizes(dict(zip(names, sizes, strict=True)),
+                         problems=blk.problems if collect else None)
+    outs = interpret(sub, run.template, [], [
+      PaddedValue(v, f, af) for v, (f, af) in zip(vals, in_fills, strict=True)])
+    blk.fills[:] = [(o.fill, o.axis_fill) for o in outs]
+    return [o.val if hasattr(o.val, "shape") and o.val.dtype == v.aval.dtype
+            else jnp.asarray(o.val, v.aval.dtype)
+            for o, v in zip(outs, run.template.outvars, strict=True)]
+
+  block.__name__ = f"dynjax_block{run.period}"
+  blk.fn = jax.jit(block)
+  return blk
+
+
+def call_run(ctx, run: Run, env: dict, write, interpret) -> bool:
+  """Pads the blocks of ``run`` in order through one jitted template (``interpret``: the
+  padding pass's interpreter), writing each block's outputs (``write(var, PaddedValue)``)
+  before the next reads them.  False where the run must be interpreted flat (the caller then
+  interprets it from its start, writing over whatever the blocks before wrote)."""
+  names = tuple(ctx.sizes_env)
+  sizes = tuple(ctx.sizes_env[n] for n in names)
+  mark = len(ctx.log) if ctx.log is not None else 0
+  for ins, outvars in zip(run.ins, run.outs, strict=True):
+    vals = [env.get(v) for v in ins]
+    res = None
+    if all(pv is not None for pv in vals):  # else made by an equation the flat run leaves out
+      in_fills = tuple((pv.fill, pv.axis_fill) for pv in vals)
+      key = (id(run), in_fills)
+      blk = ctx.blocks.get(key)
+      if blk is None:
+        blk = ctx.blocks[key] = _block_fn(ctx, run, names, in_fills, interpret)
+      try:
+        res = blk.fn(sizes, *[pv.val for pv in vals])
+      except PaddingUnsupportedError:
+        res = None
+      if blk.problems:
+        res = None
+    if res is None:  # the flat interpretation says why, if it fails too
+      if ctx.log is not None:
+        del ctx.log[mark:]
+      return False
+    for v, r, (f, af) in zip(outvars, res, blk.fills, strict=True):
+      write(v, PaddedValue(r, f, af))
+  ctx.note(run.template.eqns[0], f"block of {run.period} equations repeated {run.count} "
+                                 "times: padded and lowered once (one jitted template)")
+  return True
+
+
+__all__ = ["Run", "call_run", "find_runs"]

@@ -1,0 +1,236 @@
+"""Repeated blocks padded once a bucket (``bucketing/_outline.py``): a model's layers, traced
+once each, are padded and lowered as one jitted template; results equal the flat padding pass
+bitwise and ``jax.jit`` at the exact shape, forward and training step."""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _harness import Case
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import dynjax
+from dynjax._config import config
+from dynjax._errors import PaddingUnsupportedError
+from dynjax.bucketing import _outline
+from dynjax.bucketing._padding import pad_jaxpr
+
+nn = pytest.importorskip("flax.linen")
+
+LENGTHS = [3, 9, 16, 21]
+
+
+class EncoderBlock(nn.Module):
+  """A pre-LN encoder layer as Flax's examples write one (wmt, lm1b)."""
+
+  d: int = 16
+  heads: int = 2
+  ffn: int = 32
+
+  @nn.compact
+  def __call__(self, x, mask):
+    y = nn.LayerNorm()(x)
+    y = nn.MultiHeadDotProductAttention(num_heads=self.heads, qkv_features=self.d)(y, y, mask=mask)
+    x = x + y
+    y = nn.LayerNorm()(x)
+    y = nn.Dense(self.d)(nn.gelu(nn.Dense(self.ffn)(y)))
+    return x + y
+
+
+class Encoder(nn.Module):
+  layers: int = 4
+
+  @nn.compact
+  def __call__(self, tokens, lengths):
+    x = nn.Embed(50, 16)(tokens)
+    valid = jnp.arange(tokens.shape[1])[None, :] < lengths[:, None]
+    mask = nn.make_attention_mask(valid, valid)  # made once, read by every layer
+    for _ in range(self.layers):
+      x = EncoderBlock()(x, mask)
+    return nn.LayerNorm()(x)
+
+
+def _batch(t, b=3, seed=0):
+  rng = np.random.default_rng(seed + t)
+  tok = rng.integers(0, 50, (b, t)).astype(np.int32)
+  lens = np.concatenate([[t], rng.integers(1, t + 1, b - 1)]).astype(np.int32)
+  return tok, lens
+
+
+@pytest.fixture(scope="module")
+def encoder():
+  model = Encoder()
+  tok, lens = _batch(5)
+  return model, model.init(jax.random.PRNGKey(0), tok, lens)
+
+
+def _run_all(fn, params):
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    return [np.asarray(fn(params, *_batch(t))) for t in LENGTHS]
+
+
+def test_layers_are_padded_once_and_match_jax_jit_and_the_flat_pass(encoder, monkeypatch,
+                                                                      compiles):
+  model, params = encoder
+  dims = {"tokens": "b, t", "lengths": "b"}
+  buckets = {"t": dynjax.buckets.pow2(8, 32)}
+  fn = dynjax.flax.jit(model, dims=dims, buckets=buckets)
+  got = _run_all(fn, params)
+  n_outlined = compiles()
+  ref = jax.jit(model.apply)
+  for t, g in zip(LENGTHS, got, strict=True):
+    np.testing.assert_allclose(g, np.asarray(ref(params, *_batch(t))), rtol=1e-5, atol=2e-6)
+  assert "repeated 4 times: padded and lowered once" in fn.explain()
+  lowered = fn.trace(params, *_batch(5)).lower(bucket={"b": 3, "t": 16}).as_text()
+  assert lowered.count("call @dynjax_block") == 4, "one lowered template, called a layer"
+
+  monkeypatch.setattr(config, "outline", False)
+  flat = dynjax.flax.jit(model, dims=dims, buckets=buckets)
+  before = compiles()
+  for g, f in zip(got, _run_all(flat, params), strict=True):
+    np.testing.assert_array_equal(g, f)  # bitwise: XLA inlines the calls first
+  assert "repeated" not in flat.explain()
+  assert compiles() - before == n_outlined  # the template adds no XLA compile
+  assert "dynjax_block" not in flat.trace(params, *_batch(5)).lower(
+    bucket={"b": 3, "t": 16}).as_text()
+
+
+def test_a_training_step_pads_forward_and_backward_layers_once(encoder):
+  model, params = encoder
+
+  def step(params, tokens, lengths):
+    def loss(p):
+      y = model.apply(p, tokens, lengths)
+      valid = jnp.arange(tokens.shape[1])[None, :] < lengths[:, None]
+      return jnp.sum(jnp.where(valid[..., None], y ** 2, 0.0)) / jnp.sum(lengths)
+
+    return jax.value_and_grad(loss)(params)
+
+  fn = dynjax.jit(step, dims={"tokens": "b, t", "lengths": "b"},
+                  buckets={"t": dynjax.buckets.pow2(8, 32)})
+  ref = jax.jit(step)
+  for t in LENGTHS[1:3]:  # buckets 16 and 32
+    (lg, gg), (lr, gr) = fn(params, *_batch(t)), ref(params, *_batch(t))
+    np.testing.assert_allclose(lg, lr, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(gg), jax.tree.leaves(gr), strict=True):
+      np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-6)
+  assert fn.explain().count("repeated 4 times") >= 2  # the layers, then their backward
+
+
+# -- finding runs ------------------------------------------------------------------------------
+
+
+def _layers(x, ws, scales=None):
+  mask = jnp.cumsum(jnp.ones_like(x), axis=0) > 1.0  # made once, read at growing distances
+  for k, w in enumerate(ws):
+    h = jnp.tanh(x @ w) * (1.0 if scales is None else scales[k])
+    h = jnp.where(mask, h, 0.0)
+    x = x + jax.nn.softmax(h, axis=0) * jnp.sum(h, axis=0, keepdims=True)
+  return x
+
+
+def _jaxpr(fun, *shapes):
+  return jax.make_jaxpr(fun)(*[jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes]).jaxpr
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+  monkeypatch.setattr(_outline, "MIN_PERIOD", 2)
+  monkeypatch.setattr(_outline, "MIN_SAVED", 2)
+
+
+def test_runs_are_found_across_a_value_every_block_reads(small_blocks):
+  jaxpr = _jaxpr(lambda x, *ws: _layers(x, ws), (6, 4), *[(4, 4)] * 5)
+  (run,) = _outline.find_runs(jaxpr).values()
+  assert run.count == 5
+  assert [len(i) for i in run.ins] == [3] * 5  # x, w_k and the mask
+  assert all(ins[2] is run.ins[0][2] for ins in run.ins)  # one mask
+
+
+def test_blocks_with_other_constants_or_wiring_are_not_one_template(small_blocks):
+  shapes = [(6, 4), *[(4, 4)] * 5]
+  # A per-layer Python constant: only the layers with equal constants share a template.
+  jaxpr = _jaxpr(lambda x, *ws: _layers(x, ws, [1.0, 2.0, 3.0, 3.0, 3.0]), *shapes)
+  runs = list(_outline.find_runs(jaxpr).values())
+  assert [r.count for r in runs] == [3]
+  # Block 0 reads one weight twice where the others read two: the others share one.
+  jaxpr = _jaxpr(lambda x, a, b, c, d, e: _layers(x, [a, a]) + _layers(x, [b, c, d, e]), *shapes)
+  counts = sorted(r.count for r in _outline.find_runs(jaxpr).values())
+  assert counts[-1] == 4 and all(r.count >= 2 for r in _outline.find_runs(jaxpr).values())
+
+
+def test_off_and_below_the_threshold_nothing_is_outlined(monkeypatch):
+  jaxpr = _jaxpr(lambda x, *ws: _layers(x, ws), (6, 4), *[(4, 4)] * 3)
+  assert _outline.find_runs(jaxpr) == {}  # 3 blocks of 17 equations save fewer than MIN_SAVED
+  monkeypatch.setattr(_outline, "MIN_SAVED", 2)
+  assert _outline.find_runs(jaxpr)
+  monkeypatch.setattr(config, "outline", False)
+  assert _outline.find_runs(jaxpr) == {}
+
+
+@settings(max_examples=20, deadline=None)
+@given(steps=st.lists(st.tuples(st.sampled_from(["tanh", "cumsum", "softmax", "flip", "sum",
+                                                 "max", "shift", "dense"]),
+                                st.integers(0, 5)), min_size=1, max_size=5),
+       sizes=st.sampled_from([((2, 3), (2, 4)), ((1, 5), (2, 8)), ((2, 7), (2, 8))]),
+       garbage=st.sampled_from(["mixed", "nan"]))
+def test_random_layers_repeated_are_exact_on_the_true_prefix(steps, sizes, garbage):
+  ops = {
+    "tanh": lambda a, w: jnp.tanh(a * w[0]),
+    "cumsum": lambda a, w: jnp.cumsum(a, axis=1),
+    "softmax": lambda a, w: jax.nn.softmax(a, axis=1),
+    "flip": lambda a, w: jnp.flip(a, 1) + w[1],
+    "sum": lambda a, w: a + jnp.sum(a, axis=1, keepdims=True),
+    "max": lambda a, w: a - jnp.max(a, axis=1, keepdims=True),
+    "shift": lambda a, w: jnp.concatenate([a[:, 1:], a[:, :1] * 0], axis=1),
+    "dense": lambda a, w: a @ w,
+  }
+
+  def layer(x, w):
+    pool = [x]
+    for name, i in steps:
+      pool.append(ops[name](pool[i % len(pool)], w))
+    return x + pool[-1]
+
+  def fun(x, w1, w2, w3):
+    for w in (w1, w2, w3):
+      x = layer(x, w)
+    return x
+
+  used = []
+  real = _outline.call_run
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(_outline, "MIN_PERIOD", 1)
+    mp.setattr(_outline, "MIN_SAVED", 1)
+    mp.setattr(_outline, "call_run", lambda *a: used.append(real(*a)) or used[-1])
+    case = Case(fun, lambda b, t: [(b, t, 3), (3, 3), (3, 3), (3, 3)], rtol=2e-4, atol=2e-4)
+    case.check(*sizes, seed=len(steps), garbage=garbage)
+  assert used and all(used), "the three layers ran as one template"
+
+
+def test_an_equation_it_cannot_pad_inside_the_blocks_is_named_as_without_them(small_blocks,
+                                                                             monkeypatch):
+  def fun(x, *ws):
+    for w in ws:
+      x = x + jnp.fft.fft(x @ w, axis=0).real  # FFT along the dynamic axis: no rule
+    return x
+
+  (t,) = jax.export.symbolic_shape("t")
+  closed = jax.make_jaxpr(fun)(jax.ShapeDtypeStruct((t, 4), jnp.float32),
+                               *[jax.ShapeDtypeStruct((4, 4), jnp.float32)] * 4)
+  messages = []
+  for on in (True, False):
+    monkeypatch.setattr(config, "outline", on)
+    with pytest.raises(PaddingUnsupportedError) as err:
+      pad_jaxpr(jax.make_jaxpr(fun)(jax.ShapeDtypeStruct((t, 4), jnp.float32),
+                                    *[jax.ShapeDtypeStruct((4, 4), jnp.float32)] * 4),
+                ("t",), {"t": 8})
+    messages.append(str(err.value))
+  assert "fft" in messages[0] and messages[0] == messages[1]
+  del closed
