@@ -123,7 +123,8 @@ def main(argv=None) -> dict:
 
   rec: dict = {"dynjax": os.path.dirname(dynjax.__file__), "jax": jax.__version__, "backend": jax.default_backend(),
                "device": str(jax.devices()[0].device_kind), "cpus": os.cpu_count(),
-               "size": args.size, "tag": args.tag, "modes": []}
+               "size": args.size, "tag": args.tag, "modes": [],
+               "outline": os.environ.get("DYNJAX_OUTLINE", "1")}
   buckets = [int(b) for b in args.buckets.split(",")]
   for att in args.attention.split(","):
     rec["modes"].append(probe(args.size, None if att == "none" else att, buckets, args.batch))

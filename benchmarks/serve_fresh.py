@@ -49,7 +49,9 @@ Modes (``--modes``, in order; a ``*_restart`` mode reuses the cache of the mode 
   ``*_devout*``: ``host_outputs=False`` (outputs in device memory, the default before
   session 10; the default puts a numpy request's outputs in pinned host memory on GPU).
   ``*_nostore*``: no ``cache_dir`` (no executable store, no JAX cache: what the store's
-  writes cost a cold start).  ``*_noprerun*``: ``DYNJAX_PRERUN=0`` (background builds do not run their executables once
+  writes cost a cold start).  ``*_flat*``: ``DYNJAX_OUTLINE=0`` (the padding pass interprets
+  and JAX lowers every layer, as before session 30; by default repeated layers are padded and
+  lowered once a bucket).  ``*_noprerun*``: ``DYNJAX_PRERUN=0`` (background builds do not run their executables once
   on zeros before they serve).  ``*t0tune*`` (an experiment, not an option): tier 0 autotunes its cuBLAS gemms (triton gemms
   stay off) instead of taking cuBLAS's heuristic choice; ``*t0lvl1*`` the same at autotune level 1
   (no buffer initialisation or correctness checks; the default since session 10);
@@ -678,6 +680,8 @@ def _spawn(args, mode, cache) -> dict:
              SERVE_FRESH_T0=repr(time.time()))
   if "_noprerun" in mode:  # background builds do not run their executables ahead
     env["DYNJAX_PRERUN"] = "0"
+  if "_flat" in mode:  # the padding pass interprets every layer (no outlined template)
+    env["DYNJAX_OUTLINE"] = "0"
   proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
   _CHILD[0] = proc
   try:
