@@ -36,6 +36,10 @@ TESTS = {
   "tests/control/test_loop_fuzz.py::test_random_loops_equal_the_exact_shape_loop": 17.4,
   "tests/control/test_loop_fuzz.py::test_random_conds_in_dynjax_jit_equal_python_if": 10.0,
   # session 22: random programs of everyday ops, padded vs exact (60 hypothesis examples)
+  # session 30: repeated layers padded once (a Flax encoder, its training step, random layers)
+  "tests/bucketing/test_outline.py::test_a_training_step_pads_forward_and_backward_layers_once": 5.9,
+  "tests/bucketing/test_outline.py::test_layers_are_padded_once_and_match_jax_jit_and_the_flat_pass": 8.2,
+  "tests/bucketing/test_outline.py::test_random_layers_repeated_are_exact_on_the_true_prefix": 3.2,
   "tests/bucketing/test_fuzz.py::test_random_programs_are_exact_on_the_true_prefix": 12.0,
   "tests/bucketing/test_fuzz.py::test_random_programs_have_exact_gradients": 10.8,
   "tests/bucketing/test_jnp.py::test_random_permutations_over_a_dynamic_axis_are_jax_with_garbage_padding": 2.5,

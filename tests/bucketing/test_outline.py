@@ -145,6 +145,25 @@ def small_blocks(monkeypatch):
   monkeypatch.setattr(_outline, "MIN_SAVED", 2)
 
 
+def test_dynjax_jit_pads_five_layers_once_and_equals_jax_jit_and_the_flat_pass(monkeypatch):
+  def fun(x, w1, w2, w3, w4, w5):  # 5 layers of 17 equations: over MIN_SAVED as shipped
+    return _layers(x, [w1, w2, w3, w4, w5])
+
+  rng = np.random.default_rng(0)
+  ws = [rng.normal(size=(4, 4)).astype(np.float32) for _ in range(5)]
+  xs = [rng.normal(size=(t, 4)).astype(np.float32) for t in (3, 7)]
+  f = dynjax.jit(fun, dims={"x": "t, 4"}, buckets={"t": [8]}, on_fallback="error")
+  got = [np.asarray(f(x, *ws)) for x in xs]
+  for x, g in zip(xs, got, strict=True):
+    np.testing.assert_allclose(g, np.asarray(jax.jit(fun)(x, *ws)), rtol=1e-6, atol=1e-6)
+  assert "repeated 5 times: padded and lowered once" in f.explain()
+  monkeypatch.setattr(config, "outline", False)
+  flat = dynjax.jit(fun, dims={"x": "t, 4"}, buckets={"t": [8]}, on_fallback="error")
+  for x, g in zip(xs, got, strict=True):
+    np.testing.assert_array_equal(g, np.asarray(flat(x, *ws)))
+  assert "repeated" not in flat.explain()
+
+
 def test_runs_are_found_across_a_value_every_block_reads(small_blocks):
   jaxpr = _jaxpr(lambda x, *ws: _layers(x, ws), (6, 4), *[(4, 4)] * 5)
   (run,) = _outline.find_runs(jaxpr).values()
