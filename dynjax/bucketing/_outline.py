@@ -13,9 +13,11 @@ pads block 0 inside a ``jax.jit`` of its own and calls that function for every b
 lowers it once (its lowering cache emits one private function and ``count`` calls).  XLA
 inlines calls before it optimizes, so the executable computes what the flat program does.
 
-When a block cannot be padded as a template (an equation dead in every flat block but live
-in the template fails its rule; an input a dead equation would have made is missing), the run
-is interpreted flat, as before.  ``DYNJAX_OUTLINE=0`` turns this off.
+The template computes every result that any block's successors read, so an equation the flat
+program leaves out in one block (the last layer's unused output) runs in every block.  Where
+that fails (its rule refuses it, or an input that a skipped equation would have made is
+missing), the run is interpreted flat, as before, which names the problem if it is real.
+``DYNJAX_OUTLINE=0`` turns this off.
 """
 
 from __future__ import annotations
@@ -39,9 +41,12 @@ MIN_SAVED = 64  # equations a run must save: period * (count - 1)
 MAX_RUNS = 4  # runs a jaxpr (a training step: the layers forward, then their backward)
 CANDIDATES = 12  # periods tried a region: its most common distances between equal equations
 
-# Parameters that only differentiation reads (the padding pass runs the primal ``call_jaxpr``
-# of custom_jvp/custom_vjp calls): blocks whose only difference is such a closure are equal.
-_DIFF_ONLY = frozenset({"jvp_jaxpr_fun", "jvp_jaxpr_thunk", "fwd_jaxpr_thunk", "bwd", "out_trees"})
+# Parameters of custom_jvp / custom_vjp calls that only differentiation reads: the padding
+# pass runs their primal ``call_jaxpr`` (and padded programs are never differentiated: a
+# traced call of a dynjax function is inlined), so blocks differing only there are equal.
+_DIFF_ONLY = {"custom_jvp_call": {"jvp_jaxpr_fun", "jvp_jaxpr_thunk"},
+              "custom_vjp_call": {"fwd_jaxpr_thunk", "bwd", "out_trees"},
+              "custom_vjp_call_jaxpr": {"fwd_jaxpr_thunk", "bwd", "out_trees"}}
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -96,7 +101,7 @@ class _Keys:
       return ("id", id(v))
     return ("lit", self.aval(v.aval), val.dtype.str, val.tobytes())
 
-  def value(self, v, name: str = ""):
+  def value(self, v, diff_only: bool = False):
     if isinstance(v, (jex_core.ClosedJaxpr, jex_core.Jaxpr)):
       return ("jaxpr", self.sub(v))
     if jp.is_dim_expr(v):
@@ -106,7 +111,7 @@ class _Keys:
     if isinstance(v, (np.ndarray, jax.Array)):
       return ("id", id(v))
     if callable(v) and not isinstance(v, type):
-      return ("fn",) if name in _DIFF_ONLY else ("id", id(v))
+      return ("fn",) if diff_only else ("id", id(v))
     try:
       hash(v)
     except TypeError:
@@ -149,7 +154,8 @@ class _Keys:
       if e.effects:
         keys.append(-1 - i)  # never equal to another equation
         continue
-      params = tuple(sorted((k, self.value(p, k)) for k, p in e.params.items()))
+      skip = _DIFF_ONLY.get(e.primitive.name, ())
+      params = tuple(sorted((k, self.value(p, k in skip)) for k, p in e.params.items()))
       keys.append(self.intern((e.primitive, params, refs,
                                tuple(self.aval(v.aval) for v in e.invars),
                                tuple(self.aval(v.aval) for v in e.outvars))))
@@ -255,7 +261,8 @@ def _make_run(jaxpr, start: int, period: int, count: int, last_use: dict) -> Run
 
 
 def find_runs(jaxpr) -> dict[int, Run]:
-  """The runs of repeated blocks in ``jaxpr``'s equations, keyed by their first equation."""
+  """The runs of repeated blocks in ``jaxpr``'s equations, keyed by their first equation.
+  Once a jaxpr (``JaxprInfo``): BERT-base's 989 equations 0.03-0.05 s on the CPU box."""
   n = len(jaxpr.eqns)
   if not config.outline or n < MIN_SAVED + MIN_PERIOD:
     return {}
@@ -321,7 +328,8 @@ def call_run(ctx, run: Run, env: dict, write, interpret) -> bool:
       blk = ctx.blocks.get(key)
       if blk is None:
         blk = ctx.blocks[key] = _block_fn(ctx, run, names, in_fills, interpret)
-      try:
+      try:  # BERT-base, CPU box: the first block 59 ms (the template's trace), the others
+        # 0.2 ms each (JAX's trace cache); flat, each layer took ~15 ms to pad and lower
         res = blk.fn(sizes, *[pv.val for pv in vals])
       except PaddingUnsupportedError:
         res = None
