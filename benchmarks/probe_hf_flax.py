@@ -158,6 +158,8 @@ def probe(name: str, train: bool, lengths, stream: int) -> dict:
         float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
         for a, b in zip(got, want, strict=True))
   st = g.stats()
+  # repeated layers padded and lowered once a bucket (session 30): explain()'s lines for it
+  rec["outlined"] = [ln.strip() for ln in g.explain().splitlines() if "repeated" in ln]
   rec.update(compiles=st["compiles"], fallbacks=st["fallbacks"], guards=list(
       g.trace(model.params, *inputs(kind, lengths[0], rng)).family.guards))
   if stream:
@@ -199,7 +201,7 @@ def main(argv=None) -> dict:
       report["models"][f"{name} {part}"] = rec
       err = max(rec.get("max_abs_err", {}).values(), default=float("nan"))
       print(f"{name:10s} {part:7s} max err {err:9.2e}  compiles {rec.get('compiles', '-')}  "
-            f"fallbacks {len(rec.get('fallbacks', []))}  "
+            f"fallbacks {len(rec.get('fallbacks', []))}  outlined {len(rec.get('outlined', []))}  "
             f"{rec.get('error', rec.get('error_under_jax_jit', ''))[:120]}"
             + (f"  stream dynjax {rec['stream_dynjax_s']:.1f} s / jax.jit "
                f"{rec['stream_jax.jit_s']:.1f} s ({rec['stream_lengths']} lengths)"

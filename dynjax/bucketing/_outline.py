@@ -53,7 +53,9 @@ _DIFF_ONLY = {"custom_jvp_call": {"jvp_jaxpr_fun", "jvp_jaxpr_thunk"},
 class Run:
   """``count`` blocks of ``period`` equations from ``start``; ``template`` is block 0 as an
   open jaxpr (invars: the outside values it reads, outvars: its results any block's
-  successors read), ``ins[k]`` / ``outs[k]`` the variables block k binds to them."""
+  successors read), ``ins[k]`` / ``outs[k]`` the variables block k binds to them.  ``holes``:
+  equations at offsets where the blocks differ but that read only what exists before the
+  run (HF BERT's ``head_mask[i]`` of layer i): interpreted flat first, read as inputs."""
 
   start: int
   period: int
@@ -61,6 +63,7 @@ class Run:
   template: Any
   ins: tuple
   outs: tuple
+  holes: tuple = ()  # indices of equations run flat before the blocks (each layer's own)
 
   @property
   def end(self) -> int:
@@ -162,8 +165,26 @@ class _Keys:
     return keys, where
 
 
-def _best_run(keys: np.ndarray, lo: int, hi: int) -> tuple[int, int, int] | None:
-  """The run in ``keys[lo:hi]`` that saves the most equations: ``(start, period, count)``."""
+def _early(jaxpr) -> np.ndarray:
+  """Per equation, the index of the latest equation whose result it reads (-1: only the
+  jaxpr's inputs and literals).  Two equations a period apart where the later reads nothing
+  newer than the earlier (HF BERT's ``head_mask[i]`` of each layer) may differ between
+  blocks (``Run.holes``)."""
+  where = {}
+  out = np.full(len(jaxpr.eqns), -1, np.int64)
+  for i, e in enumerate(jaxpr.eqns):
+    out[i] = max((where.get(v, -1) for v in e.invars if not isinstance(v, jex_core.Literal)),
+                 default=-1) if not e.effects else i
+    for v in e.outvars:
+      where[v] = i
+  return out
+
+
+def _best_run(keys: np.ndarray, early: np.ndarray, lo: int, hi: int
+              ) -> tuple[int, int, int] | None:
+  """The run in ``keys[lo:hi]`` that saves the most equations: ``(start, period, count)``;
+  two equations a period apart that read nothing newer than the first count as equal
+  (holes: ``_make_run`` checks them)."""
   seg = keys[lo:hi]
   m = len(seg)
   if m < 2 * MIN_PERIOD:
@@ -179,16 +200,23 @@ def _best_run(keys: np.ndarray, lo: int, hi: int) -> tuple[int, int, int] | None
   for p, _ in dist.most_common(CANDIDATES):
     if 2 * p > m:
       continue
-    eq = np.concatenate(([False], seg[:-p] == seg[p:], [False])).astype(np.int8)
+    strict = seg[:-p] == seg[p:]
+    # a pair a period apart whose later one reads nothing newer than the earlier one does
+    # (both read what exists before them: the same table, their own rows of it)
+    loose = early[lo + p:hi] <= early[lo:hi - p]
+    eq = np.concatenate(([False], strict | loose, [False])).astype(np.int8)
     edges = np.diff(eq)
     starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
     if not len(starts):
       continue
-    i = int(np.argmax(ends - starts))
-    count = int(ends[i] - starts[i]) // p + 1
-    saved = p * (count - 1)
-    if count >= 2 and saved >= MIN_SAVED and (best is None or saved > best[0]):
-      best = (saved, lo + int(starts[i]), p, count)
+    for a, b in zip(starts.tolist(), ends.tolist(), strict=True):
+      count = (b - a) // p + 1
+      if count < 2:
+        continue
+      # equations saved: only strictly equal ones (holes run flat), over whole blocks
+      saved = int(np.count_nonzero(strict[a:a + p * (count - 1)]))
+      if saved >= MIN_SAVED and (best is None or saved > best[0]):
+        best = (saved, lo + a, p, count)
   return None if best is None else best[1:]
 
 
@@ -228,11 +256,41 @@ def _wiring(block: list) -> tuple[tuple, list]:
   return tuple(wires), ext
 
 
-def _make_run(jaxpr, start: int, period: int, count: int, last_use: dict) -> Run | None:
-  """The run's template and bindings: the longest stretch of its blocks wired alike (equal
-  equations may read other values: the keys name operands by kind only)."""
+def _holes(jaxpr, keys, start: int, period: int, count: int) -> list[int] | None:
+  """Offsets where some block's equation differs from block 0's; None unless each of those
+  equations reads only values made before ``start`` or by other holes (then they run first)."""
+  offs = [o for o in range(period)
+          if any(keys[start + k * period + o] != keys[start + o] for k in range(1, count))]
+  if not offs:
+    return offs
   eqns = jaxpr.eqns
-  wired = [_wiring(eqns[start + k * period:start + (k + 1) * period]) for k in range(count)]
+  made_late = {v for e in eqns[start:start + period * count] for v in e.outvars}
+  hole_out: set = set()
+  for k in range(count):
+    for o in offs:
+      e = eqns[start + k * period + o]
+      if e.effects or any(v in made_late and v not in hole_out for v in e.invars
+                          if not isinstance(v, jex_core.Literal)):
+        return None
+      hole_out.update(e.outvars)
+  return offs
+
+
+def _make_run(jaxpr, keys, start: int, period: int, count: int,
+              last_use: dict) -> Run | None:
+  """The run's template and bindings: the longest stretch of its blocks wired alike (equal
+  equations may read other values: the keys name operands by kind only), its holes left out
+  of the template."""
+  eqns = jaxpr.eqns
+  offs = _holes(jaxpr, keys, start, period, count)
+  if offs is None or len(offs) > period // 4:  # holes are a layer's few own equations
+    return None
+  keep = [o for o in range(period) if o not in set(offs)]
+
+  def block(k):
+    return [eqns[start + k * period + o] for o in keep]
+
+  wired = [_wiring(block(k)) for k in range(count)]
   first, n, k = 0, 0, 0
   while k < count:  # the longest stretch of consecutive blocks with block k's wiring
     j = k
@@ -241,23 +299,23 @@ def _make_run(jaxpr, start: int, period: int, count: int, last_use: dict) -> Run
     if j - k > n:
       first, n = k, j - k
     k = j
-  if n < 2 or period * (n - 1) < MIN_SAVED:
+  if n < 2 or (period - len(offs)) * (n - 1) < MIN_SAVED:
     return None
   start, count = start + first * period, n
   ins = tuple(tuple(ext) for _, ext in wired[first:first + n])
   positions = set()
   for k in range(count):
-    b0 = start + k * period
-    for off, e in enumerate(eqns[b0:b0 + period]):
+    end = start + (k + 1) * period
+    for j, e in enumerate(block(k)):
       for q, v in enumerate(e.outvars):
-        if not isinstance(v, jex_core.DropVar) and last_use.get(v, -1) >= b0 + period:
-          positions.add((off, q))
+        if not isinstance(v, jex_core.DropVar) and last_use.get(v, -1) >= end:
+          positions.add((j, q))
   order = sorted(positions)
-  outs = tuple(tuple(eqns[start + k * period + off].outvars[q] for off, q in order)
-               for k in range(count))
+  outs = tuple(tuple(block(k)[j].outvars[q] for j, q in order) for k in range(count))
   template = jaxpr.replace(constvars=[], invars=list(ins[0]), outvars=list(outs[0]),
-                           eqns=list(eqns[start:start + period]), effects=jex_core.no_effects)
-  return Run(start, period, count, template, ins, outs)
+                           eqns=block(0), effects=jex_core.no_effects)
+  holes = tuple(start + k * period + o for k in range(count) for o in offs)
+  return Run(start, period, count, template, ins, outs, holes)
 
 
 def find_runs(jaxpr) -> dict[int, Run]:
@@ -267,15 +325,16 @@ def find_runs(jaxpr) -> dict[int, Run]:
   if not config.outline or n < MIN_SAVED + MIN_PERIOD:
     return {}
   keys = np.asarray(_Keys().eqns(jaxpr, top=True)[0], np.int64)
+  early = _early(jaxpr)
   last_use = _last_uses(jaxpr)
   runs: dict[int, Run] = {}
   regions = [(0, n)]
   while regions and len(runs) < MAX_RUNS:
     lo, hi = regions.pop()
-    found = _best_run(keys, lo, hi)
+    found = _best_run(keys, early, lo, hi)
     if found is None:
       continue
-    run = _make_run(jaxpr, *found, last_use)
+    run = _make_run(jaxpr, keys, *found, last_use)
     if run is None:
       continue
     runs[run.start] = run

@@ -418,27 +418,8 @@ def interpret(ctx: Context, jaxpr, consts: Sequence[PaddedValue], args: Sequence
   info = jaxpr_info(jaxpr)
   runs = info.runs(jaxpr)
   uses = None
-  skip_to = 0
-  for i, (eqn, live, touches) in enumerate(zip(eqns, info.live, info.touches, strict=True)):
-    if i < skip_to:
-      continue
-    run = runs.get(i) if runs else None
-    if run is not None and _outline.call_run(ctx, run, env, write, interpret):
-      skip_to = run.end
-      continue
-    if not live:
-      if touches:
-        ctx.note(eqn, "left alone: its result cannot reach an output")
-      continue
-    fuse = FUSED.get(eqn.primitive) if touches else None
-    if fuse is not None:
-      if uses is None:
-        uses = info.uses(jaxpr)
-      fused = fuse(ctx, eqns, i, uses, read)
-      if fused is not None:
-        skip_to, outvar, pv = fused
-        write(outvar, pv)
-        continue
+
+  def one(eqn, touches) -> None:  # an equation by its rule (or as it is, if it is static)
     invals = [read(v) for v in eqn.invars]
     if not touches:
       outs = [PaddedValue(o) for o in bind_plain(eqn, [pv.val for pv in invals])]
@@ -453,6 +434,33 @@ def interpret(ctx: Context, jaxpr, consts: Sequence[PaddedValue], args: Sequence
     assert len(outs) == len(eqn.outvars), eqn
     for v, pv in zip(eqn.outvars, outs, strict=False):
       write(v, pv)
+
+  skip_to = 0
+  for i, (eqn, live, touches) in enumerate(zip(eqns, info.live, info.touches, strict=True)):
+    if i < skip_to:
+      continue
+    run = runs.get(i) if runs else None
+    if run is not None:  # a run of repeated blocks: each layer's own equations, then blocks
+      for h in run.holes:
+        if info.live[h]:
+          one(eqns[h], info.touches[h])
+      if _outline.call_run(ctx, run, env, write, interpret):
+        skip_to = run.end
+        continue
+    if not live:
+      if touches:
+        ctx.note(eqn, "left alone: its result cannot reach an output")
+      continue
+    fuse = FUSED.get(eqn.primitive) if touches else None
+    if fuse is not None:
+      if uses is None:
+        uses = info.uses(jaxpr)
+      fused = fuse(ctx, eqns, i, uses, read)
+      if fused is not None:
+        skip_to, outvar, pv = fused
+        write(outvar, pv)
+        continue
+    one(eqn, touches)
   return [read(v) for v in jaxpr.outvars]
 
 

@@ -184,6 +184,38 @@ def test_blocks_with_other_constants_or_wiring_are_not_one_template(small_blocks
   assert counts[-1] == 4 and all(r.count >= 2 for r in _outline.find_runs(jaxpr).values())
 
 
+def _indexed_layers(x, table, ws):
+  # Each layer reads its own row of a table made before the layers (HF BERT's head_mask[i]):
+  # the rows' slices differ between layers and read nothing of a layer: holes, run first.
+  for k, w in enumerate(ws):
+    x = x + jnp.tanh(x @ w) * table[k] + jnp.sum(x, axis=0, keepdims=True) * 0.1
+    x = jax.nn.softmax(x, axis=0) * x
+  return x
+
+
+def test_each_layer_s_own_row_of_a_table_runs_before_one_template(monkeypatch):
+  def fun(x, table, w1, w2, w3, w4, w5, w6):
+    return _indexed_layers(x, table * 2.0, [w1, w2, w3, w4, w5, w6])
+
+  monkeypatch.setattr(_outline, "MIN_SAVED", 16)
+  shapes = [(6, 4), (6, 4), *[(4, 4)] * 6]
+  (run,) = _outline.find_runs(_jaxpr(fun, *shapes)).values()
+  assert run.count == 6 and len(run.holes) == 6 * (len(run.holes) // 6) > 0
+  rng = np.random.default_rng(1)
+  args = [rng.normal(size=(6, 4)).astype(np.float32)] + [
+    rng.normal(size=(4, 4)).astype(np.float32) for _ in range(6)]
+  xs = [rng.normal(size=(t, 4)).astype(np.float32) for t in (2, 5)]
+  f = dynjax.jit(fun, dims={"x": "t, 4"}, buckets={"t": [8]}, on_fallback="error")
+  got = [np.asarray(f(x, *args)) for x in xs]
+  for x, g in zip(xs, got, strict=True):
+    np.testing.assert_allclose(g, np.asarray(jax.jit(fun)(x, *args)), rtol=1e-6, atol=1e-6)
+  assert "repeated 6 times" in f.explain()
+  monkeypatch.setattr(config, "outline", False)
+  flat = dynjax.jit(fun, dims={"x": "t, 4"}, buckets={"t": [8]}, on_fallback="error")
+  for x, g in zip(xs, got, strict=True):
+    np.testing.assert_array_equal(g, np.asarray(flat(x, *args)))
+
+
 def test_off_and_below_the_threshold_nothing_is_outlined(monkeypatch):
   jaxpr = _jaxpr(lambda x, *ws: _layers(x, ws), (6, 4), *[(4, 4)] * 3)
   assert _outline.find_runs(jaxpr) == {}  # 3 blocks of 17 equations save fewer than MIN_SAVED
