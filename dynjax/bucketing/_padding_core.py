@@ -436,8 +436,9 @@ def interpret(ctx: Context, jaxpr, consts: Sequence[PaddedValue], args: Sequence
       write(v, pv)
 
   skip_to = 0
+  done = ()  # holes already interpreted, when their run went flat
   for i, (eqn, live, touches) in enumerate(zip(eqns, info.live, info.touches, strict=True)):
-    if i < skip_to:
+    if i < skip_to or i in done:
       continue
     run = runs.get(i) if runs else None
     if run is not None:  # a run of repeated blocks: each layer's own equations, then blocks
@@ -447,6 +448,7 @@ def interpret(ctx: Context, jaxpr, consts: Sequence[PaddedValue], args: Sequence
       if _outline.call_run(ctx, run, env, write, interpret):
         skip_to = run.end
         continue
+      done = set(run.holes)
     if not live:
       if touches:
         ctx.note(eqn, "left alone: its result cannot reach an output")
