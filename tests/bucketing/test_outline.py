@@ -145,23 +145,30 @@ def small_blocks(monkeypatch):
   monkeypatch.setattr(_outline, "MIN_SAVED", 2)
 
 
+def _exact_and_as_flat(monkeypatch, fun, args, repeats: int, lengths=(3, 7)):
+  """``dynjax.jit(fun)`` at each length: close to ``jax.jit`` at the exact shape, its layers
+  padded once, and bitwise what the flat pass (``DYNJAX_OUTLINE=0``) gives."""
+  rng = np.random.default_rng(0)
+  xs = [rng.normal(size=(t, 4)).astype(np.float32) for t in lengths]
+  f = dynjax.jit(fun, dims={"x": "t, 4"}, buckets={"t": [8]}, on_fallback="error")
+  got = [np.asarray(f(x, *args)) for x in xs]
+  for x, g in zip(xs, got, strict=True):
+    np.testing.assert_allclose(g, np.asarray(jax.jit(fun)(x, *args)), rtol=1e-6, atol=1e-6)
+  assert f"repeated {repeats} times: padded and lowered once" in f.explain()
+  monkeypatch.setattr(config, "outline", False)
+  flat = dynjax.jit(fun, dims={"x": "t, 4"}, buckets={"t": [8]}, on_fallback="error")
+  for x, g in zip(xs, got, strict=True):
+    np.testing.assert_array_equal(g, np.asarray(flat(x, *args)))
+  assert "repeated" not in flat.explain()
+
+
 def test_dynjax_jit_pads_five_layers_once_and_equals_jax_jit_and_the_flat_pass(monkeypatch):
   def fun(x, w1, w2, w3, w4, w5):  # 5 layers of 17 equations: over MIN_SAVED as shipped
     return _layers(x, [w1, w2, w3, w4, w5])
 
-  rng = np.random.default_rng(0)
-  ws = [rng.normal(size=(4, 4)).astype(np.float32) for _ in range(5)]
-  xs = [rng.normal(size=(t, 4)).astype(np.float32) for t in (3, 7)]
-  f = dynjax.jit(fun, dims={"x": "t, 4"}, buckets={"t": [8]}, on_fallback="error")
-  got = [np.asarray(f(x, *ws)) for x in xs]
-  for x, g in zip(xs, got, strict=True):
-    np.testing.assert_allclose(g, np.asarray(jax.jit(fun)(x, *ws)), rtol=1e-6, atol=1e-6)
-  assert "repeated 5 times: padded and lowered once" in f.explain()
-  monkeypatch.setattr(config, "outline", False)
-  flat = dynjax.jit(fun, dims={"x": "t, 4"}, buckets={"t": [8]}, on_fallback="error")
-  for x, g in zip(xs, got, strict=True):
-    np.testing.assert_array_equal(g, np.asarray(flat(x, *ws)))
-  assert "repeated" not in flat.explain()
+  rng = np.random.default_rng(1)
+  _exact_and_as_flat(monkeypatch, fun, [rng.normal(size=(4, 4)).astype(np.float32)
+                                        for _ in range(5)], 5)
 
 
 def test_runs_are_found_across_a_value_every_block_reads(small_blocks):
@@ -204,16 +211,7 @@ def test_each_layer_s_own_row_of_a_table_runs_before_one_template(monkeypatch):
   rng = np.random.default_rng(1)
   args = [rng.normal(size=(6, 4)).astype(np.float32)] + [
     rng.normal(size=(4, 4)).astype(np.float32) for _ in range(6)]
-  xs = [rng.normal(size=(t, 4)).astype(np.float32) for t in (2, 5)]
-  f = dynjax.jit(fun, dims={"x": "t, 4"}, buckets={"t": [8]}, on_fallback="error")
-  got = [np.asarray(f(x, *args)) for x in xs]
-  for x, g in zip(xs, got, strict=True):
-    np.testing.assert_allclose(g, np.asarray(jax.jit(fun)(x, *args)), rtol=1e-6, atol=1e-6)
-  assert "repeated 6 times" in f.explain()
-  monkeypatch.setattr(config, "outline", False)
-  flat = dynjax.jit(fun, dims={"x": "t, 4"}, buckets={"t": [8]}, on_fallback="error")
-  for x, g in zip(xs, got, strict=True):
-    np.testing.assert_array_equal(g, np.asarray(flat(x, *args)))
+  _exact_and_as_flat(monkeypatch, fun, args, 6, lengths=(2, 5))
 
 
 def test_off_and_below_the_threshold_nothing_is_outlined(monkeypatch):
