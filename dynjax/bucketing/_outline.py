@@ -370,6 +370,17 @@ def _block_fn(ctx, run: Run, names: tuple, in_fills: tuple, interpret) -> _Block
   return blk
 
 
+def _scalar_key(obj):
+  """Fills by dtype and bytes: 0.0 and -0.0 apart (a sum's mask may skip one only), a NaN
+  equal to itself."""
+  if isinstance(obj, tuple):
+    return tuple(_scalar_key(o) for o in obj)
+  if isinstance(obj, (np.generic, float, complex, bool)):
+    a = np.asarray(obj)
+    return (a.dtype.str, a.tobytes())
+  return obj
+
+
 def call_run(ctx, run: Run, env: dict, write, interpret) -> bool:
   """Pads the blocks of ``run`` in order through one jitted template (``interpret``: the
   padding pass's interpreter), writing each block's outputs (``write(var, PaddedValue)``)
@@ -383,7 +394,7 @@ def call_run(ctx, run: Run, env: dict, write, interpret) -> bool:
     res = None
     if all(pv is not None for pv in vals):  # else made by an equation the flat run leaves out
       in_fills = tuple((pv.fill, pv.axis_fill) for pv in vals)
-      key = (id(run), in_fills)
+      key = (id(run), _scalar_key(in_fills))
       blk = ctx.blocks.get(key)
       if blk is None:
         blk = ctx.blocks[key] = _block_fn(ctx, run, names, in_fills, interpret)
