@@ -303,17 +303,18 @@ def _make_run(jaxpr, keys, start: int, period: int, count: int,
     return None
   start, count = start + first * period, n
   ins = tuple(tuple(ext) for _, ext in wired[first:first + n])
+  blocks = [block(k) for k in range(count)]
   positions = set()
-  for k in range(count):
+  for k, eqs in enumerate(blocks):
     end = start + (k + 1) * period
-    for j, e in enumerate(block(k)):
+    for j, e in enumerate(eqs):
       for q, v in enumerate(e.outvars):
         if not isinstance(v, jex_core.DropVar) and last_use.get(v, -1) >= end:
           positions.add((j, q))
   order = sorted(positions)
-  outs = tuple(tuple(block(k)[j].outvars[q] for j, q in order) for k in range(count))
+  outs = tuple(tuple(eqs[j].outvars[q] for j, q in order) for eqs in blocks)
   template = jaxpr.replace(constvars=[], invars=list(ins[0]), outvars=list(outs[0]),
-                           eqns=block(0), effects=jex_core.no_effects)
+                           eqns=blocks[0], effects=jex_core.no_effects)
   holes = tuple(start + k * period + o for k in range(count) for o in offs)
   return Run(start, period, count, template, ins, outs, holes)
 
