@@ -27,7 +27,6 @@ import dataclasses
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
 
@@ -207,8 +206,6 @@ def _best_run(keys: np.ndarray, early: np.ndarray, lo: int, hi: int
     eq = np.concatenate(([False], strict | loose, [False])).astype(np.int8)
     edges = np.diff(eq)
     starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
-    if not len(starts):
-      continue
     for a, b in zip(starts.tolist(), ends.tolist(), strict=True):
       count = (b - a) // p + 1
       if count < 2:
@@ -285,7 +282,8 @@ def _make_run(jaxpr, keys, start: int, period: int, count: int,
   offs = _holes(jaxpr, keys, start, period, count)
   if offs is None or len(offs) > period // 4:  # holes are a layer's few own equations
     return None
-  keep = [o for o in range(period) if o not in set(offs)]
+  holes = set(offs)
+  keep = [o for o in range(period) if o not in holes]
 
   def block(k):
     return [eqns[start + k * period + o] for o in keep]
@@ -315,8 +313,8 @@ def _make_run(jaxpr, keys, start: int, period: int, count: int,
   outs = tuple(tuple(eqs[j].outvars[q] for j, q in order) for eqs in blocks)
   template = jaxpr.replace(constvars=[], invars=list(ins[0]), outvars=list(outs[0]),
                            eqns=blocks[0], effects=jex_core.no_effects)
-  holes = tuple(start + k * period + o for k in range(count) for o in offs)
-  return Run(start, period, count, template, ins, outs, holes)
+  return Run(start, period, count, template, ins, outs,
+             tuple(start + k * period + o for k in range(count) for o in offs))
 
 
 def find_runs(jaxpr) -> dict[int, Run]:
@@ -362,9 +360,7 @@ def _block_fn(ctx, run: Run, names: tuple, in_fills: tuple, interpret) -> _Block
     outs = interpret(sub, run.template, [], [
       PaddedValue(v, f, af) for v, (f, af) in zip(vals, in_fills, strict=True)])
     blk.fills[:] = [(o.fill, o.axis_fill) for o in outs]
-    return [o.val if hasattr(o.val, "shape") and o.val.dtype == v.aval.dtype
-            else jnp.asarray(o.val, v.aval.dtype)
-            for o, v in zip(outs, run.template.outvars, strict=True)]
+    return [o.array(v.aval.dtype) for o, v in zip(outs, run.template.outvars, strict=True)]
 
   block.__name__ = f"dynjax_block{run.period}"
   blk.fn = jax.jit(block)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -31,6 +32,11 @@ class PaddedValue:
     # scalars or Python numbers: keep one hashable NumPy scalar, or None if it is not a scalar.
     if self.fill is not None:
       object.__setattr__(self, "fill", normalize_fill(self.fill))
+
+  def array(self, dtype):
+    """The value as a jitted function returns it: itself where it is an array, else (a
+    literal, a Python or NumPy scalar) an array of ``dtype``."""
+    return self.val if hasattr(self.val, "shape") else jnp.asarray(self.val, dtype)
 
   def fill_along(self, axis: int):
     """The known constant of the padded region along ``axis`` (for rows valid elsewhere)."""

@@ -195,10 +195,7 @@ def pad_jaxpr(closed_jaxpr, dim_vars: Sequence[str], bucket: Mapping[str, int],
     sizes_env = {v: jnp.asarray(s, jnp.int32) for v, s in zip(dim_vars, sizes, strict=False)}
     ctx = Context(sizes_env, bucket_env, recording[0], size_max, problems[0])
     outs = interpret_closed(ctx, closed_jaxpr, [PaddedValue(a) for a in args])
-    return [
-      jnp.asarray(o.val, a.dtype) if not hasattr(o.val, "shape") else o.val
-      for o, a in zip(outs, closed_jaxpr.out_avals, strict=False)
-    ]
+    return [o.array(a.dtype) for o, a in zip(outs, closed_jaxpr.out_avals, strict=False)]
 
   rewrites: list[str] = []
 
