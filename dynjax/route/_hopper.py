@@ -78,13 +78,6 @@ WGMMA_IN_FLIGHT = 1
 # faster and took 0.9-1.2 s to lower against 0.5-0.6 (CPU box, one GEMM of the e2e).
 CHAIN_TILES = True
 CHAIN_MIN_ROWS = 128  # row tiles of fewer rows stay unchained (64-row tiles: slower chained)
-# TILE_TABLE: the kernel reads each row tile's group from a table computed in XLA (one scalar
-# load a tile: ``tile_table``) instead of comparing the tile with every group's tile end (G
-# scalar loads a tile, in every warpgroup).  Nsight Compute on an H200 (session 31,
-# benchmarks/gpu_run_moe_ncu.sh) found the walk spilling in the 64-expert kernels (the memory
-# warpgroup has 40 registers): 199,296 local-memory requests in GEMM 1 (77 a tile), 59,328
-# in GEMM 2; none at 8 experts.
-TILE_TABLE = True
 
 
 def reference(lhs, rhs, tile_end, tiling, activation=None):
@@ -137,25 +130,15 @@ def _num_sms() -> int:
   return int(getattr(dev, "core_count", 0) or NUM_SMS) if dev.platform == "gpu" else NUM_SMS
 
 
-def tile_table(tile_end, num_tiles: int):
-  """int32 ``[1 + num_tiles]``: the row tiles in use (``tile_end[-1]``), then each row tile's
-  group, ``sum(tile_end[:-1] <= t)`` (tiles past the last group's: the last group)."""
-  ends = tile_end.astype(jnp.int32)
-  t = jnp.arange(num_tiles, dtype=jnp.int32)
-  groups = jnp.sum((ends[:-1][None, :] <= t[:, None]).astype(jnp.int32), axis=1)
-  return jnp.concatenate([ends[-1:], groups])
-
-
 def _body(tile_end_gmem, a_gmem, b_gmem, out_gmem, *, tm, tn, tk, stages, num_groups,
           activation, m_iters, n_iters, epi, snake, skip_unused, wg_m=False, wait=0,
-          chain=False, table=False):
+          chain=False):
   """One program per SM; the loop over output tiles ``(m_idx, n_idx)`` of ``tm x 2 tn``
   (``skip_unused``: only the row tiles of the groups, a loop bound read at run time).  The two
   compute warpgroups split a tile's columns (``tm x tn`` each), or with ``wg_m`` its rows
   (``tm/2 x 2 tn`` each: one ``m64n256`` wgmma a k-step where ``tm`` is 128); ``wait``: wgmma
   groups left in flight across k-steps (their stages released that much later); ``chain``:
-  the program's tiles run as one chain of pipelines (:data:`CHAIN_TILES`); ``table``:
-  ``tile_end_gmem`` holds :func:`tile_table` instead of the groups' tile ends."""
+  the program's tiles run as one chain of pipelines (:data:`CHAIN_TILES`)."""
   from jax.experimental import pallas as pl  # noqa: PLC0415
 
   plgpu = _plgpu()
@@ -193,19 +176,15 @@ def _body(tile_end_gmem, a_gmem, b_gmem, out_gmem, *, tm, tn, tk, stages, num_gr
   def _scope(allocs, out_smem):
     wg = lax.axis_index("wg")
 
-    used = tile_end_gmem[0] if table else tile_end_gmem[num_groups - 1]
-    rows_of_tiles = used if skip_unused else m_iters
+    rows_of_tiles = tile_end_gmem[num_groups - 1] if skip_unused else m_iters
 
     @plgpu.nd_loop((rows_of_tiles * n_iters,), collective_axes="sm")
     def _tiles(info):
       (lin,) = info.index
       m_idx, n_idx = plgpu.planar_snake(lin, (rows_of_tiles, n_iters), 1, snake)
-      if table:
-        g = tile_end_gmem[1 + m_idx]
-      else:
-        g = jnp.int32(0)
-        for i in range(num_groups - 1):  # the tile's group: how many groups end at or before
-          g = g + (tile_end_gmem[i] <= m_idx).astype(jnp.int32)
+      g = jnp.int32(0)
+      for i in range(num_groups - 1):  # the tile's group: how many groups end at or before it
+        g = g + (tile_end_gmem[i] <= m_idx).astype(jnp.int32)
       m_slice = pl.ds(m_idx * tm, tm)
       n_slice = pl.ds(n_idx * 2 * tn, 2 * tn)
       wg_rows = pl.ds(wg * wm, wm) if wg_m else slice(None)
@@ -311,11 +290,10 @@ def hopper_gmm(lhs, rhs, tile_end, tiling, activation=None, skip_unused: int = 0
                   skip_unused=bool(skip_unused), sms=sms,
                   approx=APPROX_BF16 and activation is not None and lhs.dtype == jnp.bfloat16,
                   wg_m=WG_SPLIT == "m" and tm % 128 == 0,
-                  wait=0 if chain else WGMMA_IN_FLIGHT, chain=chain, table=TILE_TABLE)
-  ends = tile_end.astype(jnp.int32)
+                  wait=0 if chain else WGMMA_IN_FLIGHT, chain=chain)
   # The kernel is built only where it is exported: not where route._once loads it from disk.
   return _once.call(("hopper_gmm", key), functools.partial(_run_kernel, key),
-                    tile_table(ends, m // tm) if key.table else ends, lhs, rhs, keep=True)
+                    tile_end.astype(jnp.int32), lhs, rhs, keep=True)
 
 
 def _run_kernel(key: KernelKey, *args):
@@ -342,7 +320,6 @@ class KernelKey(NamedTuple):
   wg_m: bool = False
   wait: int = 0
   chain: bool = False
-  table: bool = False
 
 
 def _kernel(key: KernelKey):
@@ -352,7 +329,7 @@ def _kernel(key: KernelKey):
       _body, tm=key.tm, tn=key.tn, tk=key.tk, stages=key.stages, num_groups=key.groups,
       activation=key.activation, m_iters=key.m // key.tm, n_iters=key.n // (2 * key.tn),
       epi=64, snake=key.snake, skip_unused=key.skip_unused, wg_m=key.wg_m, wait=key.wait,
-      chain=key.chain, table=key.table)
+      chain=key.chain)
   out = jax.ShapeDtypeStruct((key.m, key.n), key.dtype)
   # jax 0.10 renamed out_shape to out_type (the old name warns, and may go).
   named = {"out_type" if "out_type" in inspect.signature(plgpu.kernel).parameters

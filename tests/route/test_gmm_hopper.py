@@ -252,46 +252,6 @@ def test_128_row_tiles_run_chained_and_the_chain_lowers(monkeypatch):
   assert all(tx.count("mosaic_gpu_v2") == 1 for tx in texts.values())
 
 
-@pytest.mark.parametrize("sizes", [[3, 0, 5, 1], [0, 0, 0, 9], [2, 2, 2, 2], [0, 0, 0, 0]])
-def test_the_tile_table_names_each_tiles_group_as_the_walk_did(sizes):
-  # tile_table: the tiles in use, then each row tile's group, which the kernel used to find by
-  # comparing the tile with every group's tile end (tiles past the groups': the last group).
-  ends = np.cumsum(sizes).astype(np.int32)
-  table = np.asarray(_hopper.tile_table(jnp.asarray(ends), 12))
-  walk = [sum(int(e <= t) for e in ends[:-1]) for t in range(12)]
-  assert table[0] == ends[-1] and list(table[1:]) == walk
-  tiles = np.repeat(np.arange(4), sizes)  # the group of each row tile the groups hold
-  assert list(table[1:1 + len(tiles)]) == list(tiles)
-
-
-def test_the_tile_table_is_a_kernel_key_that_lowers(monkeypatch):
-  # With the table the program reads one scalar a tile (its group) and the loop bound from
-  # the table's head; without, it compares the tile with every tile end.  Both lower for CUDA
-  # and are kernels of their own; the table travels as the kernel's first operand.
-  keys, shapes = [], []
-  real_call = _once.call
-
-  def spy(key, fn, *a, **kw):
-    keys.append(key[1])
-    shapes.append(a[0].shape)
-    return real_call(key, fn, *a, **kw)
-
-  monkeypatch.setattr(_once, "call", spy)
-  texts = []
-  for on in (True, False):
-    monkeypatch.setattr(_hopper, "TILE_TABLE", on)
-    _once.clear()
-    t = route.Tiling(tm=64, tk=64, tn=128, num_stages=4, grid_block_n=8)
-    fn = jax.jit(lambda a, b, te, t=t: _hopper.hopper_gmm(a, b, te, t, jax.nn.gelu, 384))
-    texts.append(fn.trace(jax.ShapeDtypeStruct((512, 256), jnp.bfloat16),
-                          jax.ShapeDtypeStruct((8, 256, 512), jnp.bfloat16),
-                          jax.ShapeDtypeStruct((8,), jnp.int32)).lower(
-                              lowering_platforms=("cuda",)).as_text())
-  assert [k.table for k in keys] == [True, False]
-  assert shapes == [(1 + 512 // 64,), (8,)]
-  assert all(tx.count("mosaic_gpu_v2") == 1 for tx in texts)
-
-
 @pytest.mark.parametrize("activation,skip,export", [(None, 0, True), (jax.nn.gelu, 384, True),
                                                     (jax.nn.gelu, 384, False)])
 def test_the_kernel_lowers_for_cuda(activation, skip, export, monkeypatch):
