@@ -57,6 +57,8 @@ TESTS = {
   "tests/bucketing/test_scan.py::test_under_jax_checkpoint_the_backward_scans_forward_again_and_stays_exact": 2.05,
   "tests/route/test_gmm.py::test_the_combine_stands_apart_from_its_consumer_only_where_asked[True]": 2.03,
   "tests/bucketing/test_scan.py::test_gradients_of_cumulative_ops_scan_with_it_and_are_bucketed[cummin_reverse]": 2.01,
+  # session 31: the serve_fresh bytecode prefix (two fresh interpreters importing dynjax)
+  "tests/benchmarks/test_serve_fresh.py::test_the_checkout_is_compiled_once_for_every_child": 7.9,
   # session 30: repeated layers padded once (a Flax encoder, its training step, random layers)
   "tests/bucketing/test_outline.py::test_a_training_step_pads_forward_and_backward_layers_once": 5.9,
   "tests/bucketing/test_outline.py::test_layers_are_padded_once_and_match_jax_jit_and_the_flat_pass": 8.2,

@@ -153,3 +153,27 @@ def test_nocb_tag_runs_the_child_without_cuda_graphs_and_lengths_variants_keep_t
   assert sf.exact_cost([{"mode": "lengths_nocb",
                          "per_length_ms": {"37": {"exact_aot": 9.0}, "99": {"exact_aot": 9.5}}}
                         ]) is None
+
+
+def test_the_checkout_is_compiled_once_for_every_child(tmp_path):
+  # Every child reads the bytecode the parent compiled (PYTHONPYCACHEPREFIX), as an installed
+  # package ships it: under PYTHONDONTWRITEBYTECODE=1 a child otherwise compiles dynjax anew.
+  import os
+  import subprocess
+  import sys
+
+  prefix = sf._compile_checkout(str(tmp_path / "pyc"))
+  assert prefix == str(tmp_path / "pyc")
+  assert sys.pycache_prefix != prefix  # the parent's own setting is left as it was
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  code = ("import builtins, importlib.util, sys; seen = []; real = builtins.compile\n"
+          "builtins.compile = lambda *a, **k: seen.append(a[1]) or real(*a, **k)\n"
+          "import dynjax.jit._api, dynjax.bucketing._outline\n"
+          "print(sum('dynjax' in str(f) for f in seen))")
+  env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", PYTHONPATH=root)
+  fresh = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True)
+  cached = subprocess.run([sys.executable, "-c", code], env=dict(env, PYTHONPYCACHEPREFIX=prefix),
+                          capture_output=True, text=True, check=True)
+  assert int(fresh.stdout.split()[-1]) > 20  # dynjax's modules compiled from source
+  assert int(cached.stdout.split()[-1]) == 0  # none: every one read from the prefix
