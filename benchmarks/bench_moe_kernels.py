@@ -171,7 +171,7 @@ def run_check(args) -> dict:
       res[f"{pre}_drhs_rel_err"] = rel_err(got[1], want[1])
     except Exception as e:
       res[f"{pre}_error"] = f"{type(e).__name__}: {str(e)[:1500]}"
-  e, n, dm, fm = (8, 200, 128, 256) if args.small else (8, 1000, 256, 512)
+  e, n, dm, fm = (8, 200, 128, 256) if args.small else (args.check_experts, 1000, 256, 512)
   params, x, logits, ks = layer_inputs(e, n, dm, fm, n_keys=5)
   ctl = jax.random.normal(ks[4], (n, dm))
   mask = jnp.arange(n) < n - 37
@@ -506,6 +506,8 @@ def main(argv=None) -> dict:
                   help="extra mgpu tilings in the layer part ('best': the sweep's fastest)")
   ap.add_argument("--hopper-layer", default="",
                   help="extra hopper tilings in the layer part ('best': the sweep's fastest)")
+  ap.add_argument("--check-experts", type=int, default=8,
+                  help="paths of the check part's layer (64: 64-row tiles, paired on an H200)")
   ap.add_argument("--check-kernels", default="mgpu,hopper",
                   help="kernels the check part compares with the references")
   ap.add_argument("--layer-extra", default="", help="ragged_dot,dense,ffn")

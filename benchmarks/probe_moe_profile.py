@@ -160,7 +160,7 @@ def _defaults() -> tuple:
   from dynjax.route import _hopper  # noqa: PLC0415
 
   return (_hopper.APPROX_BF16, _hopper.WG_SPLIT, _hopper.WGMMA_IN_FLIGHT, _hopper.CHAIN_TILES,
-          _hopper.CHAIN_MIN_ROWS)
+          _hopper.CHAIN_MIN_ROWS, _hopper.PAIR_TILES, _hopper.PAIR_SKIP_MMA)
 
 
 _DEFAULTS = _defaults()  # the kernel's knobs as shipped: set_knob starts from them
@@ -182,7 +182,7 @@ def set_knob(knob: str) -> tuple[str, route.Tiling | None]:
   from dynjax.route import _hopper  # noqa: PLC0415
 
   (_hopper.APPROX_BF16, _hopper.WG_SPLIT, _hopper.WGMMA_IN_FLIGHT, _hopper.CHAIN_TILES,
-   _hopper.CHAIN_MIN_ROWS) = _DEFAULTS
+   _hopper.CHAIN_MIN_ROWS, _hopper.PAIR_TILES, _hopper.PAIR_SKIP_MMA) = _DEFAULTS
   tiling = None
   for tok in knob.split("+"):
     if tok in ("0", "1"):
@@ -195,11 +195,13 @@ def set_knob(knob: str) -> tuple[str, route.Tiling | None]:
       _hopper.CHAIN_TILES = tok != "c0"
       if tok == "c64":  # 64-row tiles chained too
         _hopper.CHAIN_MIN_ROWS = 64
+    elif tok in ("p0", "p1", "p2"):
+      _hopper.PAIR_TILES, _hopper.PAIR_SKIP_MMA = tok != "p0", tok == "p2"
     elif tok.startswith("t"):
       tiling = parse_tiling(tok[1:])
     else:
       raise SystemExit(f"--knobs: unknown token {tok!r} in {knob!r} (0/1, n/m, w0/w1, "
-                       "c0/c1/c64, tTMxTKxTNxWxS)")
+                       "c0/c1/c64, p0/p1/p2, tTMxTKxTNxWxS)")
   return f"approx{int(_hopper.APPROX_BF16)}" if knob in ("0", "1") else knob, tiling
 
 
@@ -242,7 +244,8 @@ def run_gemms(args) -> dict:
 
       cases = [("gemm1+gelu", xs, w1, jax.nn.gelu), ("gemm1", xs, w1, None),
                ("gemm2", hs, w2, None)]
-      plain = (str(t), _hopper.WG_SPLIT, _hopper.WGMMA_IN_FLIGHT, _hopper.CHAIN_TILES)
+      plain = (str(t), _hopper.WG_SPLIT, _hopper.WGMMA_IN_FLIGHT, _hopper.CHAIN_TILES,
+               _hopper.PAIR_TILES, _hopper.PAIR_SKIP_MMA)
       for label, lhs, w, act in cases:
         if act is None and plain in timed:
           continue  # approximate math changes only the activation: timed at another knob

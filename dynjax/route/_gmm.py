@@ -141,6 +141,11 @@ def buffer_rows(rows: int, num_groups: int, tiling: Tiling, backend: str) -> int
     return max(unit, -(-rows // unit) * unit)
   bound = num_tiles(rows, num_groups, tiling.tm) * tiling.tm
   if backend == "hopper":
+    from dynjax.route._hopper import pairs_tiles  # noqa: PLC0415
+
+    # Paired row tiles (_hopper.PAIR_TILES): the last pair's second tile may start at the
+    # groups' bound, so the buffer holds one tile more (64 rows of d).
+    bound += tiling.tm if pairs_tiles(tiling.tm) else 0
     # At least the bound of HOPPER_MIN_ROWS routed rows (then, where HOPPER_POW2_ROWS is set,
     # the next power of two up to it): the kernel walks only the groups' tiles (a bound read at
     # run time), so extra rows cost no forward compute, and call shapes up to the floor share a
@@ -181,7 +186,9 @@ def hopper_floor_rows(num_groups: int, tm: int) -> int:
   """The smallest buffer of the grouped layer's ``"hopper"`` kernel: the tile bound of
   ``HOPPER_MIN_ROWS`` routed rows (8 paths, 128-row tiles: 9,088), so that every call shape up
   to that many routed rows shares one buffer shape, hence one kernel pair."""
-  return num_tiles(HOPPER_MIN_ROWS, num_groups, tm) * tm
+  from dynjax.route._hopper import pairs_tiles  # noqa: PLC0415
+
+  return (num_tiles(HOPPER_MIN_ROWS, num_groups, tm) + pairs_tiles(tm)) * tm
 
 
 def hopper_fits(widths, tiling: Tiling | None = None) -> bool:

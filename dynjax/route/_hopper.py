@@ -78,6 +78,22 @@ WGMMA_IN_FLIGHT = 1
 # faster and took 0.9-1.2 s to lower against 0.5-0.6 (CPU box, one GEMM of the e2e).
 CHAIN_TILES = True
 CHAIN_MIN_ROWS = 128  # row tiles of fewer rows stay unchained (64-row tiles: slower chained)
+# PAIR_TILES (64-row tiles with ``skip_unused``, the grouped layer past 16 paths): a program
+# computes two row tiles *of one group* at once (one a compute warpgroup, 64 x 256 each), so a
+# weight tile crosses L2 once a pair of row tiles instead of once a row tile; a group with an
+# odd count of row tiles leaves its last pair half used (the second warpgroup neither
+# multiplies nor stores: PAIR_SKIP_MMA).  Each pair's group and first tile come from a table
+# computed in XLA (:func:`pair_table`).  None: by device, on for the kinds in PAIRED_DEVICES.
+# Session 31, H200 (jax 0.11.2): Nsight Compute found the 64-expert GEMMs bound by L2 (83-92%
+# of its throughput, 80% of the traffic the weight tiles; benchmarks/gpu_run_moe_ncu.sh); the
+# layer's device time (d=1024, ffn=4096, 8,192 tokens, k=1; benchmarks/gpu_run_moe_pairs.sh)
+# unpaired -> paired: uniform 452.8 -> 422.3 us (the dropping layer 438.5), Zipf 493.5 ->
+# 477.6 (dropping 435.8); errors against float32 unchanged (1.66e-3).  Session 16 measured an
+# earlier form on an H100 (half pairs computed): uniform 557 -> 586 us, Zipf 635 -> 619, so the
+# H100 stays unpaired until measured again.
+PAIR_TILES: bool | None = None
+PAIRED_DEVICES = ("H200",)
+PAIR_SKIP_MMA = True  # a half pair's second warpgroup issues no wgmma (its rows are not stored)
 
 
 def reference(lhs, rhs, tile_end, tiling, activation=None):
@@ -130,15 +146,54 @@ def _num_sms() -> int:
   return int(getattr(dev, "core_count", 0) or NUM_SMS) if dev.platform == "gpu" else NUM_SMS
 
 
+def pair_slots(num_tiles: int, num_groups: int) -> int:
+  """A bound on the pairs of row tiles of ``num_groups`` groups holding ``num_tiles`` tiles
+  (``sum ceil(t_g / 2) <= (T + G) / 2``)."""
+  return (num_tiles + num_groups) // 2 + 1
+
+
+def pair_table(tile_end, num_groups: int, num_tiles: int):
+  """The paired kernel's table, in XLA (a few microseconds): ``[pairs, group of pair p...,
+  2 * first row tile + (the next tile is the group's too)...]``, ``pair_slots`` entries each."""
+  te = tile_end.astype(jnp.int32)
+  start = jnp.concatenate([jnp.zeros((1,), jnp.int32), te[:-1]])
+  pairs = (te - start + 1) // 2
+  pair_end = jnp.cumsum(pairs)
+  p = jnp.arange(pair_slots(num_tiles, num_groups), dtype=jnp.int32)
+  g = jnp.sum((pair_end[None, :-1] <= p[:, None]).astype(jnp.int32), axis=1)
+  first = start[g] + 2 * (p - (pair_end - pairs)[g])
+  second = (first + 1 < te[g]).astype(jnp.int32)
+  return jnp.concatenate([pair_end[-1:], g, 2 * first + second])
+
+
+def pairs_tiles(tm: int) -> bool:
+  """Whether a program computes two ``tm``-row tiles of one group (:data:`PAIR_TILES`: 64-row
+  tiles, the warpgroups splitting rows); the grouped layer's buffer then has ``tm`` rows more
+  than its groups can fill (:func:`dynjax.route._gmm.buffer_rows`), which the second tile of
+  the last pair may read."""
+  return _pairing() and WG_SPLIT == "m" and tm == 64
+
+
+def _pairing() -> bool:
+  if PAIR_TILES is not None:
+    return PAIR_TILES
+  dev = jax.devices()[0]
+  kind = getattr(dev, "device_kind", "") or ""
+  return dev.platform == "gpu" and any(k in kind for k in PAIRED_DEVICES)
+
+
 def _body(tile_end_gmem, a_gmem, b_gmem, out_gmem, *, tm, tn, tk, stages, num_groups,
           activation, m_iters, n_iters, epi, snake, skip_unused, wg_m=False, wait=0,
-          chain=False):
+          chain=False, pair=0):
   """One program per SM; the loop over output tiles ``(m_idx, n_idx)`` of ``tm x 2 tn``
   (``skip_unused``: only the row tiles of the groups, a loop bound read at run time).  The two
   compute warpgroups split a tile's columns (``tm x tn`` each), or with ``wg_m`` its rows
   (``tm/2 x 2 tn`` each: one ``m64n256`` wgmma a k-step where ``tm`` is 128); ``wait``: wgmma
   groups left in flight across k-steps (their stages released that much later); ``chain``:
-  the program's tiles run as one chain of pipelines (:data:`CHAIN_TILES`)."""
+  the program's tiles run as one chain of pipelines (:data:`CHAIN_TILES`); ``pair``
+  (:data:`PAIR_TILES`, with ``wg_m`` and ``skip_unused``; ``KernelKey.pair``): a program's
+  tile is two ``tm``-row tiles of one group, one a warpgroup, and ``tile_end_gmem`` holds
+  :func:`pair_table`; 2: a half pair's second warpgroup issues no wgmma."""
   from jax.experimental import pallas as pl  # noqa: PLC0415
 
   plgpu = _plgpu()
@@ -148,7 +203,8 @@ def _body(tile_end_gmem, a_gmem, b_gmem, out_gmem, *, tm, tn, tk, stages, num_gr
   swizzle = plgpu.find_swizzle(tk * itemsize * 8)
   transforms = (plgpu.TilingTransform((8, swizzle // itemsize)),
                 plgpu.SwizzleTransform(swizzle))
-  wm, wn = (tm // 2, 2 * tn) if wg_m else (tm, tn)  # a compute warpgroup's share of a tile
+  rows = 2 * tm if pair else tm  # a program's tile: rows x 2 tn
+  wm, wn = (rows // 2, 2 * tn) if wg_m else (rows, tn)  # a compute warpgroup's share of it
   epi_m, epi_n = min(epi, wm), min(epi, wn)
   out_swizzle = plgpu.find_swizzle(epi_n * itemsize * 8)
   out_transforms = (plgpu.TilingTransform((8, out_swizzle // itemsize)),
@@ -159,7 +215,7 @@ def _body(tile_end_gmem, a_gmem, b_gmem, out_gmem, *, tm, tn, tk, stages, num_gr
     return plgpu.emit_pipeline_warp_specialized(
         body, grid=(k_iters,), memory_registers=40, pipeline_state=state,
         in_specs=[
-            plgpu.BlockSpec((tm, tk), lambda k: (0, k), transforms=transforms,
+            plgpu.BlockSpec((rows, tk), lambda k: (0, k), transforms=transforms,
                             memory_space=plgpu.SMEM, delay_release=wait),
             plgpu.BlockSpec((tk, 2 * tn), lambda k: (k, 0), transforms=transforms,
                             memory_space=plgpu.SMEM, delay_release=wait),
@@ -176,16 +232,27 @@ def _body(tile_end_gmem, a_gmem, b_gmem, out_gmem, *, tm, tn, tk, stages, num_gr
   def _scope(allocs, out_smem):
     wg = lax.axis_index("wg")
 
-    rows_of_tiles = tile_end_gmem[num_groups - 1] if skip_unused else m_iters
+    if pair:  # tile_end_gmem holds pair_table: the pairs, then each pair's group and tile
+      rows_of_tiles = tile_end_gmem[0]
+      slots = pair_slots(m_iters, num_groups)
+    else:
+      rows_of_tiles = tile_end_gmem[num_groups - 1] if skip_unused else m_iters
 
     @plgpu.nd_loop((rows_of_tiles * n_iters,), collective_axes="sm")
     def _tiles(info):
       (lin,) = info.index
       m_idx, n_idx = plgpu.planar_snake(lin, (rows_of_tiles, n_iters), 1, snake)
-      g = jnp.int32(0)
-      for i in range(num_groups - 1):  # the tile's group: how many groups end at or before it
-        g = g + (tile_end_gmem[i] <= m_idx).astype(jnp.int32)
-      m_slice = pl.ds(m_idx * tm, tm)
+      if pair:  # m_idx counts pairs
+        g = tile_end_gmem[1 + m_idx]
+        code = tile_end_gmem[1 + slots + m_idx]
+        mine = jnp.logical_or(wg == 0, (code & 1) == 1)  # this warpgroup's tile is the group's
+        m_slice = pl.ds(lax.shift_right_logical(code, jnp.int32(1)) * tm, rows)
+      else:
+        g = jnp.int32(0)
+        for i in range(num_groups - 1):  # the tile's group: how many groups end at or before
+          g = g + (tile_end_gmem[i] <= m_idx).astype(jnp.int32)
+        mine = None
+        m_slice = pl.ds(m_idx * tm, tm)
       n_slice = pl.ds(n_idx * 2 * tn, 2 * tn)
       wg_rows = pl.ds(wg * wm, wm) if wg_m else slice(None)
       wg_cols = slice(None) if wg_m else pl.ds(wg * tn, tn)
@@ -199,19 +266,30 @@ def _body(tile_end_gmem, a_gmem, b_gmem, out_gmem, *, tm, tn, tk, stages, num_gr
             acc = activation(acc)
           acc = acc.astype(dtype)
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-          for mi in range(wm // epi_m):
-            for ni in range(wn // epi_n):
-              rs = slice(mi * epi_m, (mi + 1) * epi_m)
-              cs = slice(ni * epi_n, (ni + 1) * epi_n)
-              slot = (mi * (wn // epi_n) + ni) % 2
-              plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-              out_smem[wg, slot] = acc[rs, cs]
-              plgpu.commit_smem()
-              plgpu.copy_smem_to_gmem(out_smem.at[wg, slot],
-                                      out_gmem.at[m_slice, n_slice].at[wg_rows, wg_cols].at[rs, cs])
+
+          def store():
+            for mi in range(wm // epi_m):
+              for ni in range(wn // epi_n):
+                rs = slice(mi * epi_m, (mi + 1) * epi_m)
+                cs = slice(ni * epi_n, (ni + 1) * epi_n)
+                slot = (mi * (wn // epi_n) + ni) % 2
+                plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                out_smem[wg, slot] = acc[rs, cs]
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(
+                    out_smem.at[wg, slot],
+                    out_gmem.at[m_slice, n_slice].at[wg_rows, wg_cols].at[rs, cs])
+
+          if mine is None:
+            store()
+          else:  # a half pair's second tile: another group's rows, not stored
+            pl.when(mine)(store)
 
       def mma(_, a_smem, b_smem, acc_ref):
-        plgpu.wgmma(acc_ref, a_smem.at[wg_rows], b_smem.at[:, wg_cols])
+        if mine is None or pair != 2:
+          plgpu.wgmma(acc_ref, a_smem.at[wg_rows], b_smem.at[:, wg_cols])
+        else:  # a half pair's second warpgroup multiplies nothing
+          pl.when(mine)(lambda: plgpu.wgmma(acc_ref, a_smem.at[wg_rows], b_smem.at[:, wg_cols]))
         plgpu.wgmma_wait(wait)
         return acc_ref
 
@@ -283,17 +361,21 @@ def hopper_gmm(lhs, rhs, tile_end, tiling, activation=None, skip_unused: int = 0
     return out
   sms = _num_sms()
   waves = min(m, wave_rows or skip_unused or m)
-  chain = CHAIN_TILES and tm >= CHAIN_MIN_ROWS and (k // tk) % tiling.num_stages == 0
+  pair = pairs_tiles(tm) and bool(skip_unused) and m >= skip_unused + tm
+  chain = (CHAIN_TILES and tm >= CHAIN_MIN_ROWS and not pair
+           and (k // tk) % tiling.num_stages == 0)
   key = KernelKey(m=m, k=k, n=n, groups=g, dtype=jnp.dtype(lhs.dtype).name, tm=tm,
-                  tn=column_tile(waves // tm, n, tn, sms), tk=tk, stages=tiling.num_stages,
-                  snake=max(1, tiling.grid_block_n), activation=activation,
-                  skip_unused=bool(skip_unused), sms=sms,
+                  tn=column_tile(waves // (2 * tm if pair else tm), n, tn, sms), tk=tk,
+                  stages=tiling.num_stages, snake=max(1, tiling.grid_block_n),
+                  activation=activation, skip_unused=bool(skip_unused), sms=sms,
                   approx=APPROX_BF16 and activation is not None and lhs.dtype == jnp.bfloat16,
-                  wg_m=WG_SPLIT == "m" and tm % 128 == 0,
-                  wait=0 if chain else WGMMA_IN_FLIGHT, chain=chain)
+                  wg_m=WG_SPLIT == "m" and (tm % 128 == 0 or pair),
+                  wait=0 if chain else WGMMA_IN_FLIGHT, chain=chain,
+                  pair=(PAIR_SKIP_MMA + 1) if pair else 0)
+  table = (pair_table(tile_end, g, m // tm) if pair else tile_end.astype(jnp.int32))
   # The kernel is built only where it is exported: not where route._once loads it from disk.
-  return _once.call(("hopper_gmm", key), functools.partial(_run_kernel, key),
-                    tile_end.astype(jnp.int32), lhs, rhs, keep=True)
+  return _once.call(("hopper_gmm", key), functools.partial(_run_kernel, key), table, lhs, rhs,
+                    keep=True)
 
 
 def _run_kernel(key: KernelKey, *args):
@@ -320,6 +402,7 @@ class KernelKey(NamedTuple):
   wg_m: bool = False
   wait: int = 0
   chain: bool = False
+  pair: int = 0  # 0: unpaired; 1: paired (PAIR_TILES); 2: paired, half pairs skip the mma
 
 
 def _kernel(key: KernelKey):
@@ -329,7 +412,7 @@ def _kernel(key: KernelKey):
       _body, tm=key.tm, tn=key.tn, tk=key.tk, stages=key.stages, num_groups=key.groups,
       activation=key.activation, m_iters=key.m // key.tm, n_iters=key.n // (2 * key.tn),
       epi=64, snake=key.snake, skip_unused=key.skip_unused, wg_m=key.wg_m, wait=key.wait,
-      chain=key.chain)
+      chain=key.chain, pair=key.pair)
   out = jax.ShapeDtypeStruct((key.m, key.n), key.dtype)
   # jax 0.10 renamed out_shape to out_type (the old name warns, and may go).
   named = {"out_type" if "out_type" in inspect.signature(plgpu.kernel).parameters

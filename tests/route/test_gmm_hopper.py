@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dynjax import route
 from dynjax._errors import RoutingError
@@ -250,6 +252,82 @@ def test_128_row_tiles_run_chained_and_the_chain_lowers(monkeypatch):
   assert got[3:6] == [(128, 256, False, w), (64, 256, False, w), (128, 192, False, w)]
   assert got[6:] == [(128, 256, True, 0), (64, 256, True, 0), (128, 192, False, w)]  # c64
   assert all(tx.count("mosaic_gpu_v2") == 1 for tx in texts.values())
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 5), min_size=1, max_size=9), st.integers(0, 3))
+def test_paired_row_tiles_cover_every_tile_of_every_group_once(counts, spare):
+  # The paired kernel's program p computes row tiles first and first + 1 with one group's
+  # weights and stores the second only where it is the group's: every row tile of every group
+  # is stored exactly once, by a program holding that group, and nothing else is stored.
+  tile_end = jnp.asarray(np.cumsum(counts), jnp.int32)
+  num_tiles = sum(counts) + spare
+  table = np.asarray(_hopper.pair_table(tile_end, len(counts), num_tiles))
+  slots = _hopper.pair_slots(num_tiles, len(counts))
+  assert table.shape == (1 + 2 * slots,)
+  pairs = int(table[0])
+  assert pairs == sum((c + 1) // 2 for c in counts) <= slots
+  stored = []
+  for p in range(pairs):
+    g, code = int(table[1 + p]), int(table[1 + slots + p])
+    first = code >> 1
+    assert first + 1 < num_tiles + 1  # the second tile's rows exist (the spare tile)
+    stored += [(first, g)] + ([(first + 1, g)] if code & 1 else [])
+  want = [(t, g) for g, c in enumerate(counts) for t in range(sum(counts[:g]), sum(counts[:g]) + c)]
+  assert sorted(stored) == want
+
+
+@pytest.mark.parametrize("skip_mma", [False, True])
+def test_paired_tiles_need_a_spare_row_tile_and_lower(skip_mma, monkeypatch):
+  # With PAIR_TILES a program computes two 64-row tiles of one group (the warpgroups split its
+  # rows); the last pair's second tile may start at the groups' bound, so the kernel pairs only
+  # where the buffer has a tile more than the groups can fill (buffer_rows adds it).  A half
+  # pair's second warpgroup skips its wgmma (PAIR_SKIP_MMA) or multiplies unstored rows; each
+  # is a kernel of its own that lowers for CUDA, reading the pair table.
+  from dynjax.route import _gmm
+
+  monkeypatch.setattr(_hopper, "PAIR_TILES", True)
+  monkeypatch.setattr(_hopper, "PAIR_SKIP_MMA", skip_mma)
+  keys, tables = [], []
+  real_call = _once.call
+
+  def spy(key, fn, *a, **kw):
+    keys.append(key[1])
+    tables.append(a[0].shape)
+    return real_call(key, fn, *a, **kw)
+
+  monkeypatch.setattr(_once, "call", spy)
+  _once.clear()
+  t = route.Tiling(tm=64, tk=64, tn=128, num_stages=4, grid_block_n=8)
+  texts = []
+  for skip in (448, 512):
+    args = (jax.ShapeDtypeStruct((512, 256), jnp.bfloat16),
+            jax.ShapeDtypeStruct((4, 256, 512), jnp.bfloat16), jax.ShapeDtypeStruct((4,), jnp.int32))
+    texts.append(jax.jit(lambda a, b, te, s=skip: _hopper.hopper_gmm(a, b, te, t, jax.nn.gelu, s))
+                 .trace(*args).lower(lowering_platforms=("cuda",)).as_text())
+  assert [(k.pair, k.wg_m) for k in keys] == [(2 if skip_mma else 1, True), (0, False)]
+  assert tables == [(1 + 2 * _hopper.pair_slots(8, 4),), (4,)]
+  assert all(tx.count("mosaic_gpu_v2") == 1 for tx in texts)
+  assert _gmm.buffer_rows(8192, 64, t, "hopper") == _gmm.hopper_floor_rows(64, 64)
+  assert _gmm.hopper_floor_rows(64, 64) == (_gmm.num_tiles(8192, 64, 64) + 1) * 64
+  monkeypatch.setattr(_hopper, "PAIR_TILES", False)
+  assert _gmm.hopper_floor_rows(64, 64) == _gmm.num_tiles(8192, 64, 64) * 64
+
+
+def test_pairs_are_on_by_device_where_measured_faster(monkeypatch):
+  # PAIR_TILES=None pairs 64-row tiles on the device kinds where pairs measured faster (the
+  # H200), not elsewhere (the H100, the CPU); True/False force it.
+  class Dev:
+    def __init__(self, platform, kind):
+      self.platform, self.device_kind = platform, kind
+
+  monkeypatch.setattr(_hopper, "PAIR_TILES", None)
+  for platform, kind, want in (("gpu", "NVIDIA H200", True), ("gpu", "NVIDIA H100 80GB HBM3", False),
+                               ("cpu", "cpu", False)):
+    monkeypatch.setattr(_hopper.jax, "devices", lambda d=Dev(platform, kind): [d])
+    assert _hopper.pairs_tiles(64) is want and not _hopper.pairs_tiles(128)
+  monkeypatch.setattr(_hopper, "PAIR_TILES", False)
+  assert not _hopper.pairs_tiles(64)
 
 
 @pytest.mark.parametrize("activation,skip,export", [(None, 0, True), (jax.nn.gelu, 384, True),
