@@ -179,6 +179,42 @@ def test_runs_are_found_across_a_value_every_block_reads(small_blocks):
   assert all(ins[2] is run.ins[0][2] for ins in run.ins)  # one mask
 
 
+@pytest.mark.parametrize("act", ["relu", "custom_jvp", "custom_vjp"])
+def test_layers_with_custom_derivative_activations_are_one_template(small_blocks, monkeypatch,
+                                                                   act):
+  # jax.nn.relu is a custom_jvp: each call binds its own jvp rule (a new WrappedFun), which
+  # only differentiation reads; padded programs are never differentiated, so layers differing
+  # there are equal (they were not: an NNX miniGPT's blocks stayed flat).  The same for a
+  # user's custom_jvp and custom_vjp activations.
+  @jax.custom_jvp
+  def soft(x):
+    return jnp.logaddexp(x, 0.0)
+
+  soft.defjvp(lambda p, t: (soft(p[0]), t[0] * jax.nn.sigmoid(p[0])))
+
+  @jax.custom_vjp
+  def clip(x):
+    return jnp.clip(x, -3.0, 3.0)
+
+  clip.defvjp(lambda x: (clip(x), x), lambda x, g: (g * (jnp.abs(x) < 3.0),))
+  f = {"relu": jax.nn.relu, "custom_jvp": soft, "custom_vjp": clip}[act]
+
+  def fun(x, *ws):
+    for w in ws:
+      x = x + f(x @ w)
+    return x
+
+  jaxpr = _jaxpr(fun, (6, 4), *[(4, 4)] * 4)
+  prim = {"relu": "custom_jvp_call", "custom_jvp": "custom_jvp_call",
+          "custom_vjp": "custom_vjp_call"}[act]
+  assert sum(prim in e.primitive.name for e in jaxpr.eqns) == 4
+  (run,) = _outline.find_runs(jaxpr).values()
+  assert run.count == 4
+  rng = np.random.default_rng(2)
+  _exact_and_as_flat(monkeypatch, fun, [rng.normal(size=(4, 4)).astype(np.float32)
+                                        for _ in range(4)], 4)
+
+
 def test_blocks_with_other_constants_or_wiring_are_not_one_template(small_blocks):
   shapes = [(6, 4), *[(4, 4)] * 5]
   # A per-layer Python constant: only the layers with equal constants share a template.
