@@ -207,6 +207,7 @@ def test_the_warpgroup_split_and_wgmma_depth_are_kernel_keys_that_lower(split, w
   monkeypatch.setattr(_hopper, "WG_SPLIT", split)
   monkeypatch.setattr(_hopper, "WGMMA_IN_FLIGHT", wait)
   monkeypatch.setattr(_hopper, "CHAIN_TILES", False)  # a chained kernel has no wgmma in flight
+  monkeypatch.setattr(_hopper, "PAIR_TILES", False)  # (on an H200, 64-row tiles pair)
   keys = []
   real_call = _once.call
   monkeypatch.setattr(_once, "call", lambda key, fn, *a, **kw: keys.append(key[1]) or real_call(
@@ -233,6 +234,7 @@ def test_128_row_tiles_run_chained_and_the_chain_lowers(monkeypatch):
   real_call = _once.call
   monkeypatch.setattr(_once, "call", lambda key, fn, *a, **kw: keys.append(key[1]) or real_call(
       key, fn, *a, **kw))
+  monkeypatch.setattr(_hopper, "PAIR_TILES", False)  # (on an H200, 64-row tiles pair)
   texts = {}
   for chain_on, min_rows in ((True, 128), (False, 128), (True, 64)):
     monkeypatch.setattr(_hopper, "CHAIN_TILES", chain_on)
