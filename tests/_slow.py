@@ -57,6 +57,10 @@ TESTS = {
   "tests/bucketing/test_scan.py::test_under_jax_checkpoint_the_backward_scans_forward_again_and_stays_exact": 2.05,
   "tests/route/test_gmm.py::test_the_combine_stands_apart_from_its_consumer_only_where_asked[True]": 2.03,
   "tests/bucketing/test_scan.py::test_gradients_of_cumulative_ops_scan_with_it_and_are_bucketed[cummin_reverse]": 2.01,
+  # session 31: paired 64-row tiles (60 hypothesis tables; the paired kernels lowered for CUDA)
+  "tests/route/test_gmm_hopper.py::test_any_group_sizes_pair_every_tile_once": 12.0,
+  "tests/route/test_gmm_hopper.py::test_paired_tiles_need_a_spare_row_tile_and_lower[False]": 3.1,
+  "tests/route/test_gmm_hopper.py::test_paired_tiles_need_a_spare_row_tile_and_lower[True]": 3.0,
   # session 31: the serve_fresh bytecode prefix (two fresh interpreters importing dynjax)
   "tests/benchmarks/test_serve_fresh.py::test_the_checkout_is_compiled_once_for_every_child": 7.9,
   # session 30: repeated layers padded once (a Flax encoder, its training step, random layers)

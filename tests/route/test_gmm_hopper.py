@@ -256,9 +256,7 @@ def test_128_row_tiles_run_chained_and_the_chain_lowers(monkeypatch):
   assert all(tx.count("mosaic_gpu_v2") == 1 for tx in texts.values())
 
 
-@settings(max_examples=60, deadline=None)
-@given(st.lists(st.integers(0, 5), min_size=1, max_size=9), st.integers(0, 3))
-def test_paired_row_tiles_cover_every_tile_of_every_group_once(counts, spare):
+def _pairs_cover_every_tile_once(counts, spare):
   # The paired kernel's program p computes row tiles first and first + 1 with one group's
   # weights and stores the second only where it is the group's: every row tile of every group
   # is stored exactly once, by a program holding that group, and nothing else is stored.
@@ -277,6 +275,18 @@ def test_paired_row_tiles_cover_every_tile_of_every_group_once(counts, spare):
     stored += [(first, g)] + ([(first + 1, g)] if code & 1 else [])
   want = [(t, g) for g, c in enumerate(counts) for t in range(sum(counts[:g]), sum(counts[:g]) + c)]
   assert sorted(stored) == want
+
+
+@pytest.mark.parametrize("counts,spare", [([3, 0, 5, 1], 1), ([0, 0, 2], 0), ([1, 1, 1, 1, 4], 3),
+                                          ([0, 0, 0], 2)])
+def test_paired_row_tiles_cover_every_tile_of_every_group_once(counts, spare):
+  _pairs_cover_every_tile_once(counts, spare)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 5), min_size=1, max_size=9), st.integers(0, 3))
+def test_any_group_sizes_pair_every_tile_once(counts, spare):
+  _pairs_cover_every_tile_once(counts, spare)
 
 
 @pytest.mark.parametrize("skip_mma", [False, True])
