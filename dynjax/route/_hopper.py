@@ -372,7 +372,7 @@ def hopper_gmm(lhs, rhs, tile_end, tiling, activation=None, skip_unused: int = 0
                   wg_m=WG_SPLIT == "m" and (tm % 128 == 0 or pair),
                   wait=0 if chain else WGMMA_IN_FLIGHT, chain=chain,
                   pair=(PAIR_SKIP_MMA + 1) if pair else 0)
-  table = (pair_table(tile_end, g, m // tm) if pair else tile_end.astype(jnp.int32))
+  table = pair_table(tile_end, g, m // tm) if pair else tile_end.astype(jnp.int32)
   # The kernel is built only where it is exported: not where route._once loads it from disk.
   return _once.call(("hopper_gmm", key), functools.partial(_run_kernel, key), table, lhs, rhs,
                     keep=True)
