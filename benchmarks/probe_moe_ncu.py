@@ -94,12 +94,13 @@ def build(args):
           f"({tiles * t.tm} rows), loads {sorted(map(int, sizes), reverse=True)[:6]}...")
 
 
-# (label, ncu section metric name): the figures the summary prints per kernel
-KEY = (("us", "Duration"), ("DRAM %", "DRAM Throughput"), ("mem %", "Memory Throughput"),
-       ("L2 hit %", "L2 Hit Rate"), ("SM %", "Compute (SM) Throughput"),
-       ("L1 hit %", "L1/TEX Hit Rate"), ("occupancy %", "Achieved Occupancy"),
-       ("regs", "Registers Per Thread"), ("smem KB", "Dynamic Shared Memory Per Block"),
-       ("grid", "Grid Size"), ("issued IPC", "Issue Slots Busy"))
+# (label, ncu's metric name, its unit or None for any): the figures the summary prints per kernel
+KEY = (("us", "Duration", None), ("DRAM %", "DRAM Throughput", "%"),
+       ("L2 %", "L2 Cache Throughput", "%"), ("mem %", "Memory Throughput", "%"),
+       ("L2 hit %", "L2 Hit Rate", "%"), ("SM %", "Compute (SM) Throughput", "%"),
+       ("spills", "Local Memory Spilling Requests", None),
+       ("occupancy %", "Achieved Occupancy", "%"), ("regs", "Registers Per Thread", None),
+       ("smem B", "Dynamic Shared Memory Per Block", None), ("grid", "Grid Size", None))
 
 
 def summarize(paths) -> list[dict]:
@@ -114,14 +115,14 @@ def summarize(paths) -> list[dict]:
       kid = (path, rec.get("ID"))
       row = rows.setdefault(kid, {"file": os.path.basename(path),
                                   "kernel": rec.get("Kernel Name", "")[:60]})
-      for label, name in KEY:
-        if rec.get("Metric Name") == name:
-          unit = rec.get("Metric Unit", "")
+      for label, name, want in KEY:
+        unit = rec.get("Metric Unit", "")
+        if rec.get("Metric Name") == name and want in (None, unit):
           val = rec.get("Metric Value", "").replace(",", "")
           try:
             v = float(val)
             if name == "Duration":
-              v = v / 1e3 if unit == "ns" else v * 1e3 if unit == "ms" else v
+              v *= {"ns": 1e-3, "nsecond": 1e-3, "ms": 1e3, "msecond": 1e3}.get(unit, 1.0)
             row[label] = round(v, 2)
           except ValueError:
             row[label] = val
@@ -136,6 +137,8 @@ def main(argv=None) -> None:
   if args.summarize:
     summarize(args.summarize)
     return
+  if not args.case:
+    raise SystemExit("probe_moe_ncu: --case CASE (see the docstring) or --summarize CSV...")
   fn, fargs, what = build(args)
   for _ in range(2):
     jax.block_until_ready(fn(*fargs))

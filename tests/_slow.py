@@ -76,6 +76,10 @@ TESTS = {
   "tests/control/test_recursion.py::test_single_call_and_second_batch_reuses_executables": 1.97,
   "tests/control/test_edge_cases.py::test_a_host_loop_staged_in_a_program_that_empties_its_carry_runs_the_call_exact": 1.92,
   "tests/control/test_cond.py::test_a_cond_used_only_for_its_result_shape_is_kept": 1.91,
+  # session 31: probe_moe_ncu's cases with the kernel stand-in (routing and layouts on the CPU)
+  "tests/benchmarks/test_probe_moe_ncu.py::test_cases_build_and_run_with_the_kernel_stand_in[gemm1:zipf64]": 4.8,
+  "tests/benchmarks/test_probe_moe_ncu.py::test_cases_build_and_run_with_the_kernel_stand_in[gemm2:uniform8]": 2.5,
+  "tests/benchmarks/test_probe_moe_ncu.py::test_cases_build_and_run_with_the_kernel_stand_in[capacity1:zipf64]": 2.2,
   # session 31: paired 64-row tiles (60 hypothesis tables; the paired kernels lowered for CUDA)
   "tests/route/test_gmm_hopper.py::test_any_group_sizes_pair_every_tile_once": 12.0,
   "tests/route/test_gmm_hopper.py::test_paired_tiles_need_a_spare_row_tile_and_lower[False]": 3.1,
