@@ -171,8 +171,12 @@ def test_the_checkout_is_compiled_once_for_every_child(tmp_path):
           "import dynjax.jit._api, dynjax.bucketing._outline\n"
           "print(sum('dynjax' in str(f) for f in seen))")
   env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", PYTHONPATH=root)
-  fresh = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         check=True)
+  # the baseline reads bytecode from an empty prefix: a checkout's own __pycache__ (written
+  # wherever bytecode may be, as in CI) would otherwise serve it
+  empty = tmp_path / "empty"
+  empty.mkdir()
+  fresh = subprocess.run([sys.executable, "-c", code], env=dict(env, PYTHONPYCACHEPREFIX=str(empty)),
+                         capture_output=True, text=True, check=True)
   cached = subprocess.run([sys.executable, "-c", code], env=dict(env, PYTHONPYCACHEPREFIX=prefix),
                           capture_output=True, text=True, check=True)
   assert int(fresh.stdout.split()[-1]) > 20  # dynjax's modules compiled from source
