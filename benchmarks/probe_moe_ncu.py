@@ -16,8 +16,9 @@ between ``cuProfilerStart``/``cuProfilerStop`` (the driver API, through ctypes),
                                     (1.25 x the mean load) rows in one batched GEMM
 
 ``<setting>`` is as ``bench_moe_kernels.py``'s: uniform8, zipf8, uniform64, zipf64.  The figures
-that matter are in ncu's output: duration, DRAM bytes and throughput, L2 hit rate, and the
-tensor pipes' use.  ``benchmarks/gpu_run_moe_ncu.sh`` runs every case in one device call.
+that matter are in ncu's output; ``--summarize`` prints them per kernel (``KEY``: duration,
+DRAM and L2 throughput, L2 hit rate, the SMs' throughput, spills, occupancy).
+``benchmarks/gpu_run_moe_ncu.sh`` runs every case in one device call.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import jax.numpy as jnp
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 
 from benchmarks.bench_moe_kernels import Setting  # noqa: E402
+from benchmarks.probe_moe_profile import grouped_gemm_inputs  # noqa: E402
 from dynjax import route  # noqa: E402
 
 
@@ -72,14 +74,9 @@ def build(args):
     return (jax.jit(lambda x, w: jnp.einsum("ecd,edf->ecf", x, w)), (x, s.params["w1"]),
             f"batched [{e},{cap},{d}]x[{e},{d},{f}]")
   t = route.Tiling.auto(n, e, "hopper")
-  rows = _gmm.buffer_rows(n, e, t, "hopper")
-  fill = _gmm.num_tiles(n, e, t.tm) * t.tm
-  waves = max(fill, _gmm.hopper_floor_rows(e, t.tm))
-  x, b = s.inputs[0]
-  lay = route.grouped_layout(s.router(s.logits(x, b)), e, t.tm, rows)
+  rows, fill, waves, (lay, *_), (gathered, *_) = grouped_gemm_inputs(s, n, t)
   if kind == "gemm1":
-    lhs, w, act = jnp.take(x, lay.table, axis=0, mode="fill", fill_value=0), s.params["w1"], \
-        jax.nn.gelu
+    lhs, w, act = gathered, s.params["w1"], jax.nn.gelu
   else:
     lhs = jax.random.normal(key, (rows, f)).astype(jnp.bfloat16)
     w, act = s.params["w2"], None

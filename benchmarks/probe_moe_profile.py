@@ -205,6 +205,22 @@ def set_knob(knob: str) -> tuple[str, route.Tiling | None]:
   return f"approx{int(_hopper.APPROX_BF16)}" if knob in ("0", "1") else knob, tiling
 
 
+def grouped_gemm_inputs(s: Setting, n: int, t: route.Tiling):
+  """The grouped layer's first GEMM operands for setting ``s`` at ``n`` tokens (k=1) and tiling
+  ``t``: ``(buffer rows, rows a routing can fill, rows the kernel's waves are chosen for, each
+  rotated input's layout, its tokens gathered into that layout)``, as the layer builds them."""
+  from dynjax.route import _gmm  # noqa: PLC0415
+
+  e = s.e
+  rows = _gmm.buffer_rows(n, e, t, "hopper")
+  fill = _gmm.num_tiles(n, e, t.tm) * t.tm
+  waves = max(fill, _gmm.hopper_floor_rows(e, t.tm))
+  lays = [route.grouped_layout(s.router(s.logits(x, b)), e, t.tm, rows) for x, b in s.inputs]
+  xs = [jnp.take(x, lay.table, axis=0, mode="fill", fill_value=0)
+        for (x, _), lay in zip(s.inputs, lays, strict=True)]
+  return rows, fill, waves, lays, xs
+
+
 def run_gemms(args) -> dict:
   """The layer's two grouped GEMMs alone (each of ``--gemm-settings``, k=1, the layer's buffer
   and bounds) per knob, beside cuBLAS on the dense shapes of the same FLOPs; errors vs float32."""
@@ -222,13 +238,7 @@ def run_gemms(args) -> dict:
     for knob in args.knobs.split(","):
       tag, t = set_knob(knob)
       t = t or route.Tiling.auto(n, e, "hopper")
-      rows = _gmm.buffer_rows(n, e, t, "hopper")
-      fill = _gmm.num_tiles(n, e, t.tm) * t.tm
-      waves = max(fill, _gmm.hopper_floor_rows(e, t.tm))
-      lays = [route.grouped_layout(s.router(s.logits(x, b)), e, t.tm, rows)
-              for x, b in s.inputs]
-      xs = [jnp.take(x, lay.table, axis=0, mode="fill", fill_value=0)
-            for (x, _), lay in zip(s.inputs, lays, strict=True)]
+      rows, fill, waves, lays, xs = grouped_gemm_inputs(s, n, t)
       key = jax.random.PRNGKey(7)
       hs = [jax.random.normal(jax.random.fold_in(key, j), (rows, args.ffn)).astype(jnp.bfloat16)
             for j in range(REPS)]

@@ -153,7 +153,8 @@ def pair_slots(num_tiles: int, num_groups: int) -> int:
 
 
 def pair_table(tile_end, num_groups: int, num_tiles: int):
-  """The paired kernel's table, in XLA (a few microseconds): ``[pairs, group of pair p...,
+  """The paired kernel's table, in XLA (small fusions, not timed apart: the layer's device
+  times include them): ``[pairs, group of pair p...,
   2 * first row tile + (the next tile is the group's too)...]``, ``pair_slots`` entries each."""
   te = tile_end.astype(jnp.int32)
   start = jnp.concatenate([jnp.zeros((1,), jnp.int32), te[:-1]])
