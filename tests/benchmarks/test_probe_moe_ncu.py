@@ -41,13 +41,20 @@ def test_summary_takes_each_kernels_figures_in_their_units(tmp_path, capsys):
   assert "us=212.9" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("case", ["gemm1:zipf64", "gemm2:uniform8", "dense1", "capacity1:zipf64"])
-def test_cases_build_and_run_with_the_kernel_stand_in(case, monkeypatch):
+@pytest.mark.parametrize("case,shape", [("gemm1:zipf64", ("rows", 512)),
+                                        ("gemm2:uniform8", ("rows", 256)),
+                                        ("dense1", (512, 512)), ("capacity1:zipf64", (64, 10, 512))])
+def test_cases_build_and_run_with_the_kernel_stand_in(case, shape, monkeypatch):
+  # 512 tokens, d=256, ffn=512: the grouped GEMMs over the layer's buffer (its rows in the
+  # description), cuBLAS's dense shape, the dropping layer's 64 capacities of ceil(1.25 * 8)
   monkeypatch.setattr(_hopper, "TEST_KERNEL", True)
   args = probe_moe_ncu._parse(["--case", case, "--tokens", "512", "--d", "256", "--ffn", "512"])
   fn, fargs, what = probe_moe_ncu.build(args)
   out = jax.block_until_ready(fn(*fargs))
-  assert out.ndim in (2, 3) and what
+  if shape[0] == "rows":
+    shape = (fargs[0].shape[0], shape[1])
+    assert f"buffer {shape[0]} rows" in what
+  assert out.shape == shape
 
 
 def test_a_case_is_asked_for():
