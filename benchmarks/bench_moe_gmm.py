@@ -510,6 +510,9 @@ def run_e2e(args) -> dict:
   variants = {label: (*v, None) for label, v in variants.items()} | {
       f"{label} [{o}]": (*v, opts) for o, opts in xla_sets.items()
       for label, v in variants.items() if v[0] in ("grouped", "dense")}
+  if args.e2e_jax_put:  # the same variants with JAX's own input transfers, in the same process
+    variants |= {f"{label} [jax put]": v for label, v in variants.items()
+                 if v[0] in ("grouped", "dense")}
   grouped = next((r for d, r, _, _ in variants.values() if d == "grouped"), None)
   init_tok, init_len = stream[0]
   w1 = {"w1": jnp.zeros((1, cfg["d"], cfg["ffn"]))}
@@ -560,6 +563,8 @@ def run_e2e(args) -> dict:
       continue
     model = build_flax_model(cfg, dispatch, routed)
     fn = serve(model, host_outputs=host_outputs, compiler_options=opts)
+    if label.endswith("[jax put]"):
+      fn = jax_put(fn)
     t0 = time.perf_counter()
     try:  # the cold pass builds every bucket
       with combine_apart(combine.get(label.split(" [")[0])):
@@ -619,6 +624,24 @@ def run_e2e(args) -> dict:
     print(f"  train step (grouped, loss+grads, {tok.shape}) {r['median_ms']:8.3f} ms  loss "
           f"{float(lv):.4f}  grads finite {finite}", flush=True)
   return out
+
+
+def jax_put(fn):
+  """``fn`` whose call paths, built inside its calls, leave a request's small numpy inputs to
+  JAX's own transfers instead of the CUDA driver's copies (dynjax/jit/_cuda.py): the A/B of
+  ``--e2e-jax-put`` in one process (single-threaded)."""
+  from dynjax.jit import _placement  # its DIRECT_PLATFORMS, read as each call path is built
+
+  def call(*args):
+    saved = _placement.DIRECT_PLATFORMS
+    _placement.DIRECT_PLATFORMS = ()
+    try:
+      return fn(*args)
+    finally:
+      _placement.DIRECT_PLATFORMS = saved
+
+  call.stats, call._dispatcher = fn.stats, fn._dispatcher
+  return call
 
 
 def f32_expert_weights(fn, cfg) -> int | None:
@@ -701,6 +724,10 @@ def main(argv=None) -> dict:
                   help="also the grouped and dense variants (and the block without experts) "
                        "compiled with these named XLA option sets "
                        f"({', '.join(xla_options.OPTION_SETS)}), taking turns with the others")
+  ap.add_argument("--e2e-jax-put", action="store_true",
+                  help="also the grouped and dense variants with the requests' numpy inputs "
+                       "left to JAX's own transfers (no CUDA driver copies), taking turns "
+                       "with the others")
   ap.add_argument("--budget", type=float, default=1e9, help="seconds; later rows are skipped")
   ap.add_argument("--seed", type=int, default=0)
   args = ap.parse_args(argv)

@@ -31,7 +31,7 @@ from dynjax._errors import (
   PaddingUnsupportedError,
 )
 from dynjax._padded import Padded
-from dynjax.jit import _args, _casts, _devpad, _forward, _placement, _programs, _serving
+from dynjax.jit import _args, _casts, _cuda, _devpad, _forward, _placement, _programs, _serving
 from dynjax.jit._args import (
   is_key,
   is_padded,
@@ -73,14 +73,28 @@ class Executor:
     self.in_shapes = entry.in_shapes
     self.top = top
     where = fam.top_pos if top else fam.spec_idx
-    # Leaves to pad: (position in the call's values, true shape, bucket shape, prefix).  With
-    # a Padded among them (``all_leaves``) every leaf with dims goes through pad_leaf.
-    padded = [(p, li) for p, li in zip(where, fam.spec_idx, strict=True)
-              if all_leaves or shapes[li] != entry.in_shapes[li]]
-    self.pads = tuple(
-        (p, shapes[li], entry.in_shapes[li], tuple(slice(0, n) for n in shapes[li]),
-         _placement.pool_of(self.exe, entry.in_shapes[li], fam.avals[li].dtype))
-        for p, li in padded)  # how its host buffer is reused (sync calls only)
+    # A host request gets numpy results for its outputs with dims (cut to the exact shapes
+    # on the host); outputs without dims (a training step's new parameters) stay device
+    # arrays, as jax.jit returns them: never a round trip of the state.
+    host = not device and not opts.return_padded
+    kept = [i for i in range(len(out_shapes)) if i not in fam.forward]
+    self.numpy_out = tuple(host and fam.out_dynamic[i] for i in kept)
+    self.sync = any(self.numpy_out)  # the call blocks for its numpy results
+    # Leaves to pad: (position in the call's values, true shape, bucket shape, prefix, how its
+    # host buffer is reused: sync calls only).  With a Padded among them (``all_leaves``) every
+    # leaf with dims goes through pad_leaf; a sync call's leaves the driver copies to the
+    # device (_placement.DIRECT, jit/_cuda.py) are taken whether padded or not.
+    donated = set(fam.donate_leaves()) if self.sync and fam.shard is None else None
+    pads = []
+    for p, li in zip(where, fam.spec_idx, strict=True):
+      pool = _placement.pool_of(self.exe, entry.in_shapes[li], fam.avals[li].dtype,
+                                direct=donated is not None and li not in donated)
+      if all_leaves or shapes[li] != entry.in_shapes[li] or (
+          type(pool) is tuple and pool[2] == _placement.DIRECT):
+        pads.append((p, li, (p, shapes[li], entry.in_shapes[li],
+                             tuple(slice(0, n) for n in shapes[li]), pool)))
+    padded = [(p, li) for p, li, _ in pads]
+    self.pads = tuple(pad for _, _, pad in pads)
     # auto reads no padded value: stale ones may stay.  Not with a kernel rewrite: a fused
     # attention multiplies masked (0) probabilities by padded values (an old inf: NaN).
     self.zero_pad = fam.mode != "auto" or bool(opts.attention or opts.ragged_dot)
@@ -93,7 +107,6 @@ class Executor:
     self.dev_sizes = dev_sizes  # the true-sizes vector on the device (padding="auto")
     # Outputs that are inputs are not computed: the call's own objects go back (_forward).
     self.fwd = _forward.Inserter(fam, top) if fam.forward else None
-    kept = [i for i in range(len(out_shapes)) if i not in fam.forward]
     padded_out = [fam.out_shape_fns[i](bkey) for i in kept]  # output dims at the bucket
     self.out_shapes = out_shapes = [out_shapes[i] for i in kept]
     self.out_slices = tuple(None if tuple(o) == tuple(p) else tuple(slice(0, n) for n in o)
@@ -105,12 +118,6 @@ class Executor:
     self.plain_out = not any(is_key(fam.out_avals[i]) for i in kept)  # no PRNG keys among them
     self.return_padded = opts.return_padded
     self.device = device
-    # A host request (numpy leaves with dims) gets numpy results for its outputs with dims
-    # (cut to the exact shapes on the host); outputs without dims (a training step's new
-    # parameters) stay device arrays, as jax.jit returns them: never a round trip of the state.
-    host = not device and not opts.return_padded
-    self.numpy_out = tuple(host and dyn for dyn in self.out_dynamic)
-    self.sync = any(self.numpy_out)  # the call blocks for its numpy results
     # pinned host outputs (jit/_placement.py) of a device request go back to the device
     self.to_device = entry.host_out and not host
     # Device arrays padded / outputs cut on the device once their shape has paid for it
@@ -145,17 +152,26 @@ class Executor:
       args = self.shard.pad(fam, vals, self.full_shapes, self.in_shapes, fam.mode == "trust")
     elif self.pads:
       args = list(vals)
+      copies = None
       for k, (pos, shape, target, prefix, pool) in enumerate(self.pads):
         x = vals[pos]
         if type(x) is np.ndarray:  # a zero-padded host buffer: see pad_leaf
-          if pool is not None and self.sync:  # a large one, reused (_placement.HostBuffers)
-            dev = None if pool is True or x.dtype != pool[1] else pool[0]
-            buf, src = fam.host_buffers.take(target, x.dtype, prefix, dev, self.zero_pad)
-            _placement.copy_into(buf, prefix, x)  # (>= 8 MiB, 8+ cores: over 4 threads)
-            # pinned (>= 2 MiB on a GPU): the transfer alone, no staging copy (H100, a
-            # 296x528 image batch: 7.19 -> 4.37 ms a ResNet-18 request)
-            args[pos] = buf if src is None else jax.device_put(src, _placement.device_sharding(dev))
+          if pool is not None and self.sync:  # reused (_placement.HostBuffers)
+            dev, kind = (None, None) if pool is True or x.dtype != pool[1] else pool[::2]
+            buf, src = fam.host_buffers.take(target, x.dtype, prefix, dev, self.zero_pad, kind)
             taken = (taken or []) + [(target, x.dtype, buf, src, prefix)]
+            if src is None and shape == target:  # no padding, no pair for it: as it came
+              args[pos] = x
+              continue
+            _placement.copy_into(buf, prefix, x)  # (>= 8 MiB, 8+ cores: over 4 threads)
+            if src is None:
+              args[pos] = buf
+            elif type(src) is _cuda.Slot:  # the driver's copy, below (jit/_cuda.py)
+              args[pos] = src.array
+              copies = (copies or []) + [src]
+            else:  # pinned (>= 2 MiB on a GPU): the transfer alone, no staging copy (H100,
+              # a 296x528 image batch: 7.19 -> 4.37 ms a ResNet-18 request)
+              args[pos] = jax.device_put(src, _placement.device_sharding(dev))
           else:
             buf = np.zeros(target, x.dtype)
             buf[prefix] = x
@@ -165,6 +181,8 @@ class Executor:
           args[pos] = self.pad_sites[k].run(x, pad_leaf, shape, target)
         else:
           args[pos] = pad_leaf(x, shape, target)
+      if copies is not None:
+        fam.host_buffers.copy(copies, args)
     else:
       args = vals
     if self.casts is not None:

@@ -38,6 +38,7 @@ import numpy as np
 from dynjax._config import config
 from dynjax._errors import ShardingError, format_list
 from dynjax._padded import Padded
+from dynjax.jit import _cuda
 from dynjax.jit._args import is_key, on_device
 
 HOST_KIND = "pinned_host"
@@ -246,48 +247,73 @@ PINNED_MAX_BYTES = 1 << 30  # pinned buffers of one family, at most (page-locked
 PINNED_MIN_JAX = (0, 11)
 
 
+PINNED, DIRECT = "pinned", "direct"  # HostBuffers kinds beside numpy buffers (None)
+
+
 class HostBuffers:
-  """Padded host input buffers of one family, reused across calls (see above)."""
+  """Padded host input buffers of one family, reused across calls (see above): numpy buffers,
+  pinned ones (``PINNED``), and pinned ones beside a kept device array (``DIRECT``,
+  jit/_cuda.py)."""
 
   def __init__(self):
-    self.free: dict = {}  # (bucket shape, dtype, pinned?) -> [(buffer, source, prefix)]
+    self.free: dict = {}  # (bucket shape, dtype, kind) -> [(buffer, source, prefix)]
     self.pinned_bytes = 0
+    self.direct_bytes = 0  # host and device bytes of the DIRECT pairs made
     self.pinned_failed: str | None = None  # why pinned buffers cannot be made here
+    self.direct_failed: str | None = None  # why the driver's copies are not used here
 
-  def take(self, target: tuple, dtype, prefix: tuple, device=None, zero: bool = True):
+  def take(self, target: tuple, dtype, prefix: tuple, device=None, zero: bool = True,
+           kind: str | None = PINNED):
     """(buffer, source): a numpy ``buffer`` of shape ``target`` whose ``prefix`` the caller
     overwrites, padded with zeros (``zero``) or with what the last call left, and what goes
-    to the call: the buffer itself (``source`` None), or, with ``device`` (a pinned one
-    wanted), ``jax.device_put(source, device)``."""
-    # a pinned one kept or to be made; else a numpy one, reused as such (over the budget, or
-    # none can be made here)
-    pinned = device is not None and bool(self.free.get((target, dtype, True))
-                                         or self._pinnable(target, dtype))
-    kept = self.free.get((target, dtype, pinned))
+    to the call: the buffer itself (``source`` None); with ``device`` and kind ``PINNED``,
+    ``jax.device_put(source, device)``; with ``DIRECT``, ``source`` is a :class:`_cuda.Slot`
+    whose array takes the buffer's bytes by ``_cuda.Driver.copy`` before the call."""
+    # one of that kind kept or to be made; else a numpy one, reused as such (over the budget,
+    # or none can be made here)
+    if device is None or not (self.free.get((target, dtype, kind))
+                              and (kind != DIRECT or self.direct_failed is None)
+                              or self._makeable(target, dtype, kind)):
+      kind = None
+    kept = self.free.get((target, dtype, kind))
     try:
       buf, src, last = kept.pop()
     except (AttributeError, IndexError):  # none kept (yet), or another thread took it
-      return self._new(target, dtype, device if pinned else None)
+      return self._new(target, dtype, device, kind)
     if zero and last != prefix:
       buf[last] = 0  # the previous values outside the new prefix (inside it: overwritten)
     return buf, src
 
   def give(self, target: tuple, dtype, buf, src, prefix: tuple) -> None:
-    kept = self.free.setdefault((target, dtype, src is not None), [])
+    kind = None if src is None else DIRECT if type(src) is _cuda.Slot else PINNED
+    kept = self.free.setdefault((target, dtype, kind), [])
     if len(kept) < POOL_PER_KEY:
       kept.append((buf, src, prefix))
-    elif src is not None:
+    elif kind == PINNED:
       self.pinned_bytes -= buf.nbytes  # dropped (its memory goes with the jax array)
+    elif kind == DIRECT:
+      self.direct_bytes -= 2 * buf.nbytes
 
-  def _pinnable(self, target, dtype) -> bool:
-    """Whether a new pinned buffer can be made: none failed, not empty, within the budget."""
+  def _makeable(self, target, dtype, kind) -> bool:
+    """Whether a new one of ``kind`` can be made: none failed, not empty, within the budget."""
     nbytes = math.prod(target) * np.dtype(dtype).itemsize
+    if kind == DIRECT:
+      return (self.direct_failed is None and nbytes > 0
+              and self.direct_bytes + 2 * nbytes <= DIRECT_MAX_BYTES)
     return (self.pinned_failed is None and nbytes > 0
             and self.pinned_bytes + nbytes <= PINNED_MAX_BYTES)
 
-  def _new(self, target, dtype, device):
-    if device is None or not self._pinnable(target, dtype):
+  def _new(self, target, dtype, device, kind):
+    if kind is None:
       return np.zeros(target, dtype), None
+    if kind == DIRECT:
+      try:
+        slot = _cuda.Slot(_cuda.driver(), device, target, dtype)
+      except Exception as e:  # noqa: BLE001 - JAX's own transfers then, as before
+        self.failed_direct(e)
+        return np.zeros(target, dtype), None
+      self.direct_bytes += 2 * slot.nbytes
+      return slot.host, slot
     nbytes = math.prod(target) * np.dtype(dtype).itemsize
     try:
       src = jax.device_put(np.zeros(target, dtype),
@@ -306,17 +332,48 @@ class HostBuffers:
     self.pinned_bytes += nbytes
     return buf, src
 
+  def copy(self, slots, args: list) -> None:
+    """The driver copies ``slots``' host buffers into their device arrays (jit/_cuda.py); where
+    it fails, the call takes the host buffers (JAX's own transfer) and the family stops."""
+    try:
+      _cuda.driver().copy(slots)
+    except Exception as e:  # noqa: BLE001 - exact either way
+      self.failed_direct(e)
+      arrays = {id(slot.array): slot.host for slot in slots}
+      args[:] = [arrays.get(id(a), a) for a in args]
 
-def pool_of(exe, shape: tuple, dtype):
-  """How a padded numpy input of the bucket ``shape`` reuses its host buffer: None (a fresh
-  one each call), True (a numpy buffer), or (device, dtype): a pinned host buffer for a value
-  of that dtype, moved to that device."""
+  def failed_direct(self, e: BaseException) -> None:
+    """The driver's copies stop for this family (kept pairs are not taken again)."""
+    if self.direct_failed is None:
+      self.direct_failed = f"{type(e).__name__}: {e}"
+      logger.info("dynjax: small numpy inputs take JAX's own transfers (the driver's copies "
+                  "failed: %s)", self.direct_failed)
+
+
+def pool_of(exe, shape: tuple, dtype, direct: bool = False):
+  """How a numpy input of the bucket ``shape`` reuses its host buffer: None (a fresh one each
+  call), True (a numpy buffer), or (device, dtype, kind) for a value of that dtype: ``PINNED``
+  a pinned host buffer moved to that device, ``DIRECT`` (``direct``: a leaf of a call that
+  waits for its numpy results, not donated) a pinned one the driver copies into a kept device
+  array (jit/_cuda.py)."""
   dtype = np.dtype(dtype)
   nbytes = math.prod(shape) * dtype.itemsize
+  if direct and 0 < nbytes < DIRECT_BELOW_BYTES and config.direct_inputs:
+    dev = exe_device(exe)
+    if dev is not None and dev.platform in DIRECT_PLATFORMS:
+      return dev, dtype, DIRECT
   if nbytes < POOL_MIN_BYTES:
     return None
   dev = pinned_device(exe, nbytes)
-  return True if dev is None else (dev, dtype)
+  return True if dev is None else (dev, dtype, PINNED)
+
+
+# Numpy inputs below DIRECT_BELOW_BYTES of a call that waits for its numpy results go to the
+# device by the driver's copy (jit/_cuda.py: the measured cost there); larger ones keep the
+# pinned buffers above.  DIRECT_MAX_BYTES: the pairs one family keeps (host + device bytes).
+DIRECT_BELOW_BYTES = PINNED_MIN_BYTES
+DIRECT_MAX_BYTES = 256 << 20
+DIRECT_PLATFORMS = ("gpu",)
 
 
 def pinned_device(exe, nbytes: int):

@@ -166,6 +166,10 @@ def stats_dict(d) -> dict:
       "pinned_input_bytes": sum(f.host_buffers.pinned_bytes for f in fams.values()),
       "pinned_inputs_failed": next((f.host_buffers.pinned_failed for f in fams.values()
                                     if f.host_buffers.pinned_failed), None),
+      # small numpy inputs of sync calls copied by the CUDA driver (jit/_cuda.py; GPU)
+      "direct_input_bytes": sum(f.host_buffers.direct_bytes for f in fams.values()),
+      "direct_inputs_failed": next((f.host_buffers.direct_failed for f in fams.values()
+                                    if f.host_buffers.direct_failed), None),
       "device_pads": d.devpads.describe(),  # jit/_devpad.py (device requests)
       "waited_for_compile": counters.waits,
       "wait_seconds": counters.wait_seconds,

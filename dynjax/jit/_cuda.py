@@ -1,0 +1,200 @@
+"""Host-to-device copies of a request's small numpy inputs through the CUDA driver.
+
+JAX moves each numpy argument of a call to the GPU on its own: a staging copy, a transfer on
+its copy stream, an event the computation waits on.  On the H100/H200 hosts that costs ~50-60
+us an argument, where torch's put of the same tokens takes ~17 us.  Measured (H200, jax
+0.11.2, ``benchmarks/probe_direct_inputs.py``: an embedding gather over (8, t) int32 tokens
+and (8,) lengths, pinned host output, ``np.asarray`` of it, median us a call): t=128 numpy
+inputs 189, these copies 146, inputs already on the device 92 (torch eager, the whole call:
+57); t=256 212 / 152 / 100.5 (69).
+
+So a host request's numpy input leaves of a GPU bucket (``_placement.HostBuffers``, kind
+``DIRECT``) go into a pinned host buffer (``cuMemHostAlloc``), and the driver copies that
+buffer, on a stream of ours, into a device array kept beside it (made by ``jax.device_put``;
+its address from the public ``unsafe_buffer_pointer``).  The call waits for the copies, then
+runs the executable on the kept arrays; the pair goes back to the family's pool only once the
+call holds its numpy results (the executable has finished reading the array), one call at a
+time per pair.  No JAX API writes into an existing array: this is the one place that does,
+only into arrays no one else holds.
+
+Only where libcuda loads and the kept array's memory is device memory of a CUDA context;
+anything else raises :class:`DriverError` and the input takes JAX's own path (the family's
+``HostBuffers.direct_failed`` keeps why).  ``DYNJAX_DIRECT_INPUTS=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+import weakref
+from typing import NamedTuple
+
+import jax
+import numpy as np
+
+_CU_POINTER_ATTRIBUTE_MEMORY_TYPE = 2
+_CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9
+_CU_MEMORYTYPE_DEVICE = 2
+_CU_STREAM_NON_BLOCKING = 1
+_CU_MEMHOSTALLOC_PORTABLE = 1
+
+
+class DriverError(RuntimeError):
+  """The driver is missing, or refused a call: the input takes JAX's own path."""
+
+
+class Driver:
+  """libcuda's C API, the few calls the copies need."""
+
+  def __init__(self, lib):
+    self.lib = lib
+    u64, vp, sz = ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t
+    lib.cuMemcpyHtoDAsync_v2.argtypes = [u64, vp, sz, vp]
+    lib.cuMemHostAlloc.argtypes = [ctypes.POINTER(vp), sz, ctypes.c_uint]
+    lib.cuMemFreeHost.argtypes = [vp]
+    lib.cuPointerGetAttribute.argtypes = [vp, ctypes.c_int, u64]
+    lib.cuCtxSetCurrent.argtypes = [vp]
+    lib.cuStreamCreate.argtypes = [ctypes.POINTER(vp), ctypes.c_uint]
+    lib.cuStreamSynchronize.argtypes = [vp]
+    lib.cuDevicePrimaryCtxRetain.argtypes = [ctypes.POINTER(vp), ctypes.c_int]
+    self.check(lib.cuInit(0), "cuInit")
+    self._local = threading.local()  # per thread: {context: stream}
+    self._contexts: dict = {}  # device ordinal -> its primary context
+    self._verified: set = set()  # devices whose copies read back
+
+  def check(self, rc: int, what: str) -> None:
+    if rc != 0:
+      name = ctypes.c_char_p()
+      self.lib.cuGetErrorName(rc, ctypes.byref(name))
+      raise DriverError(f"{what} failed: {(name.value or b'?').decode()} ({rc})")
+
+  def context_of(self, ptr: int) -> int:
+    """The primary context of the device whose memory ``ptr`` is (XLA runs in the primary
+    contexts; the pointer's own context attribute is empty for memory of the stream-ordered
+    and virtual-memory allocators); DriverError where it is not device memory."""
+    kind = ctypes.c_uint()
+    self.check(self.lib.cuPointerGetAttribute(ctypes.byref(kind),
+                                              _CU_POINTER_ATTRIBUTE_MEMORY_TYPE, ptr),
+               "cuPointerGetAttribute(memory type)")
+    if kind.value != _CU_MEMORYTYPE_DEVICE:
+      raise DriverError(f"the array's memory is not device memory (CUmemorytype {kind.value})")
+    ordinal = ctypes.c_int()
+    self.check(self.lib.cuPointerGetAttribute(ctypes.byref(ordinal),
+                                              _CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr),
+               "cuPointerGetAttribute(device ordinal)")
+    ctx = self._contexts.get(ordinal.value)
+    if ctx is None:
+      dev, c = ctypes.c_int(), ctypes.c_void_p()
+      self.check(self.lib.cuDeviceGet(ctypes.byref(dev), ordinal.value), "cuDeviceGet")
+      self.check(self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(c), dev),
+                 "cuDevicePrimaryCtxRetain")
+      ctx = self._contexts[ordinal.value] = c.value
+    return ctx
+
+  def verify(self, device) -> None:
+    """Once a device: a pattern copied into a fresh array of it reads back the same (so a
+    wrong context or address fails here, never as a wrong result)."""
+    if device in self._verified:
+      return
+    arr = jax.device_put(np.zeros(64, np.uint8), jax.sharding.SingleDeviceSharding(device))
+    arr.block_until_ready()
+    ptr = arr.unsafe_buffer_pointer()
+    ctx = self.context_of(ptr)
+    host = self.host_buffer((64,), np.uint8, ctx)
+    host[...] = np.arange(7, 7 + 64, dtype=np.uint8)
+    self.copy([_Copy(ctx, ptr, host.ctypes.data, host.nbytes)])
+    back = np.asarray(arr)
+    if not np.array_equal(back, host):
+      raise DriverError(f"a copy into an array of {device} read back otherwise "
+                        f"({back[:8].tolist()}... for {host[:8].tolist()}...)")
+    self._verified.add(device)
+
+  def host_buffer(self, shape: tuple, dtype, ctx: int) -> np.ndarray:
+    """A zeroed numpy array in pinned (page-locked, portable) host memory, allocated in the
+    context ``ctx`` (a thread may have none current), freed with the array."""
+    nbytes = max(1, int(np.prod(shape)) * np.dtype(dtype).itemsize)
+    ptr = ctypes.c_void_p()
+    self.check(self.lib.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+    self.check(self.lib.cuMemHostAlloc(ctypes.byref(ptr), nbytes, _CU_MEMHOSTALLOC_PORTABLE),
+               "cuMemHostAlloc")
+    raw = (ctypes.c_char * nbytes).from_address(ptr.value)
+    weakref.finalize(raw, _free_host, self.lib, ptr.value)
+    out = np.frombuffer(raw, np.dtype(dtype), count=int(np.prod(shape))).reshape(shape)
+    out[...] = 0
+    return out
+
+  def copy(self, slots) -> None:
+    """Each slot's host buffer into its device array; returns once all have landed."""
+    streams = getattr(self._local, "streams", None)
+    if streams is None:
+      streams = self._local.streams = {}
+    by_ctx: dict = {}
+    for slot in slots:  # (one device a call: one context)
+      by_ctx.setdefault(slot.ctx, []).append(slot)
+    for ctx, group in by_ctx.items():
+      self.check(self.lib.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+      stream = streams.get(ctx)
+      if stream is None:
+        s = ctypes.c_void_p()
+        self.check(self.lib.cuStreamCreate(ctypes.byref(s), _CU_STREAM_NON_BLOCKING),
+                   "cuStreamCreate")
+        stream = streams[ctx] = s.value
+      for slot in group:
+        self.check(self.lib.cuMemcpyHtoDAsync_v2(slot.dst, slot.src, slot.nbytes, stream),
+                   "cuMemcpyHtoDAsync")
+      self.check(self.lib.cuStreamSynchronize(stream), "cuStreamSynchronize")
+
+
+def _free_host(lib, ptr) -> None:
+  try:
+    lib.cuMemFreeHost(ptr)
+  except Exception:  # noqa: BLE001 - at interpreter exit the library may be gone
+    pass
+
+
+class _Copy(NamedTuple):
+  ctx: int
+  dst: int
+  src: int
+  nbytes: int
+
+
+class Slot:
+  """A pinned host buffer (``host``, numpy) and the device array it is copied into
+  (``array``): one padded input of one bucket shape, reused by one call at a time."""
+
+  __slots__ = ("host", "array", "ctx", "dst", "src", "nbytes")
+
+  def __init__(self, driver, device, shape: tuple, dtype):
+    driver.verify(device)
+    self.array = jax.device_put(np.zeros(shape, dtype), jax.sharding.SingleDeviceSharding(device))
+    self.array.block_until_ready()
+    self.dst = self.array.unsafe_buffer_pointer()
+    self.ctx = driver.context_of(self.dst)
+    self.host = driver.host_buffer(shape, dtype, self.ctx)
+    self.src = self.host.ctypes.data
+    self.nbytes = self.host.nbytes
+
+
+_lock = threading.Lock()
+_driver: list = []  # [Driver] or [DriverError]: loaded once a process
+
+
+def driver() -> Driver:
+  """The process's driver, loaded once; DriverError where there is none."""
+  if not _driver:
+    with _lock:
+      if not _driver:
+        try:
+          _driver.append(Driver(ctypes.CDLL("libcuda.so.1")))
+        except (OSError, AttributeError, DriverError) as e:
+          _driver.append(DriverError(f"no CUDA driver: {e}"))
+  d = _driver[0]
+  if isinstance(d, DriverError):
+    raise d
+  return d
+
+
+if hasattr(os, "register_at_fork"):  # a forked child starts its own (or none)
+  os.register_at_fork(after_in_child=_driver.clear)
