@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Device call (~8 min): a request's small numpy inputs copied by the CUDA driver into kept
+# Device call (~6 min): a request's small numpy inputs copied by the CUDA driver into kept
 # device arrays (dynjax/jit/_cuda.py) checked and measured on the GPU: their tests and the
 # placement tests (real driver), benchmarks/probe_direct_inputs.py (JAX's transfer vs the
-# driver's copies vs device inputs vs torch, and the same call through dynjax.jit with the
-# copies on and off), and issue 19's e2e MoE encoder (grouped and dense, each also with JAX's
+# driver's copies vs device inputs vs torch, the same call through dynjax.jit with the copies
+# on and off, and issue 18's BERT-base served both ways taking turns: BERT=N requests), and
+# issue 19's e2e MoE encoder (grouped and dense, each also with JAX's
 # own transfers, "[jax put]", all taking turns per request) in two processes, the variants in
 # opposite orders.  Everything lands in $OUT/direct_inputs.tgz; the summary in $OUT/summary.log.
 source benchmarks/_gpu_head.sh
@@ -15,8 +16,8 @@ export DYNJAX_KERNEL_CACHE=/tmp/dynjax_kernels_direct
 timeout 200 python3 -m pytest -q -p no:cacheprovider tests/jit/test_direct_inputs.py \
   tests/jit/test_placement.py > "$W/tests.log" 2>&1
 echo "tests rc=$?"; tail -3 "$W/tests.log"
-timeout 150 python3 benchmarks/probe_direct_inputs.py --out "$W" > "$W/probe.log" 2>&1
-echo "probe rc=$?"; grep "t=" "$W/probe.log"
+timeout 300 python3 benchmarks/probe_direct_inputs.py --out "$W" --bert ${BERT:-300} > "$W/probe.log" 2>&1
+echo "probe rc=$?"; grep -E "t=|bytes|bert|mean" "$W/probe.log"
 i=0
 for order in ${ORDERS:-grouped,dense dense,grouped}; do
   i=$((i + 1))

@@ -16,6 +16,8 @@ on / off.  ``direct_exact`` / ``dynjax_exact``: those results equal the numpy pa
 over every token array (the copy is visible to the next executable); ``packed_max_diff``
 (another executable).  Rounds alternate the order of the rows.  ``--sizes``: one float32
 input of each size alone, JAX's transfer vs the driver's copy (where the copies stop paying).
+``--bert N``: issue 18's BERT encoder served under ``dynjax.flax.jit``, the copies on and off,
+taking turns per request (:func:`bert_ab`).
 """
 
 from __future__ import annotations
@@ -216,12 +218,61 @@ def one_size(nbytes: int, n: int, drv: Driver, rounds: int) -> dict:
   return {name: float(np.median(v)) for name, v in res.items()}
 
 
+BINS = ((1, 64), (65, 128), (129, 256), (257, 512))
+
+
+def bert_ab(n: int, size: str, rounds: int) -> dict:
+  """Issue 18's model: the BERT encoder (``examples/models.py``) under ``dynjax.flax.jit``
+  (pow2 buckets, blocking compiles) on ``n`` stdlib docstring requests of batch 8, two
+  functions, the driver's copies on and off (``jax put``), every bucket built on both first,
+  then ``rounds`` passes taking turns per request: mean / median ms and the mean per length
+  bin."""
+  import dynjax
+  import dynjax.flax
+  from benchmarks.bench_moe_gmm import jax_put
+  from examples import data, models
+
+  cfg = models.ENCODER_SIZES[size]
+  module = models.BertEncoder(cfg)
+  variables = jax.device_put({"params": models.init_encoder_params(cfg, seed=0)})
+  reqs = data.request_stream(n, batch=8, max_len=cfg.max_len, seed=0, vocab=cfg.vocab)
+  fns = {}
+  for name in ("direct", "jax put"):
+    g = dynjax.flax.jit(module, dims={"tokens": "b, t", "lengths": "b"},
+                        buckets={"t": dynjax.buckets.pow2(16, cfg.max_len)})
+    fns[name] = g if name == "direct" else jax_put(g)
+  t0 = time.perf_counter()
+  for r in reqs:  # every bucket built (and every request shape's call path) on both
+    for g in fns.values():
+      np.asarray(g(variables, r.tokens, r.lengths))
+  cold = time.perf_counter() - t0
+  ts = {name: [] for name in fns}
+  names = list(fns)
+  for k in range(rounds):
+    for i, r in enumerate(reqs):
+      for name in (names if (i + k) % 2 == 0 else names[::-1]):
+        t1 = time.perf_counter()
+        np.asarray(fns[name](variables, r.tokens, r.lengths))
+        ts[name].append(time.perf_counter() - t1)
+  lengths = np.asarray([r.tokens.shape[1] for r in reqs] * rounds)
+  out = {"size": size, "requests": n, "rounds": rounds, "build_pass_s": cold,
+         "direct_failed": fns["direct"].stats()["direct_inputs_failed"]}
+  for name, v in ts.items():
+    v = np.asarray(v) * 1e3
+    out[name] = {"mean_ms": float(v.mean()), "median_ms": float(np.median(v)),
+                 "bins_ms": {f"{lo}-{hi}": float(v[(lengths >= lo) & (lengths <= hi)].mean())
+                             for lo, hi in BINS if ((lengths >= lo) & (lengths <= hi)).any()}}
+  return out
+
+
 def main(argv=None) -> dict:
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--out", default=None)
   ap.add_argument("--t", default="128,256")
   ap.add_argument("--n", type=int, default=300)
   ap.add_argument("--rounds", type=int, default=4)
+  ap.add_argument("--bert", type=int, default=0, help="requests of the BERT A/B (0: none)")
+  ap.add_argument("--bert-size", default="base")
   ap.add_argument("--sizes", default="65536,1048576,2097152,8388608",
                   help="bytes of a float32 input timed alone (numpy vs the driver's copy)")
   args = ap.parse_args(argv)
@@ -239,6 +290,13 @@ def main(argv=None) -> dict:
     report["sizes"][nbytes] = r = one_size(nbytes, max(50, args.n // 3), drv, args.rounds)
     print(f"{nbytes} bytes: numpy_in {r['numpy_in']:.1f}  direct_in {r['direct_in']:.1f}",
           flush=True)
+  if args.bert:
+    report["bert"] = r = bert_ab(args.bert, args.bert_size, args.rounds)
+    print(f"bert {args.bert_size}, {args.bert} requests x {args.rounds} (build pass "
+          f"{r['build_pass_s']:.1f} s; direct failed: {r['direct_failed']}):", flush=True)
+    for name in ("direct", "jax put"):
+      print(f"  {name:8s} mean {r[name]['mean_ms']:.3f} ms  median {r[name]['median_ms']:.3f}  "
+            + "  ".join(f"{k} {v:.3f}" for k, v in r[name]["bins_ms"].items()), flush=True)
   write_json(args.out, "probe_direct_inputs.json", report)
   return report
 
