@@ -4,9 +4,11 @@ JAX moves each numpy argument of a call to the GPU on its own: a staging copy, a
 its copy stream, an event the computation waits on.  On the H100/H200 hosts that costs ~50-60
 us an argument, where torch's put of the same tokens takes ~17 us.  Measured (H200, jax
 0.11.2, ``benchmarks/probe_direct_inputs.py``: an embedding gather over (8, t) int32 tokens
-and (8,) lengths, pinned host output, ``np.asarray`` of it, median us a call): t=128 numpy
-inputs 189, these copies 146, inputs already on the device 92 (torch eager, the whole call:
-57); t=256 212 / 152 / 100.5 (69).
+and (8,) lengths, pinned host output, ``np.asarray`` of it, median us a call): t=128 JAX's
+transfer 194.8, these copies 132.0 (through ``dynjax.jit``: 190.5 -> 131.0), inputs already
+on the device 82.7, torch eager's whole call 48.6; t=256 177.2 / 116.1 (182.8 -> 118.4) /
+78.8 / 57.7.  Issue 19's MoE encoder: 0.08-0.12 ms less a request; BERT-base: level (its
+~200 parameter arguments keep the host busy while JAX's transfer lands).
 
 So a host request's numpy input leaves of a GPU bucket (``_placement.HostBuffers``, kind
 ``DIRECT``) go into a pinned host buffer (``cuMemHostAlloc``), and the driver copies that
