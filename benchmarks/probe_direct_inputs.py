@@ -3,10 +3,11 @@ synchronous driver copy from pinned host memory into device buffers kept per sha
 
   python benchmarks/probe_direct_inputs.py [--out DIR] [--t 128,256]
 
-The executable (an embedding gather + masked sum, ``probe_transfers.py``'s) writes its result
-into pinned host memory (dynjax's placement for host requests on a GPU).  Rows, median us of
-``--n`` calls, each call on other tokens (16 arrays in turn), ``np.asarray`` of the result:
-``numpy_in`` numpy tokens and lengths (JAX's per-argument put: what dynjax does today);
+The executable (``probe_transfers.py``'s embedding gather + masked sum; its ``med`` too) writes
+its result into pinned host memory (dynjax's placement for host requests on a GPU).  Rows,
+median us of ``--n`` calls, each call on other tokens (16 arrays in turn), ``np.asarray`` of
+the result: ``numpy_in`` numpy tokens and lengths (JAX's per-argument put: dynjax's path
+before session 32, and where the driver's copies cannot run);
 ``direct_in`` the two copied into pinned staging memory, then ``cuMemcpyHtoD`` into two kept
 device arrays, then the call on them; ``direct_packed`` one staging buffer and one copy into
 one kept vector the executable slices; ``device_in`` inputs already on the device (the floor);
@@ -29,12 +30,12 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 
 from benchmarks._report import write_json  # noqa: E402
+from benchmarks.probe_transfers import embed_sum, med, packed_embed_sum  # noqa: E402
 
 
 class Driver:
@@ -69,31 +70,13 @@ class Driver:
     self._check(self.lib.cuMemcpyHtoD_v2(ptr, src.ctypes.data, src.nbytes), "cuMemcpyHtoD")
 
 
-def med(fn, n) -> float:
-  for _ in range(10):
-    fn()
-  xs = []
-  for _ in range(n):
-    t0 = time.perf_counter()
-    fn()
-    xs.append(time.perf_counter() - t0)
-  return float(np.median(xs)) * 1e6
-
-
 def one_length(t: int, n: int, drv: Driver, emb, rounds: int) -> dict:
   b = 8
   rng = np.random.default_rng(t)
   toks = [rng.integers(1, emb.shape[0], (b, t)).astype(np.int32) for _ in range(16)]
   lens = [rng.integers(1, t + 1, b).astype(np.int32) for _ in range(16)]
 
-  def f(emb, tok, lens):
-    x = emb[tok]
-    m = (jnp.arange(tok.shape[1])[None] < lens[:, None]).astype(x.dtype)
-    return (x * m[..., None]).sum(1)
-
-  def f_packed(emb, buf):
-    return f(emb, buf[:b * t].reshape(b, t), buf[b * t:])
-
+  f, f_packed = embed_sum, packed_embed_sum(b, t)
   dev = jax.devices()[0]
   pinned = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
   exe = jax.jit(f, out_shardings=pinned).lower(emb, toks[0], lens[0]).compile()

@@ -39,6 +39,21 @@ def med(fn, n=300) -> float:
   return float(np.median(xs)) * 1e6
 
 
+def embed_sum(emb, tok, lens):
+  """The probes' small call: an embedding gather over (b, t) tokens, masked by the lengths,
+  summed over t."""
+  x = emb[tok]
+  m = (jnp.arange(tok.shape[1])[None] < lens[:, None]).astype(x.dtype)
+  return (x * m[..., None]).sum(1)
+
+
+def packed_embed_sum(b: int, t: int):
+  """:func:`embed_sum` taking its tokens and lengths as one int32 vector (b*t, then b)."""
+  def f_packed(emb, buf):
+    return embed_sum(emb, buf[:b * t].reshape(b, t), buf[b * t:])
+  return f_packed
+
+
 def main(argv=None) -> dict:
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--out", default=None)
@@ -50,14 +65,7 @@ def main(argv=None) -> dict:
   lens = np.full(b, t, np.int32)
   emb = jax.device_put(rng.standard_normal((30522, d)).astype(np.float32))
 
-  def f(emb, tok, lens):
-    x = emb[tok]
-    m = (jnp.arange(tok.shape[1])[None] < lens[:, None]).astype(x.dtype)
-    return (x * m[..., None]).sum(1)
-
-  def f_packed(emb, buf):
-    return f(emb, buf[:b * t].reshape(b, t), buf[b * t:])
-
+  f, f_packed = embed_sum, packed_embed_sum(b, t)
   exe = jax.jit(f).lower(emb, tok, lens).compile()
   exe_p = jax.jit(f_packed).lower(emb, np.zeros(b * t + b, np.int32)).compile()
   dtok, dlens = jax.device_put(tok), jax.device_put(lens)
