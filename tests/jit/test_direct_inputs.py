@@ -180,14 +180,19 @@ def test_no_driver_leaves_jaxs_transfer(monkeypatch):
   assert f.stats()["direct_input_bytes"] == 0
 
 
-def test_without_libcuda_the_driver_says_so():
-  try:
-    ctypes.CDLL("libcuda.so.1")
-  except OSError:
-    with pytest.raises(_cuda.DriverError, match="no CUDA driver"):
+def test_without_libcuda_the_driver_says_so_once(monkeypatch):
+  calls = []
+
+  def missing(name):
+    calls.append(name)
+    raise OSError(f"{name}: cannot open shared object file: No such file or directory")
+
+  monkeypatch.setattr(_cuda, "_driver", [])
+  monkeypatch.setattr(_cuda.ctypes, "CDLL", missing)
+  for _ in range(2):  # loaded (or not) once a process
+    with pytest.raises(_cuda.DriverError, match="no CUDA driver: libcuda.so.1: cannot open"):
       _cuda.driver()
-  else:
-    assert isinstance(_cuda.driver(), _cuda.Driver)
+  assert calls == ["libcuda.so.1"]
 
 
 def test_threads_take_a_pair_each(drv):
