@@ -9,11 +9,12 @@ median us of ``--n`` calls, each call on other tokens (16 arrays in turn), ``np.
 the result: ``numpy_in`` numpy tokens and lengths (JAX's per-argument put: dynjax's path
 before session 32, and where the driver's copies cannot run);
 ``direct_in`` the two copied into pinned staging memory, then ``cuMemcpyHtoD`` into two kept
-device arrays, then the call on them; ``direct_packed`` one staging buffer and one copy into
+device arrays, then the call on them; ``async_pinned`` the same two copies queued on a stream,
+one wait (``jit/_cuda.py``'s way); ``async_pageable`` those from the numpy arrays themselves; ``direct_packed`` one staging buffer and one copy into
 one kept vector the executable slices; ``device_in`` inputs already on the device (the floor);
 ``torch_numpy`` torch's put + the same gather + get; ``dynjax_direct`` / ``dynjax_jax_put``
 the call through ``dynjax.jit`` (its bucket at t) with the driver's copies (``jit/_cuda.py``)
-on / off.  ``direct_exact`` / ``dynjax_exact``: those results equal the numpy path's bitwise
+on / off.  ``direct_exact`` (the three above) / ``dynjax_exact``: those results equal the numpy path's bitwise
 over every token array (the copy is visible to the next executable); ``packed_max_diff``
 (another executable).  Rounds alternate the order of the rows.  ``--sizes``: one float32
 input of each size alone, JAX's transfer vs the driver's copy (where the copies stop paying).
@@ -52,6 +53,11 @@ class Driver:
     self.lib.cuMemcpyHtoD_v2.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t]
     self.lib.cuMemHostAlloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t,
                                         ctypes.c_uint]
+    self.lib.cuMemcpyHtoDAsync_v2.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t,
+                                              ctypes.c_void_p]
+    self.lib.cuStreamSynchronize.argtypes = [ctypes.c_void_p]
+    self.stream = ctypes.c_void_p()
+    self._check(self.lib.cuStreamCreate(ctypes.byref(self.stream), 1), "cuStreamCreate")
 
   @staticmethod
   def _check(rc, what):
@@ -68,6 +74,15 @@ class Driver:
   def htod(self, dst: jax.Array, src: np.ndarray) -> None:
     ptr = dst.addressable_data(0).unsafe_buffer_pointer()
     self._check(self.lib.cuMemcpyHtoD_v2(ptr, src.ctypes.data, src.nbytes), "cuMemcpyHtoD")
+
+  def htod_async(self, dst: jax.Array, src: np.ndarray) -> None:
+    """On the probe's stream; pageable ``src`` is staged by the driver before this returns."""
+    ptr = dst.addressable_data(0).unsafe_buffer_pointer()
+    self._check(self.lib.cuMemcpyHtoDAsync_v2(ptr, src.ctypes.data, src.nbytes, self.stream),
+                "cuMemcpyHtoDAsync")
+
+  def sync(self) -> None:
+    self._check(self.lib.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
 
 
 def one_length(t: int, n: int, drv: Driver, emb, rounds: int) -> dict:
@@ -108,6 +123,22 @@ def one_length(t: int, n: int, drv: Driver, emb, rounds: int) -> dict:
     drv.htod(kept_len, st_len)
     return np.asarray(exe(emb, kept_tok, kept_len))
 
+  def async_pinned():  # dynjax's way: both copies queued, one wait
+    k = nxt()
+    st_tok[...] = toks[k]
+    st_len[...] = lens[k]
+    drv.htod_async(kept_tok, st_tok)
+    drv.htod_async(kept_len, st_len)
+    drv.sync()
+    return np.asarray(exe(emb, kept_tok, kept_len))
+
+  def async_pageable():  # the same from the numpy arrays themselves (no pinned staging)
+    k = nxt()
+    drv.htod_async(kept_tok, toks[k])
+    drv.htod_async(kept_len, lens[k])
+    drv.sync()
+    return np.asarray(exe(emb, kept_tok, kept_len))
+
   def direct_packed():
     k = nxt()
     st_buf[:b * t] = toks[k].ravel()
@@ -119,7 +150,8 @@ def one_length(t: int, n: int, drv: Driver, emb, rounds: int) -> dict:
     k = nxt()
     return np.asarray(exe(emb, dtoks[k], dlens[k]))
 
-  rows = {"numpy_in": numpy_in, "direct_in": direct_in, "direct_packed": direct_packed,
+  rows = {"numpy_in": numpy_in, "direct_in": direct_in, "async_pinned": async_pinned,
+          "async_pageable": async_pageable, "direct_packed": direct_packed,
           "device_in": device_in}
   # the same call through dynjax.jit (one bucket at t: no padding), the driver's copies on
   # (jit/_cuda.py) and off (JAX's transfer): two functions
@@ -160,10 +192,12 @@ def one_length(t: int, n: int, drv: Driver, emb, rounds: int) -> dict:
   exact, packed, dj = True, 0.0, True
   for k in range(16):  # every token array, in an order unlike the timed one
     got = {}
-    for name in ("numpy_in", "direct_in", "direct_packed", "dynjax_direct"):
+    for name in ("numpy_in", "direct_in", "async_pinned", "async_pageable", "direct_packed",
+                 "dynjax_direct"):
       i[0] = k - 1
       got[name] = np.asarray(rows[name]())
-    exact = exact and bool(np.array_equal(got["direct_in"], got["numpy_in"]))
+    exact = exact and all(bool(np.array_equal(got[n], got["numpy_in"]))
+                          for n in ("direct_in", "async_pinned", "async_pageable"))
     dj = dj and bool(np.array_equal(got["dynjax_direct"], got["numpy_in"]))
     # (another executable: its sum may round otherwise)
     packed = max(packed, float(np.abs(got["direct_packed"] - got["numpy_in"]).max()))
