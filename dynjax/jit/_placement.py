@@ -230,6 +230,9 @@ def describe(fam) -> str | None:
 # zeroed / not taking turns in one process: medians 5.9 vs 4.6 ms a call).
 POOL_MIN_BYTES = 64 << 10  # smaller buffers come from the heap: ~1.5 us for (8, 37) -> (8, 64)
 POOL_PER_KEY = 4  # buffers kept per (shape, dtype): about the concurrent callers of a bucket
+# DIRECT pairs (small; each new one a cuMemHostAlloc and a device_put, ~0.1-1 ms): more kept,
+# so a server's threads calling one bucket at once do not make and drop pairs every call
+DIRECT_PER_KEY = 16
 # On a GPU, a numpy buffer is copied once more by the runtime, into its pinned staging memory,
 # before the transfer.  Buffers of at least PINNED_MIN_BYTES are pinned host memory instead (a
 # ``pinned_host`` jax array, written through a numpy view of its memory; jax.device_put of it
@@ -289,7 +292,7 @@ class HostBuffers:
   def give(self, target: tuple, dtype, buf, src, prefix: tuple) -> None:
     kind = None if src is None else DIRECT if type(src) is _cuda.Slot else PINNED
     kept = self.free.setdefault((target, dtype, kind), [])
-    if len(kept) < POOL_PER_KEY:
+    if len(kept) < (DIRECT_PER_KEY if kind == DIRECT else POOL_PER_KEY):
       kept.append((buf, src, prefix))
     elif kind == PINNED:
       self.pinned_bytes -= buf.nbytes  # dropped (its memory goes with the jax array)

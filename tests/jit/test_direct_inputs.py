@@ -207,7 +207,7 @@ def test_threads_take_a_pair_each(drv):
   assert f.stats()["direct_inputs_failed"] is None  # (pairs made on the pool's threads too)
   assert drv.copies == 2 * len(reqs)
   kept = _family(f).host_buffers.free
-  assert all(1 <= len(v) <= _placement.POOL_PER_KEY for v in kept.values())
+  assert all(1 <= len(v) <= _placement.DIRECT_PER_KEY for v in kept.values())
 
 
 @pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
