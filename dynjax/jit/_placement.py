@@ -212,6 +212,19 @@ def describe(fam) -> str | None:
   return f"outputs in {where} ({fam.host_out_reason})"
 
 
+def describe_inputs(fam) -> str | None:
+  """How a host request's small numpy inputs reach the device, once the family has tried."""
+  hb = fam.host_buffers
+  if hb.direct_failed:
+    return f"small numpy inputs: JAX's own transfers (the CUDA driver's copies failed: " \
+           f"{hb.direct_failed})"
+  if not hb.direct_bytes:
+    return None
+  pairs = sum(len(v) for k, v in hb.free.items() if k[2] == DIRECT)  # (those not in a call)
+  return (f"small numpy inputs: copied by the CUDA driver into kept device arrays "
+          f"({pairs} kept, {hb.direct_bytes} bytes with their pinned buffers; jit/_cuda.py)")
+
+
 # -- padded host input buffers, reused ----------------------------------------------------
 # A host request's numpy leaves that need padding are copied into a zeroed buffer of the
 # bucket's shape.  A fresh np.zeros of a large buffer is a fresh mmap (glibc, >= 128 KiB): its

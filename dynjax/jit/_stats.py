@@ -275,9 +275,9 @@ def explain(d) -> str:
     if fam.casts:
       lines.append("  cast once per array (cast_once=True; the executables take the copies):")
       lines.extend(f"    {r}" for r in _casts.describe(fam))
-    placed = _placement.describe(fam)
-    if placed:
-      lines.append(f"  {placed}")
+    for placed in (_placement.describe(fam), _placement.describe_inputs(fam)):
+      if placed:
+        lines.append(f"  {placed}")
     if fam.rewrites:
       lines.append("  padding pass:")
       lines.extend(f"    {r}" for r in fam.rewrites)

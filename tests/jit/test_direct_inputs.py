@@ -121,6 +121,8 @@ def test_small_inputs_go_by_the_drivers_copy_exact_and_reused(drv, padding):
   assert hb.direct_bytes == 2 * 4 * 8 * (16 + 32 + 64 + 1)
   st = f.stats()
   assert (st["direct_input_bytes"], st["direct_inputs_failed"]) == (hb.direct_bytes, None)
+  assert (f"small numpy inputs: copied by the CUDA driver into kept device arrays (4 kept, "
+          f"{hb.direct_bytes} bytes") in f.explain()
   (host, slot, last), = hb.free[KEY]
   assert last[1] == slice(0, 33) and host is slot.host
   # the kept array holds what the host buffer held at the last call (the copy landed), and
@@ -150,6 +152,8 @@ def test_a_failed_copy_falls_back_to_jaxs_transfer_and_stops(drv):
   assert drv.copies == 2  # the first call only: the family stopped
   st = f.stats()
   assert "CUDA_ERROR_ILLEGAL_ADDRESS (test)" in st["direct_inputs_failed"]
+  assert ("small numpy inputs: JAX's own transfers (the CUDA driver's copies failed: "
+          "DriverError: CUDA_ERROR_ILLEGAL_ADDRESS (test))") in f.explain()
   hb = _family(f).host_buffers
   assert ((8, 64), np.dtype(np.int32), None) in hb.free  # numpy buffers since
 
@@ -241,6 +245,7 @@ def test_calls_that_do_not_take_it(drv, monkeypatch, case):
     assert direct == {LENS} and drv.copies == 1
   else:
     assert direct == set() and drv.copies == 0 and hb.direct_bytes == 0
+    assert "small numpy inputs" not in f.explain()
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the real driver: GPU only")
