@@ -63,6 +63,9 @@ class Run:
   ins: tuple
   outs: tuple
   holes: tuple = ()  # indices of equations run flat before the blocks (each layer's own)
+  # the template's last ``hoisted`` inputs: scalar literals that differ between the blocks (a
+  # per-layer Python scale); ``ins[k]`` holds block k's Literal objects there
+  hoisted: int = 0
 
   @property
   def end(self) -> int:
@@ -153,7 +156,10 @@ class _Keys:
       where[v] = ("in", k)
     keys = []
     for i, e in enumerate(jaxpr.eqns):
-      refs = tuple(self.literal(v) if isinstance(v, jex_core.Literal)
+      # (at the top level a scalar literal keys by its aval alone: blocks that differ only
+      # there are one run, the differing ones its template's inputs: ``_hoist``)
+      refs = tuple((("lit", self.aval(v.aval)) if top and _hoistable(v) else self.literal(v))
+                   if isinstance(v, jex_core.Literal)
                    else ("v",) if top else where.get(v, ("?",)) for v in e.invars)
       for k, v in enumerate(e.outvars):
         where[v] = ("e", i, k)
@@ -166,6 +172,38 @@ class _Keys:
                                tuple(self.aval(v.aval) for v in e.invars),
                                tuple(self.aval(v.aval) for v in e.outvars))))
     return keys, where
+
+
+def _hoistable(v) -> bool:
+  """A scalar literal of a numeric dtype (what a template may take as an input)."""
+  shape = getattr(v.aval, "shape", None)
+  return shape == () and np.asarray(v.val).dtype != object
+
+
+def _literal_bytes(v) -> tuple:
+  val = np.asarray(v.val)
+  return (val.dtype.str, val.tobytes())
+
+
+def _hoist(blocks: list) -> tuple[list, list]:
+  """Block 0's equations with each scalar literal that differs between ``blocks`` replaced
+  by a new input variable, and those variables with every block's literals there (the
+  blocks are wired alike: their literals sit at the same operands)."""
+  eqns = list(blocks[0])
+  hoisted: list = []  # (variable, [block k's Literal])
+  for j, e in enumerate(blocks[0]):
+    invars = list(e.invars)
+    for q, v in enumerate(e.invars):
+      if not (isinstance(v, jex_core.Literal) and _hoistable(v)):
+        continue
+      lits = [b[j].invars[q] for b in blocks]
+      if all(_literal_bytes(x) == _literal_bytes(v) for x in lits[1:]):
+        continue  # equal everywhere: stays a literal (the padding rules read its value)
+      invars[q] = jex_core.Var(v.aval)
+      hoisted.append((invars[q], lits))
+    if invars != list(e.invars):
+      eqns[j] = e.replace(invars=invars)
+  return eqns, hoisted
 
 
 def _early(jaxpr) -> np.ndarray:
@@ -315,10 +353,13 @@ def _make_run(jaxpr, keys, start: int, period: int, count: int,
           positions.add((j, q))
   order = sorted(positions)
   outs = tuple(tuple(eqs[j].outvars[q] for j, q in order) for eqs in blocks)
-  template = jaxpr.replace(constvars=[], invars=list(ins[0]), outvars=list(outs[0]),
-                           eqns=blocks[0], effects=jex_core.no_effects)
+  eqns0, hoisted = _hoist(blocks)
+  ins = tuple(tuple(ins[k]) + tuple(lits[k] for _, lits in hoisted) for k in range(count))
+  template = jaxpr.replace(constvars=[], invars=list(ins[0][:len(ins[0]) - len(hoisted)])
+                           + [v for v, _ in hoisted], outvars=list(outs[0]), eqns=eqns0,
+                           effects=jex_core.no_effects)
   return Run(start, period, count, template, ins, outs,
-             tuple(start + k * period + o for k in range(count) for o in offs))
+             tuple(start + k * period + o for k in range(count) for o in offs), len(hoisted))
 
 
 def find_runs(jaxpr) -> dict[int, Run]:
@@ -358,7 +399,12 @@ def _block_fn(ctx, run: Run, names: tuple, in_fills: tuple, interpret) -> _Block
   blk = _Block(None)
   collect = ctx.problems is not None
 
+  weak = [getattr(v.aval, "weak_type", False) for v in run.template.invars]
+  first_hoisted = len(weak) - run.hoisted
+
   def block(sizes, *vals):
+    # a hoisted literal came in as a strong array of its dtype: its weak type back
+    vals = [jp.as_weak(v) if k >= first_hoisted and weak[k] else v for k, v in enumerate(vals)]
     sub = ctx.with_sizes(dict(zip(names, sizes, strict=True)),
                          problems=blk.problems if collect else None)
     outs = interpret(sub, run.template, [], [
@@ -391,7 +437,8 @@ def call_run(ctx, run: Run, env: dict, write, interpret) -> bool:
   sizes = tuple(ctx.sizes_env[n] for n in names)
   mark = len(ctx.log) if ctx.log is not None else 0
   for ins, outvars in zip(run.ins, run.outs, strict=True):
-    vals = [env.get(v) for v in ins]
+    vals = [PaddedValue(np.asarray(v.val, v.aval.dtype)) if isinstance(v, jex_core.Literal)
+            else env.get(v) for v in ins]  # (a hoisted literal: a scalar input, no padding)
     res = None
     if all(pv is not None for pv in vals):  # else made by an equation the flat run leaves out
       in_fills = tuple((pv.fill, pv.axis_fill) for pv in vals)

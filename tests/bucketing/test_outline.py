@@ -13,6 +13,7 @@ import pytest
 from _harness import Case
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from jax.extend import core as jex_core
 
 import dynjax
 from dynjax._config import config
@@ -215,12 +216,53 @@ def test_layers_with_custom_derivative_activations_are_one_template(small_blocks
                                         for _ in range(4)], 4)
 
 
-def test_blocks_with_other_constants_or_wiring_are_not_one_template(small_blocks):
+def test_a_per_layer_constant_is_an_input_of_the_one_template(small_blocks):
+  # A per-layer Python scale (1.0, 2.0, 3.0, ...): one template for the 5 layers, the scale
+  # its input; the constants every layer shares stay literals in it.  (Before session 32 only
+  # the layers with equal constants were one template: 3 here.)
   shapes = [(6, 4), *[(4, 4)] * 5]
-  # A per-layer Python constant: only the layers with equal constants share a template.
-  jaxpr = _jaxpr(lambda x, *ws: _layers(x, ws, [1.0, 2.0, 3.0, 3.0, 3.0]), *shapes)
-  runs = list(_outline.find_runs(jaxpr).values())
-  assert [r.count for r in runs] == [3]
+  scales = [1.0, 2.0, 3.0, 3.0, 3.0]
+  jaxpr = _jaxpr(lambda x, *ws: _layers(x, ws, scales), *shapes)
+  (run,) = _outline.find_runs(jaxpr).values()
+  assert (run.count, run.hoisted) == (5, 1)
+  assert [float(ins[-1].val) for ins in run.ins] == scales
+  lits = [v for e in run.template.eqns for v in e.invars if isinstance(v, jex_core.Literal)]
+  assert lits and all(float(v.val) not in scales[1:3] for v in lits)  # 0.0, 1.0 (shared)
+  # equal scales everywhere: nothing to hoist
+  (run,) = _outline.find_runs(_jaxpr(lambda x, *ws: _layers(x, ws, [2.0] * 5), *shapes)).values()
+  assert (run.count, run.hoisted) == (5, 0)
+
+
+def test_layers_scaled_per_layer_are_exact_and_as_flat(monkeypatch):
+  def fun(x, w1, w2, w3, w4, w5):  # a per-layer Python scale, weak-typed and not
+    x = _layers(x, [w1, w2, w3, w4, w5], [0.5, 1.5, 2.5, 3.5, 4.5])
+    return _layers(x, [w1, w2, w3, w4, w5], [np.float32(1 / (k + 1)) for k in range(5)])
+
+  rng = np.random.default_rng(3)
+  _exact_and_as_flat(monkeypatch, fun, [rng.normal(size=(4, 4)).astype(np.float32)
+                                        for _ in range(5)], 5)
+
+
+def test_a_weak_typed_per_layer_constant_keeps_its_type_in_the_template(small_blocks,
+                                                                     monkeypatch):
+  def fun(x, *ws):  # jnp.where's and lax.mul's Python scalars stay weak-typed literals
+    for k, w in enumerate(ws):
+      h = jnp.tanh(x @ w)
+      h = jnp.where(h > 0, h, -0.1 * (k + 1))
+      x = x + jax.lax.mul(h, 0.5 + k) + jnp.sum(h, axis=0, keepdims=True)
+    return x
+
+  jaxpr = _jaxpr(fun, (6, 4), *[(4, 4)] * 4)
+  (run,) = _outline.find_runs(jaxpr).values()
+  assert (run.count, run.hoisted) == (4, 2)
+  hoisted = run.template.invars[-2:]
+  assert all(v.aval.weak_type for v in hoisted)
+  rng = np.random.default_rng(4)
+  _exact_and_as_flat(monkeypatch, fun, [rng.normal(size=(4, 4)).astype(np.float32)
+                                        for _ in range(4)], 4)
+
+
+def test_blocks_with_other_wiring_are_not_one_template(small_blocks):
   # Layer 0 reads one weight in both of its slots where the others read two: the wiring
   # differs, so the run is the other three layers, each binding its own two weights.
   def two_weights(x, a, b, c, d, e, f, g):
