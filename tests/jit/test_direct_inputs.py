@@ -158,30 +158,26 @@ def test_a_failed_copy_falls_back_to_jaxs_transfer_and_stops(drv):
   assert ((8, 64), np.dtype(np.int32), None) in hb.free  # numpy buffers since
 
 
-def test_a_driver_whose_copies_do_not_read_back_is_not_used(drv, monkeypatch):
-  class Wrong(Memmove):
-    def copy(self, slots):
-      for s in slots:
-        ctypes.memset(s.dst, 0, s.nbytes)
+class _ReadsBackWrong(Memmove):
+  def copy(self, slots):
+    for s in slots:
+      ctypes.memset(s.dst, 0, s.nbytes)
 
-  if ON_GPU:
-    pytest.skip("the stand-in's memsets write host memory")
-  monkeypatch.setattr(_cuda, "_driver", [Counting(Wrong())])
+
+@pytest.mark.parametrize("driver, said", [("reads back wrong", "read back otherwise"),
+                                          ("none", "no CUDA driver: test")])
+def test_a_driver_that_cannot_be_used_leaves_jaxs_transfer(drv, monkeypatch, driver, said):
+  if driver == "reads back wrong":
+    if ON_GPU:
+      pytest.skip("the stand-in's memsets write host memory")
+    d = Counting(_ReadsBackWrong())
+  else:
+    d = _cuda.DriverError("no CUDA driver: test")
+  monkeypatch.setattr(_cuda, "_driver", [d])
   f = _fn("trust")
   for t in (20, 40):
     _check(f, *_req(8, t))
-  assert "read back otherwise" in f.stats()["direct_inputs_failed"]
-  assert f.stats()["direct_input_bytes"] == 0
-
-
-def test_no_driver_leaves_jaxs_transfer(monkeypatch):
-  monkeypatch.setattr(_cuda, "_driver", [_cuda.DriverError("no CUDA driver: test")])
-  monkeypatch.setattr(_placement, "DIRECT_PLATFORMS", (jax.devices()[0].platform,))
-  monkeypatch.setattr(config, "direct_inputs", True)
-  f = _fn("trust")
-  for t in (20, 40):
-    _check(f, *_req(8, t))
-  assert "no CUDA driver: test" in f.stats()["direct_inputs_failed"]
+  assert said in f.stats()["direct_inputs_failed"]
   assert f.stats()["direct_input_bytes"] == 0
 
 
