@@ -70,20 +70,23 @@ def main(argv=None) -> dict:
   params = model.init(jax.random.PRNGKey(0), x, lengths)
   want = np.asarray(jax.jit(model.apply)(params, x, lengths))
   rows: dict = {"on": [], "off": []}
-  for r in range(args.rounds):
-    for name in (("on", "off") if r % 2 == 0 else ("off", "on")):
-      config.outline = name == "on"
-      f = dynjax.flax.jit(model, dims={"x": "b, t, 256", "lengths": "b"},
-                          buckets={"t": [64, 128], "b": [4]})
-      t0 = time.perf_counter()
-      f.lower(params, x[:, :50], np.minimum(lengths, 50))
-      t1 = time.perf_counter()
-      f.lower(params, x, lengths)
-      t2 = time.perf_counter()
-      err = float(np.abs(np.asarray(f(params, x, lengths)) - want).max())
-      rows[name].append({"first_s": t1 - t0, "second_s": t2 - t1, "error": err,
-                         "one_template": "repeated" in f.explain()})
-  config.outline = True
+  was = config.outline
+  try:
+    for r in range(args.rounds):
+      for name in (("on", "off") if r % 2 == 0 else ("off", "on")):
+        config.outline = name == "on"
+        f = dynjax.flax.jit(model, dims={"x": "b, t, 256", "lengths": "b"},
+                            buckets={"t": [64, 128], "b": [4]})
+        t0 = time.perf_counter()
+        f.lower(params, x[:, :50], np.minimum(lengths, 50))
+        t1 = time.perf_counter()
+        f.lower(params, x, lengths)
+        t2 = time.perf_counter()
+        err = float(np.abs(np.asarray(f(params, x, lengths)) - want).max())
+        rows[name].append({"first_s": t1 - t0, "second_s": t2 - t1, "error": err,
+                           "one_template": "repeated" in f.explain()})
+  finally:
+    config.outline = was
   report = {"jax": jax.__version__, "device": jax.devices()[0].device_kind,
             "layers": args.layers, "rows": rows}
   for name, rs in rows.items():

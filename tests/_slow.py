@@ -387,4 +387,6 @@ TESTS = {
   "tests/jit/test_shape_identities.py::test_an_autoencoder_whose_sizes_meet_at_multiples_is_bucketed_at_multiples": 1.55,
   "tests/control/test_edge_cases.py::test_a_host_mode_loop_that_empties_its_carry_goes_on_exact": 1.53,
   "tests/bucketing/test_attention.py::test_variants_rewritten[trust]": 1.52,
+  # session 32: the depth-scaled outlining probe, small (5.7 s alone)
+  "tests/benchmarks/test_probe_outline_constants.py::test_depth_scaled_layers_are_one_template_only_with_outlining": 5.7,
 }
