@@ -352,13 +352,17 @@ class HostBuffers:
 
   def copy(self, slots, args: list) -> None:
     """The driver copies ``slots``' host buffers into their device arrays (jit/_cuda.py); where
-    it fails, the call takes the host buffers (JAX's own transfer) and the family stops."""
-    try:
-      _cuda.driver().copy(slots)
-    except Exception as e:  # noqa: BLE001 - exact either way
-      self.failed_direct(e)
-      arrays = {id(slot.array): slot.host for slot in slots}
-      args[:] = [arrays.get(id(a), a) for a in args]
+    it fails, the call takes the host buffers (JAX's own transfer) and the family stops.
+    Under a ``jax.transfer_guard`` for host-to-device transfers the call takes them too, so
+    that the guard sees (logs, refuses) this implicit transfer as it did before."""
+    if jax.config.jax_transfer_guard_host_to_device in (None, "allow"):
+      try:
+        _cuda.driver().copy(slots)
+        return
+      except Exception as e:  # noqa: BLE001 - exact either way
+        self.failed_direct(e)
+    arrays = {id(slot.array): slot.host for slot in slots}
+    args[:] = [arrays.get(id(a), a) for a in args]
 
   def failed_direct(self, e: BaseException) -> None:
     """The driver's copies stop for this family (kept pairs are not taken again)."""

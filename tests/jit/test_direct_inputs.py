@@ -181,6 +181,22 @@ def test_a_driver_that_cannot_be_used_leaves_jaxs_transfer(drv, monkeypatch, dri
   assert f.stats()["direct_input_bytes"] == 0
 
 
+def test_a_transfer_guard_sees_the_inputs_as_before(drv, caplog):
+  # jax.transfer_guard("disallow") refused a numpy call's implicit transfer before the
+  # driver's copies; it still does (the call takes JAX's transfer), and "log" logs it
+  f = _fn("trust")
+  _check(f, *_req(8, 20))
+  assert drv.copies == 2
+  with jax.transfer_guard_host_to_device("disallow"):
+    with pytest.raises(Exception, match="Disallowed host-to-device transfer"):
+      f(P, *_req(8, 30))
+  with jax.transfer_guard_host_to_device("log"):
+    _check(f, *_req(8, 40))
+  assert drv.copies == 2 and f.stats()["direct_inputs_failed"] is None
+  _check(f, *_req(8, 50))  # the guard gone: the copies again
+  assert drv.copies == 4
+
+
 def test_without_libcuda_the_driver_says_so_once(monkeypatch):
   calls = []
 
