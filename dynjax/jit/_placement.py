@@ -380,7 +380,8 @@ def pool_of(exe, shape: tuple, dtype, direct: bool = False):
   array (jit/_cuda.py)."""
   dtype = np.dtype(dtype)
   nbytes = math.prod(shape) * dtype.itemsize
-  if direct and 0 < nbytes < DIRECT_BELOW_BYTES and config.direct_inputs:
+  if (direct and 0 < nbytes < DIRECT_BELOW_BYTES and config.direct_inputs
+      and _whole_bytes(dtype)):
     dev = exe_device(exe)
     if dev is not None and dev.platform in DIRECT_PLATFORMS:
       return dev, dtype, DIRECT
@@ -388,6 +389,22 @@ def pool_of(exe, shape: tuple, dtype, direct: bool = False):
     return None
   dev = pinned_device(exe, nbytes)
   return True if dev is None else (dev, dtype, PINNED)
+
+
+@functools.cache
+def _whole_bytes(dtype) -> bool:
+  """Whether ``dtype``'s elements are whole bytes, as numpy lays them out, on the device too:
+  numpy's own kinds and ml_dtypes' 8- and 16-bit floats; not int4/uint4/int2/float4 (one an
+  unpacked byte in numpy, packed on the device: the driver copies bytes as they are)."""
+  if dtype.kind in "biufc":
+    return True
+  try:
+    import ml_dtypes  # noqa: PLC0415 - jax's own dependency
+
+    info = ml_dtypes.finfo(dtype) if "float" in dtype.name else ml_dtypes.iinfo(dtype)
+    return info.bits == 8 * dtype.itemsize
+  except Exception:  # noqa: BLE001 - an unknown kind: JAX's transfer
+    return False
 
 
 # Numpy inputs below DIRECT_BELOW_BYTES of a call that waits for its numpy results go to the

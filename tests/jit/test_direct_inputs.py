@@ -197,6 +197,18 @@ def test_a_transfer_guard_sees_the_inputs_as_before(drv, caplog):
   assert drv.copies == 4
 
 
+@pytest.mark.parametrize("dtype, whole", [
+    ("float32", True), ("int32", True), ("bool", True), ("complex64", True),
+    ("bfloat16", True), ("float8_e4m3fn", True),
+    # one byte each in numpy, packed on the device: the driver's byte copy would be wrong
+    ("int4", False), ("uint4", False), ("float4_e2m1fn", False)])
+def test_only_dtypes_laid_out_alike_take_the_copy(dtype, whole):
+  import ml_dtypes
+
+  dt = np.dtype(getattr(ml_dtypes, dtype, None) or dtype)
+  assert _placement._whole_bytes(dt) is whole
+
+
 def test_without_libcuda_the_driver_says_so_once(monkeypatch):
   calls = []
 
