@@ -312,42 +312,54 @@ def test_off_and_below_the_threshold_nothing_is_outlined(monkeypatch):
 
 @settings(max_examples=20, deadline=None)
 @given(steps=st.lists(st.tuples(st.sampled_from(["tanh", "cumsum", "softmax", "flip", "sum",
-                                                 "max", "shift", "dense"]),
+                                                 "max", "shift", "dense", "scale", "fill"]),
                                 st.integers(0, 5)), min_size=1, max_size=5),
        sizes=st.sampled_from([((2, 3), (2, 4)), ((1, 5), (2, 8)), ((2, 7), (2, 8))]),
        garbage=st.sampled_from(["mixed", "nan"]))
 def test_random_layers_repeated_are_exact_on_the_true_prefix(steps, sizes, garbage):
   ops = {
-    "tanh": lambda a, w: jnp.tanh(a * w[0]),
-    "cumsum": lambda a, w: jnp.cumsum(a, axis=1),
-    "softmax": lambda a, w: jax.nn.softmax(a, axis=1),
-    "flip": lambda a, w: jnp.flip(a, 1) + w[1],
-    "sum": lambda a, w: a + jnp.sum(a, axis=1, keepdims=True),
-    "max": lambda a, w: a - jnp.max(a, axis=1, keepdims=True),
-    "shift": lambda a, w: jnp.concatenate([a[:, 1:], a[:, :1] * 0], axis=1),
-    "dense": lambda a, w: a @ w,
+    "tanh": lambda a, w, c: jnp.tanh(a * w[0]),
+    "cumsum": lambda a, w, c: jnp.cumsum(a, axis=1),
+    "softmax": lambda a, w, c: jax.nn.softmax(a, axis=1),
+    "flip": lambda a, w, c: jnp.flip(a, 1) + w[1],
+    "sum": lambda a, w, c: a + jnp.sum(a, axis=1, keepdims=True),
+    "max": lambda a, w, c: a - jnp.max(a, axis=1, keepdims=True),
+    "shift": lambda a, w, c: jnp.concatenate([a[:, 1:], a[:, :1] * 0], axis=1),
+    "dense": lambda a, w, c: a @ w,
+    # the layer's own Python constant (a template input since session 32)
+    "scale": lambda a, w, c: a * c,
+    "fill": lambda a, w, c: jnp.where(a > 0, a, c),
   }
 
-  def layer(x, w):
+  def layer(x, w, c):
     pool = [x]
     for name, i in steps:
-      pool.append(ops[name](pool[i % len(pool)], w))
+      pool.append(ops[name](pool[i % len(pool)], w, c))
     return x + pool[-1]
 
   def fun(x, w1, w2, w3):
-    for w in (w1, w2, w3):
-      x = layer(x, w)
+    for w, c in ((w1, 0.5), (w2, -1.5), (w3, 2.0)):
+      x = layer(x, w, c)
     return x
 
-  used = []
+  used = []  # (the run's period, whether its template ran)
   real = _outline.call_run
+
+  def spy(ctx, run, *a):
+    used.append((run.period, real(ctx, run, *a)))
+    return used[-1][1]
+
   with pytest.MonkeyPatch.context() as mp:
     mp.setattr(_outline, "MIN_PERIOD", 1)
     mp.setattr(_outline, "MIN_SAVED", 1)
-    mp.setattr(_outline, "call_run", lambda *a: used.append(real(*a)) or used[-1])
+    mp.setattr(_outline, "call_run", spy)
     case = Case(fun, lambda b, t: [(b, t, 3), (3, 3), (3, 3), (3, 3)], rtol=2e-4, atol=2e-4)
     case.check(*sizes, seed=len(steps), garbage=garbage)
-  assert used and all(used), "the three layers ran as one template"
+  # the three layers ran as one template (with these thresholds a template may hold a run of
+  # its own, a layer's repeated steps; one that reads a value its flat pass left out goes
+  # flat inside the template, exact: steps [cumsum, tanh(1), tanh(0)] make one)
+  top = max((p for p, _ in used), default=0)
+  assert top and all(ok for p, ok in used if p == top), "the three layers ran as one template"
 
 
 def test_an_equation_it_cannot_pad_inside_the_blocks_is_named_as_without_them(small_blocks,
