@@ -192,7 +192,7 @@ def _hoist(blocks: list) -> tuple[list, list]:
   eqns = list(blocks[0])
   hoisted: list = []  # (variable, [block k's Literal])
   for j, e in enumerate(blocks[0]):
-    invars = list(e.invars)
+    invars, before = list(e.invars), len(hoisted)
     for q, v in enumerate(e.invars):
       if not (isinstance(v, jex_core.Literal) and _hoistable(v)):
         continue
@@ -201,7 +201,7 @@ def _hoist(blocks: list) -> tuple[list, list]:
         continue  # equal everywhere: stays a literal (the padding rules read its value)
       invars[q] = jex_core.Var(v.aval)
       hoisted.append((invars[q], lits))
-    if invars != list(e.invars):
+    if len(hoisted) > before:  # (not a list compare: == of literals compares their values)
       eqns[j] = e.replace(invars=invars)
   return eqns, hoisted
 

@@ -85,16 +85,18 @@ class Executor:
     # leaf with dims goes through pad_leaf; a sync call's leaves the driver copies to the
     # device (_placement.DIRECT, jit/_cuda.py) are taken whether padded or not.
     donated = set(fam.donate_leaves()) if self.sync and fam.shard is None else None
-    pads = []
+    padded, pads = [], []  # (the leaf indices, for pad_sites below)
     for p, li in zip(where, fam.spec_idx, strict=True):
+      pad = all_leaves or shapes[li] != entry.in_shapes[li]
+      if not pad and donated is None:
+        continue  # (only a sync call's leaf may take the driver's copy unpadded)
       pool = _placement.pool_of(self.exe, entry.in_shapes[li], fam.avals[li].dtype,
                                 direct=donated is not None and li not in donated)
-      if all_leaves or shapes[li] != entry.in_shapes[li] or (
-          type(pool) is tuple and pool[2] == _placement.DIRECT):
-        pads.append((p, li, (p, shapes[li], entry.in_shapes[li],
-                             tuple(slice(0, n) for n in shapes[li]), pool)))
-    padded = [(p, li) for p, li, _ in pads]
-    self.pads = tuple(pad for _, _, pad in pads)
+      if pad or (type(pool) is tuple and pool[2] == _placement.DIRECT):
+        padded.append(li)
+        pads.append((p, shapes[li], entry.in_shapes[li],
+                     tuple(slice(0, n) for n in shapes[li]), pool))
+    self.pads = tuple(pads)
     # auto reads no padded value: stale ones may stay.  Not with a kernel rewrite: a fused
     # attention multiplies masked (0) probabilities by padded values (an old inf: NaN).
     self.zero_pad = fam.mode != "auto" or bool(opts.attention or opts.ragged_dot)
@@ -129,7 +131,7 @@ class Executor:
       sites = ctx.devpads
       self.pad_sites = tuple(
           sites.site("pad", shapes[li], entry.in_shapes[li], fam.avals[li].dtype, dev)
-          for _, li in padded)
+          for li in padded)
       if not self.to_device and not opts.return_padded:
         self.cut_sites = tuple(
             None if sl is None else sites.site("cut", p, o, fam.out_avals[i].dtype, dev)
