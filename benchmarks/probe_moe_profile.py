@@ -20,6 +20,7 @@ import argparse
 import collections
 import glob
 import gzip
+import itertools
 import json
 import math
 import os
@@ -33,6 +34,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks import _xla_options as xla_options  # noqa: E402
 from benchmarks._report import write_json  # noqa: E402
 from benchmarks.bench_moe_kernels import REPS, Setting, open_report  # noqa: E402
 from dynjax import route  # noqa: E402
@@ -112,13 +114,15 @@ def call_timeline(events: list[dict]) -> dict:
 
 
 def profile(label: str, fn, args_list, iters: int, out_dir: str | None, top: int = 25,
-            per_call: int = REPS) -> dict:
-  """``per_call``: layers a call of ``fn`` runs (each row is per layer); 1: per call."""
-  jf = jax.jit(fn)
-  jax.block_until_ready(jf(*args_list))  # compile + warm
+            per_call: int = REPS, compiler_options: dict | None = None) -> dict:
+  """``per_call``: layers a call of ``fn`` runs (each row is per layer); 1: per call.
+  ``compiler_options``: XLA options for the executable (``benchmarks/_xla_options.py``)."""
+  compiled = jax.jit(fn).lower(*args_list).compile(compiler_options)
+  jf = compiled  # the compiled stage: called as jax.jit's executable is
+  jax.block_until_ready(jf(*args_list))  # warm
   if out_dir:
     with open(os.path.join(out_dir, f"hlo_{label.split()[0]}.txt"), "w") as fh:
-      fh.write(jf.lower(*args_list).compile().as_text())
+      fh.write(compiled.as_text())
   walls = []
   for _ in range(max(30, iters)):
     t0 = time.perf_counter()
@@ -350,6 +354,8 @@ def run_requests(args) -> dict:
 
   models = [(name, *bm.combine_option(name, "--request-models"))
             for name in args.request_models.split(",")]
+  # each model also compiled with these XLA option sets (no CUDA graphs, ...), one after another
+  option_sets = {"": None} | xla_options.parse(args.request_xla_options)
   bad = [name for name, base, apart in models
          if base not in REQUEST_MODELS or (apart is not None and base != "grouped")]
   if bad:
@@ -370,15 +376,17 @@ def run_requests(args) -> dict:
     v16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16) if x.ndim >= 2 else x, variables)
     res = out.setdefault(str(t), {})
     print(f"\n== request t={t} (batch {cfg['batch']})", flush=True)
-    for name, base, apart in models:
+    for (name, base, apart), (oname, opts) in itertools.product(models, option_sets.items()):
       model = bm.build_flax_model(cfg, base, routed if base == "grouped" else None)
+      key = f"{name}[{oname}]" if oname else name
       try:
         with bm.combine_apart(apart):  # profile() traces the model
-          res[name] = profile(f"{name}_t{t} ", model.apply, [v16, tok, lens], args.iters,
-                              args.out, top=args.top, per_call=1)
+          res[key] = profile(f"{name}{'_' + oname if oname else ''}_t{t} ", model.apply,
+                             [v16, tok, lens], args.iters, args.out, top=args.top, per_call=1,
+                             compiler_options=opts)
       except Exception as ex:  # one failing model must not lose the others
-        res[name] = {"error": f"{type(ex).__name__}: {str(ex)[:800]}"}
-        print(f"  {name} FAILED {res[name]['error'][:400]}", flush=True)
+        res[key] = {"error": f"{type(ex).__name__}: {str(ex)[:800]}"}
+        print(f"  {key} FAILED {res[key]['error'][:400]}", flush=True)
   return out
 
 
@@ -404,6 +412,9 @@ def main(argv=None) -> dict:
                   help="requests part: none, grouped, dense, ragged_dot; grouped+apart / "
                   "grouped+fused: the combine on its own or fused into its consumer "
                   "(route._grouped.COMBINE_APART; without: the library's default)")
+  ap.add_argument("--request-xla-options", default="",
+                  help="requests part: each model also compiled with these XLA option sets "
+                  f"({', '.join(xla_options.OPTION_SETS)})")
   ap.add_argument("--iters", type=int, default=10)
   ap.add_argument("--top", type=int, default=12)
   ap.add_argument("--zipf", type=float, default=1.2)
