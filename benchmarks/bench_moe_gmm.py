@@ -51,7 +51,7 @@ import numpy as np
 import dynjax
 from benchmarks import _xla_options as xla_options
 from dynjax import route
-from dynjax.route import _grouped
+from dynjax.route import _grouped, _router
 
 NOMINAL_PEAK = 800e12  # H100 SXM dense bf16, FLOP/s
 NOMINAL_BW = 3.3e12  # H100 SXM HBM3, bytes/s
@@ -77,31 +77,38 @@ def timeit(fns, iters: int) -> dict:
           "min_ms": float(ts.min())}
 
 
-# The grouped layer's combine, named after a variant's "+" (route._grouped.COMBINE_APART):
-# on its own (an optimization barrier) or fused into its consumer.
-COMBINE_OPTIONS = {"apart": True, "fused": False}
+# Options of the grouped layer, named after a variant's "+": module switches read as a bucket
+# is traced.  apart / fused: the combine on its own (an optimization barrier) or fused into its
+# consumer (route._grouped.COMBINE_APART); sort: each cell's position in its path from a stable
+# sort of the path ids at every path count (route._router._ONE_HOT_MAX_PATHS = 0), instead of
+# the one-hot's cumulative sum by triangular matmuls up to 64 paths.
+LAYER_OPTIONS = {"apart": {(_grouped, "COMBINE_APART"): True},
+                 "fused": {(_grouped, "COMBINE_APART"): False},
+                 "sort": {(_router, "_ONE_HOT_MAX_PATHS"): 0}}
 
 
-def combine_option(name: str, flag: str) -> tuple[str, bool | None]:
-  """``"grouped-hopper+apart"`` -> ``("grouped-hopper", True)``; without ``+``: ``(name,
-  None)`` (the library's default); another option: an error naming ``flag``."""
+def layer_option(name: str, flag: str) -> tuple[str, str | None]:
+  """``"grouped-hopper+apart"`` -> ``("grouped-hopper", "apart")``; without ``+``: ``(name,
+  None)`` (the library's defaults); another option: an error naming ``flag``."""
   base, plus, option = name.partition("+")
-  if plus and option not in COMBINE_OPTIONS:
+  if plus and option not in LAYER_OPTIONS:
     raise SystemExit(f"{flag}: unknown option +{option} of {name!r} "
-                     f"({', '.join('+' + o for o in COMBINE_OPTIONS)})")
-  return base, COMBINE_OPTIONS[option] if plus else None
+                     f"({', '.join('+' + o for o in LAYER_OPTIONS)})")
+  return base, option if plus else None
 
 
 @contextlib.contextmanager
-def combine_apart(apart: bool | None):
-  """``route._grouped.COMBINE_APART`` set to ``apart`` (None: left as it is), restored after:
-  the flag is read as a bucket is traced."""
-  default = _grouped.COMBINE_APART
-  _grouped.COMBINE_APART = default if apart is None else apart
+def layer_options(option: str | None):
+  """The switches of ``LAYER_OPTIONS[option]`` set (None: the defaults), restored after."""
+  switches = LAYER_OPTIONS.get(option, {}) if option else {}
+  saved = {(m, a): getattr(m, a) for m, a in switches}
+  for (m, a), v in switches.items():
+    setattr(m, a, v)
   try:
     yield
   finally:
-    _grouped.COMBINE_APART = default
+    for (m, a), v in saved.items():
+      setattr(m, a, v)
 
 
 def rel_err(a, b) -> float:
@@ -486,10 +493,10 @@ def run_e2e(args) -> dict:
   router = route.Router(cfg["experts"], k=cfg["k"], renormalize=True)
   on_gpu = jax.default_backend() != "cpu"
   variants = {}
-  combine = {}  # label -> COMBINE_APART for its builds (grouped+apart / +fused; else default)
+  combine = {}  # label -> its LAYER_OPTIONS name for its builds (grouped+sort, ...; else None)
   for v in args.e2e_variants.split(","):
     if v.startswith("grouped"):  # grouped (auto kernel), grouped-pallas, grouped-hopper:TILING
-      base, combine[f"dynjax {v} (gmm kernel)"] = combine_option(v, "--e2e-variants")
+      base, combine[f"dynjax {v} (gmm kernel)"] = layer_option(v, "--e2e-variants")
       kernel, _, tiling = base.partition("-")[2].partition(":")
       kernel = kernel or ("auto" if on_gpu else "xla")
       variants[f"dynjax {v} (gmm kernel)"] = ("grouped", route.Routed(
@@ -567,7 +574,7 @@ def run_e2e(args) -> dict:
       fn = jax_put(fn)
     t0 = time.perf_counter()
     try:  # the cold pass builds every bucket
-      with combine_apart(combine.get(label.split(" [")[0])):
+      with layer_options(combine.get(label.split(" [")[0])):
         ys = [np.asarray(fn(variables, tok, lens)) for tok, lens in stream]
     except Exception as e:  # one failing variant must not lose the others' figures
       out["methods"][label] = {"error": f"{type(e).__name__}: {str(e)[:1500]}"}
@@ -713,8 +720,8 @@ def main(argv=None) -> dict:
   ap.add_argument("--e2e-variants", default="grouped,ragged_dot,dense,profiled",
                   help="grouped (kernel auto), grouped-pallas, grouped-mgpu, grouped-hopper, "
                        "grouped-KERNEL:TILING (tm x tk x tn x warps x stages g grid_block_n), "
-                       "any of them +apart or +fused (the combine on its own or fused into "
-                       "its consumer), "
+                       "any of them +apart, +fused (the combine on its own or fused into "
+                       "its consumer) or +sort (positions by a sort; LAYER_OPTIONS), "
                        "ragged_dot, dense, profiled; the first grouped one also times the "
                        "training step")
   ap.add_argument("--e2e-device-outputs", action="store_true",

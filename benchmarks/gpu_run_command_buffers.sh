@@ -11,6 +11,8 @@
 #   requests issue 19's e2e encoder one request at a time under jax.jit
 #           (probe_moe_profile.py --parts requests): none / grouped / dense, each with the
 #           defaults, nocb and nocc: the host's time before the first kernel, device time
+#           (REQ_MODELS, REQ_OPTIONS; E2E_VARIANTS, E2E_OPTIONS, INTERLEAVE for the e2e;
+#           an empty *_OPTIONS: the defaults only)
 # Results: $OUT/{layer_x4,layer_call,e2e,serve,requests}/ and one log each.
 source "$(dirname "$0")/_gpu_head.sh"
 PARTS=${PARTS:-layer}
@@ -34,15 +36,16 @@ fi
 if [[ ,$PARTS, == *,requests,* ]]; then
   mkdir -p "$OUT/requests"
   timeout ${TR:-250} python3 benchmarks/probe_moe_profile.py --out "$OUT/requests" \
-    --parts requests --request-lengths 128,256,512 --request-models none,grouped,dense \
-    --request-xla-options nocb,nocc --iters 20 > "$OUT/requests.log" 2>&1
+    --parts requests --request-lengths 128,256,512 \
+    --request-models ${REQ_MODELS:-none,grouped,dense} \
+    --request-xla-options "${REQ_OPTIONS-nocb,nocc}" --iters 20 > "$OUT/requests.log" 2>&1
   echo "requests rc=$?"; grep -E "==|: wall|a call \(median\)" "$OUT/requests.log" | cut -c1-160
   rm -f "$OUT"/requests/hlo_*.txt
 fi
 if [[ ,$PARTS, == *,e2e,* ]]; then
   timeout ${TE:-330} python3 benchmarks/bench_moe_gmm.py --out "$OUT/e2e" --parts e2e \
     --e2e-requests 200 --e2e-variants ${E2E_VARIANTS:-grouped,ragged_dot,dense} \
-    --e2e-xla-options ${E2E_OPTIONS:-nocb} --e2e-interleave ${INTERLEAVE:-0} \
+    --e2e-xla-options "${E2E_OPTIONS-nocb}" --e2e-interleave ${INTERLEAVE:-0} \
     > "$OUT/e2e.log" 2>&1
   echo "e2e rc=$?"; grep -E "e2e|no MoE|mean|FAILED" "$OUT/e2e.log" | cut -c1-200
 fi

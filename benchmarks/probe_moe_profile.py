@@ -352,7 +352,7 @@ def run_requests(args) -> dict:
   to ``DIR/hlo_<model>_t<t>.txt``."""
   from benchmarks import bench_moe_gmm as bm  # noqa: PLC0415
 
-  models = [(name, *bm.combine_option(name, "--request-models"))
+  models = [(name, *bm.layer_option(name, "--request-models"))
             for name in args.request_models.split(",")]
   # each model also compiled with these XLA option sets (no CUDA graphs, ...), one after another
   option_sets = {"": None} | xla_options.parse(args.request_xla_options)
@@ -360,7 +360,7 @@ def run_requests(args) -> dict:
          if base not in REQUEST_MODELS or (apart is not None and base != "grouped")]
   if bad:
     raise SystemExit(f"--request-models: unknown {', '.join(map(repr, bad))} (known: "
-                     f"{', '.join(REQUEST_MODELS)}; grouped+apart, grouped+fused)")
+                     f"{', '.join(REQUEST_MODELS)}; grouped+" + ", grouped+".join(bm.LAYER_OPTIONS) + ")")
   cfg = dict(vocab=512 if args.small else 30522, d=args.d, heads=4 if args.small else 16,
              ffn=args.ffn, experts=8, k=2, max_len=128 if args.small else 512, batch=8)
   routed = route.Routed(route.Experts(route.ffn()),
@@ -380,7 +380,7 @@ def run_requests(args) -> dict:
       model = bm.build_flax_model(cfg, base, routed if base == "grouped" else None)
       key = f"{name}[{oname}]" if oname else name
       try:
-        with bm.combine_apart(apart):  # profile() traces the model
+        with bm.layer_options(apart):  # profile() traces the model
           res[key] = profile(f"{name}{'_' + oname if oname else ''}_t{t} ", model.apply,
                              [v16, tok, lens], args.iters, args.out, top=args.top, per_call=1,
                              compiler_options=opts)
@@ -409,9 +409,10 @@ def main(argv=None) -> dict:
   ap.add_argument("--request-lengths", default="128,256",
                   help="requests part: the lengths t of the e2e's requests (batch 8)")
   ap.add_argument("--request-models", default="none,grouped,dense",
-                  help="requests part: none, grouped, dense, ragged_dot; grouped+apart / "
-                  "grouped+fused: the combine on its own or fused into its consumer "
-                  "(route._grouped.COMBINE_APART; without: the library's default)")
+                  help="requests part: none, grouped, dense, ragged_dot; grouped+OPTION: "
+                  "the grouped layer with one of bench_moe_gmm.LAYER_OPTIONS (+apart / "
+                  "+fused: the combine on its own or fused into its consumer; +sort: positions "
+                  "by a sort; without: the library's defaults)")
   ap.add_argument("--request-xla-options", default="",
                   help="requests part: each model also compiled with these XLA option sets "
                   f"({', '.join(xla_options.OPTION_SETS)})")

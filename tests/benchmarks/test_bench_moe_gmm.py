@@ -9,6 +9,6 @@ from benchmarks import bench_moe_gmm
 
 def test_an_unknown_combine_option_is_named_with_the_known_ones():
   with pytest.raises(SystemExit, match=r"unknown option \+bogus of 'grouped\+bogus' "
-                                       r"\(\+apart, \+fused\)"):
+                                       r"\(\+apart, \+fused, \+sort\)"):
     bench_moe_gmm.main(["--small", "--parts", "e2e", "--e2e-requests", "2",
                         "--e2e-variants", "grouped+bogus"])

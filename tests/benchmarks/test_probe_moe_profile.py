@@ -51,20 +51,24 @@ def test_small_requests_part_profiles_each_model_per_call(tmp_path):
   # annotation counts once.
   counts = {k["name"]: k["count"] for k in res["none"]["kernels"]}
   if jax.default_backend() == "cpu":  # (a GPU's kernels carry their own names)
-    assert counts["probe_call_0"] == 1.0 and counts["PjitFunction(apply)"] >= 1.0
+    # (the compiled stage's call: "PjitFunction(jit(apply))" on jax 0.10.2 and 0.11.2)
+    assert counts["probe_call_0"] == 1.0
+    assert max(c for n, c in counts.items() if n.startswith("PjitFunction(")) >= 1.0
   assert json.loads((tmp_path / "probe_moe_profile.json").read_text())["requests"]["16"]
 
 
 def test_requests_part_combine_options_leave_the_default_as_it_was(monkeypatch):
-  from dynjax.route import _grouped
+  from dynjax.route import _grouped, _router
 
   monkeypatch.setattr(_grouped, "COMBINE_APART", True)
+  max_paths = _router._ONE_HOT_MAX_PATHS
   seen = []
   monkeypatch.setattr(probe_moe_profile, "profile", lambda *a, **kw: seen.append(
-      _grouped.COMBINE_APART) or {})
+      (_grouped.COMBINE_APART, _router._ONE_HOT_MAX_PATHS)) or {})
   probe_moe_profile.main(["--small", "--parts", "requests", "--request-lengths", "16",
-                          "--request-models", "grouped+fused,grouped,grouped+apart"])
-  assert seen == [False, True, True] and _grouped.COMBINE_APART is True
+                          "--request-models", "grouped+fused,grouped,grouped+apart,grouped+sort"])
+  assert seen == [(False, max_paths), (True, max_paths), (True, max_paths), (True, 0)]
+  assert _grouped.COMBINE_APART is True and _router._ONE_HOT_MAX_PATHS == max_paths
   with pytest.raises(SystemExit, match=r"unknown 'dense\+apart'"):
     probe_moe_profile.main(["--small", "--parts", "requests", "--request-lengths", "16",
                             "--request-models", "dense+apart"])
