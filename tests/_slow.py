@@ -131,6 +131,7 @@ TESTS = {
   "tests/route/test_gmm.py::test_gmm_forward_and_backward_f32[exact_tiles-pallas]": 3.6,
   "tests/bucketing/test_flash.py::test_kernel_matches_the_model_at_the_true_length[64-1]": 3.35,
   "tests/benchmarks/test_probe_moe_profile.py::test_small_requests_part_profiles_each_model_per_call": 3.15,
+  "tests/benchmarks/test_probe_moe_call.py::test_small_probe_times_every_call_path_and_each_returns_jax_jits_result": 4.76,
   "tests/route/test_gmm_mgpu.py::test_grouped_mode_mgpu_equals_dense_with_grads_and_mask[current-1]": 2.17,
   "tests/route/test_gmm_mgpu.py::test_gmm_mgpu_packed_groups_forward_backward[older]": 2.05,
   "tests/route/test_routed.py::test_exact_sync_equals_dense[2-skewed]": 1.98,
