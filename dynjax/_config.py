@@ -12,6 +12,7 @@
 | DYNJAX_DEVICE_PAD     | 0 / 1                  | device arrays of a shape that keeps coming back are padded (and outputs cut) on the device by a small program each, once their host round trips add up to its compile (default 1; ``jit/_devpad.py``) |
 | DYNJAX_PINNED_INPUTS  | 0 / 1                  | on a GPU, padded numpy inputs of >= 2 MiB are written into reused pinned host buffers, then transferred (default 1; ``jit/_placement.py``) |
 | DYNJAX_DIRECT_INPUTS  | 0 / 1                  | on a GPU, the numpy inputs of < 2 MiB of a call that returns numpy go to the device by the CUDA driver's copy into kept device arrays, not JAX's per-argument transfer (default 1; ``jit/_cuda.py``) |
+| DYNJAX_DIRECT_OUTPUTS | 0 / 1                  | on a GPU, a call that returns numpy gets its results read by the CUDA driver on a stream that waits for them on the device, its executables' outputs in device memory (default 1; else pinned host outputs; ``jit/_cuda.py``) |
 | DYNJAX_OUTLINE        | 0 / 1                  | the padding pass pads a block of equations repeated in a row (a model's layers) once a bucket, and JAX lowers it once (default 1; ``bucketing/_outline.py``) |
 | DYNJAX_KERNEL_CACHE   | a directory, or 0      | where ``dynjax.route``'s exported GPU kernels are kept across processes (default ``~/.cache/dynjax/kernels``; ``0`` off); read at each export by ``route._once`` |
 
@@ -67,6 +68,7 @@ class Config:
   device_pad: bool = True
   pinned_inputs: bool = True
   direct_inputs: bool = True
+  direct_outputs: bool = True
   copy_threads: int = 4
   outline: bool = True
 
@@ -83,6 +85,7 @@ class Config:
         device_pad=_bool("DYNJAX_DEVICE_PAD", True),
         pinned_inputs=_bool("DYNJAX_PINNED_INPUTS", True),
         direct_inputs=_bool("DYNJAX_DIRECT_INPUTS", True),
+        direct_outputs=_bool("DYNJAX_DIRECT_OUTPUTS", True),
         copy_threads=_int("DYNJAX_COPY_THREADS", 4, 1),
         outline=_bool("DYNJAX_OUTLINE", True),
     )

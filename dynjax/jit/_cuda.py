@@ -40,6 +40,28 @@ _CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9
 _CU_MEMORYTYPE_DEVICE = 2
 _CU_STREAM_NON_BLOCKING = 1
 _CU_MEMHOSTALLOC_PORTABLE = 1
+_KDL_CUDA = 2  # DLPack's device type of CUDA device memory
+
+
+class _DLDevice(ctypes.Structure):
+  _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DLDataType(ctypes.Structure):
+  _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+  """DLPack's tensor (the head of the ``dltensor`` capsule's DLManagedTensor)."""
+
+  _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice), ("ndim", ctypes.c_int32),
+              ("dtype", _DLDataType), ("shape", ctypes.POINTER(ctypes.c_int64)),
+              ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
+
+
+_capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+_capsule_pointer.restype = ctypes.c_void_p
+_capsule_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
 
 
 class DriverError(RuntimeError):
@@ -49,10 +71,13 @@ class DriverError(RuntimeError):
 class Driver:
   """libcuda's C API, the few calls the copies need."""
 
+  READ_DEVICE = _KDL_CUDA  # the DLPack device type :meth:`read` copies from
+
   def __init__(self, lib):
     self.lib = lib
     u64, vp, sz = ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t
     lib.cuMemcpyHtoDAsync_v2.argtypes = [u64, vp, sz, vp]
+    lib.cuMemcpyDtoHAsync_v2.argtypes = [vp, u64, sz, vp]
     lib.cuMemHostAlloc.argtypes = [ctypes.POINTER(vp), sz, ctypes.c_uint]
     lib.cuMemFreeHost.argtypes = [vp]
     lib.cuPointerGetAttribute.argtypes = [vp, ctypes.c_int, u64]
@@ -64,6 +89,7 @@ class Driver:
     self._local = threading.local()  # per thread: {context: stream}
     self._contexts: dict = {}  # device ordinal -> its primary context
     self._verified: set = set()  # devices whose copies read back
+    self._read_ctx: dict = {}  # device -> its context, once verify_reads passed
 
   def check(self, rc: int, what: str) -> None:
     if rc != 0:
@@ -126,26 +152,100 @@ class Driver:
     out[...] = 0
     return out
 
-  def copy(self, slots) -> None:
-    """Each slot's host buffer into its device array; returns once all have landed."""
+  def stream(self, ctx: int) -> int:
+    """This thread's stream of ours in ``ctx``, made current (created on first use)."""
     streams = getattr(self._local, "streams", None)
     if streams is None:
       streams = self._local.streams = {}
+    self.check(self.lib.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+    stream = streams.get(ctx)
+    if stream is None:
+      s = ctypes.c_void_p()
+      self.check(self.lib.cuStreamCreate(ctypes.byref(s), _CU_STREAM_NON_BLOCKING),
+                 "cuStreamCreate")
+      stream = streams[ctx] = s.value
+    return stream
+
+  def copy(self, slots) -> None:
+    """Each slot's host buffer into its device array; returns once all have landed."""
     by_ctx: dict = {}
     for slot in slots:  # (one device a call: one context)
       by_ctx.setdefault(slot.ctx, []).append(slot)
     for ctx, group in by_ctx.items():
-      self.check(self.lib.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
-      stream = streams.get(ctx)
-      if stream is None:
-        s = ctypes.c_void_p()
-        self.check(self.lib.cuStreamCreate(ctypes.byref(s), _CU_STREAM_NON_BLOCKING),
-                   "cuStreamCreate")
-        stream = streams[ctx] = s.value
+      stream = self.stream(ctx)
       for slot in group:
         self.check(self.lib.cuMemcpyHtoDAsync_v2(slot.dst, slot.src, slot.nbytes, stream),
                    "cuMemcpyHtoDAsync")
-      self.check(self.lib.cuStreamSynchronize(stream), "cuStreamSynchronize")
+      self.sync(stream)
+
+  def sync(self, stream) -> None:
+    self.check(self.lib.cuStreamSynchronize(stream), "cuStreamSynchronize")
+
+  def copy_out(self, dst: int, src: int, nbytes: int, stream) -> None:
+    self.check(self.lib.cuMemcpyDtoHAsync_v2(dst, src, nbytes, stream), "cuMemcpyDtoHAsync")
+
+  def read_stream(self, device):
+    """The stream :meth:`read` copies on for arrays of ``device`` (verified: verify_reads)."""
+    ctx = self._read_ctx.get(device)
+    if ctx is None:
+      raise DriverError(f"reads from {device} were not verified")
+    return self.stream(ctx)
+
+  def read(self, arrays) -> list:
+    """Each device array's values as a new numpy array, copied by the driver on a stream of
+    ours that first waits, on the device, for the array to be computed (``__dlpack__(stream=
+    ...)``, the Array API's way to hand an array to another stream).  The runtime's own
+    ``np.asarray`` waits on the host for the computation, then copies and waits again.
+    DriverError (nothing half-copied returned) where an array is not a dense device buffer
+    of its own shape and dtype."""
+    caps, outs, stream = [], [], None
+    try:
+      for a in arrays:
+        dtype = np.dtype(a.dtype)
+        devices = a.sharding.device_set
+        stream = self.read_stream(next(iter(devices)) if len(devices) == 1 else None)
+        cap = a.__dlpack__(stream=stream)  # (the device-side wait; a reference to a's buffer)
+        caps.append(cap)
+        t = _DLTensor.from_address(_capsule_pointer(cap, b"dltensor"))
+        shape = tuple(t.shape[i] for i in range(t.ndim))
+        row_major = tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
+        if (t.device.device_type != self.READ_DEVICE or shape != tuple(a.shape)
+            or t.dtype.bits * t.dtype.lanes != 8 * dtype.itemsize
+            or t.strides and tuple(t.strides[i] for i in range(t.ndim)) != row_major):
+          raise DriverError(f"a {dtype} {tuple(a.shape)} result is not a dense device buffer "
+                            f"of its own shape and dtype")
+        out = np.empty(a.shape, dtype)
+        if out.nbytes:
+          self.copy_out(out.ctypes.data, t.data + t.byte_offset, out.nbytes, stream)
+        outs.append(out)
+      if stream is not None:
+        self.sync(stream)
+        stream = None
+      return outs
+    finally:
+      if stream is not None:  # a copy may be in flight into an array about to be dropped
+        try:
+          self.sync(stream)
+        except DriverError:
+          pass
+      del caps  # the references to the results' buffers, held until the copies landed
+
+  def verify_reads(self, device) -> None:
+    """Once a device: an array of a pattern, read by :meth:`read`, comes back the same."""
+    if device in self._read_ctx:
+      return
+    want = np.arange(3, 3 + 64, dtype=np.float32).reshape(4, 16)
+    arr = jax.device_put(want, jax.sharding.SingleDeviceSharding(device))
+    arr.block_until_ready()
+    self._read_ctx[device] = self.context_of(arr.unsafe_buffer_pointer())
+    try:
+      (back,) = self.read([arr * 2])  # (a result of a computation, as reads are)
+      if not np.array_equal(back, want * 2):
+        raise DriverError(f"a result of {device} read back otherwise ({back.ravel()[:4]}... "
+                          f"for {(want * 2).ravel()[:4]}...)")
+    except BaseException:
+      del self._read_ctx[device]
+      raise
 
 
 def _free_host(lib, ptr) -> None:

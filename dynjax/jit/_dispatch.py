@@ -59,7 +59,8 @@ class Executor:
                "in_shapes", "tree", "dev_sizes", "out_slices", "out_shapes", "out_tree",
                "single", "sync", "device", "return_padded", "timed", "check", "ctx", "n", "lock",
                "padded_elems", "true_elems", "larger", "bucket_id", "out_dynamic", "top",
-               "plain_out", "casts", "fwd", "to_device", "numpy_out", "pad_sites", "cut_sites")
+               "plain_out", "casts", "fwd", "to_device", "numpy_out", "pad_sites", "cut_sites",
+               "reads")
 
   def __init__(self, ctx, fam: Family, sizes, own, bkey, entry, shapes, device: bool,
                top: bool, dev_sizes, out_shapes, true_elems: int, all_leaves: bool):
@@ -80,6 +81,9 @@ class Executor:
     kept = [i for i in range(len(out_shapes)) if i not in fam.forward]
     self.numpy_out = tuple(host and fam.out_dynamic[i] for i in kept)
     self.sync = any(self.numpy_out)  # the call blocks for its numpy results
+    # ... read by the CUDA driver from device outputs (jit/_placement.py READS)
+    self.reads = (self.sync and not entry.host_out and fam.shard is None
+                  and (fam.host_out_reason or "").endswith(_placement.READS))
     # Leaves to pad: (position in the call's values, true shape, bucket shape, prefix, how its
     # host buffer is reused: sync calls only).  With a Padded among them (``all_leaves``) every
     # leaf with dims goes through pad_leaf; a sync call's leaves the driver copies to the
@@ -201,7 +205,10 @@ class Executor:
         raise _placement.wrong_device(fam, self.exe, vals) from e
       raise
     if self.sync:  # a host request: numpy results, cut to the exact shapes (views)
-      if self.single and self.plain_out:
+      if self.reads:
+        res = [h if sl is None else h[sl] for h, sl in zip(
+            _placement.read_host(fam, outs, self.numpy_out), self.out_slices, strict=True)]
+      elif self.single and self.plain_out:
         h = np.asarray(outs[0])
         sl = self.out_slices[0]
         res = h if sl is None else h[sl]

@@ -145,9 +145,63 @@ def plan(fam, request: bool | None) -> tuple[bool, str]:
     return True, "host_outputs=True"
   if dev.platform not in AUTO_PLATFORMS:
     return False, f"measured on GPU only ({dev.platform})"
-  if request is None:
-    return opts.serving, BY_REQUEST[2 + (not opts.serving)]
-  return request, BY_REQUEST[not request]
+  host, why = ((opts.serving, BY_REQUEST[2 + (not opts.serving)]) if request is None
+               else (request, BY_REQUEST[not request]))
+  if host and reads_ready(dev):  # device outputs the driver reads: faster still
+    return False, f"{why}; {READS}"
+  return host, why
+
+
+# A host request's results read by the CUDA driver (``_cuda.Driver.read``) from device outputs.
+# Measured (H200, jax 0.11.2, benchmarks/probe_completion.py, issue 19's MoE encoder under
+# jax.jit, device inputs, (8, 1024) float32 out, median us a call): the block without experts
+# at t=128 block_until_ready 211.8, np.asarray 351.9, the driver's read 137.1; the MoE layer
+# 468.5 / 647.3 / 347.5; t=256 331.3 / 481.7 / 246.2 and 566.5 / 742.7 / 436.9.  The runtime
+# waits for a result on the host (~75-130 us after its last kernel there); a stream that waits
+# on the device and a driver sync return as the copy lands.
+READS = "read by the CUDA driver (jit/_cuda.py)"
+READ_PLATFORMS = ("gpu",)
+_reads: dict = {}  # device -> None (verified) or why not
+
+
+def reads_ready(device) -> bool:
+  """Whether host requests' results on ``device`` are read by the driver (once a device: the
+  driver loads and a result reads back the same; ``DYNJAX_DIRECT_OUTPUTS=0``: never)."""
+  if not config.direct_outputs or device.platform not in READ_PLATFORMS:
+    return False
+  if device not in _reads:
+    try:
+      _cuda.driver().verify_reads(device)
+      _reads[device] = None
+    except Exception as e:  # noqa: BLE001 - pinned host outputs then, as before
+      _reads[device] = f"{type(e).__name__}: {e}"
+      logger.info("dynjax: results of host requests come back through pinned host memory "
+                  "(the CUDA driver cannot read them: %s)", _reads[device])
+  return _reads[device] is None
+
+
+def read_host(fam, outs, which) -> list:
+  """``to_host(outs, which)``, the driver reading the outputs ``which`` marks (device outputs
+  of a family planned with :data:`READS`); where it refuses, the runtime's copies, and the
+  family stops asking (``fam.host_buffers.reads_failed`` says why).  Under a
+  ``jax.transfer_guard`` for device-to-host transfers the runtime's copies too, so that the
+  guard sees them as before."""
+  hb = fam.host_buffers
+  if hb.reads_failed is None and jax.config.jax_transfer_guard_device_to_host in (None,
+                                                                                   "allow"):
+    idx = [i for i, w in enumerate(which) if w]
+    try:
+      got = _cuda.driver().read([outs[i] for i in idx])
+    except Exception as e:  # noqa: BLE001 - exact either way
+      hb.reads_failed = f"{type(e).__name__}: {e}"
+      logger.info("dynjax: %s: results come back by the runtime's copies (the CUDA driver's "
+                  "read failed: %s)", fam.name, hb.reads_failed)
+    else:
+      res = list(outs)
+      for i, g in zip(idx, got, strict=True):
+        res[i] = g
+      return res
+  return to_host(outs, which)
 
 
 # The default's choices by the family's first call (``plan``): either placement is allowed.
@@ -209,7 +263,9 @@ def describe(fam) -> str | None:
   if not fam.host_out_reason:
     return None
   where = "pinned host memory" if fam.host_out else "device memory"
-  return f"outputs in {where} ({fam.host_out_reason})"
+  failed = fam.host_buffers.reads_failed
+  return f"outputs in {where} ({fam.host_out_reason}" + (
+      f"; the driver's reads failed, the runtime copies: {failed})" if failed else ")")
 
 
 def describe_inputs(fam) -> str | None:
@@ -277,6 +333,7 @@ class HostBuffers:
     self.direct_bytes = 0  # host and device bytes of the DIRECT pairs made
     self.pinned_failed: str | None = None  # why pinned buffers cannot be made here
     self.direct_failed: str | None = None  # why the driver's copies are not used here
+    self.reads_failed: str | None = None  # why the driver does not read results here
 
   def take(self, target: tuple, dtype, prefix: tuple, device=None, zero: bool = True,
            kind: str | None = PINNED):

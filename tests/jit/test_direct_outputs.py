@@ -1,0 +1,195 @@
+"""A host request's results read by the CUDA driver from device outputs (``_cuda.Driver.read``,
+``_placement.READS``): a stream of ours waits for each result on the device
+(``__dlpack__(stream=...)``), the driver copies it into a new numpy array, one sync.
+
+On a CPU the driver is a stand-in whose stream is None (a CPU array's ``__dlpack__`` takes no
+stream) and whose copy is a host memcpy, so ``read`` itself, its checks of the DLPack tensor,
+the plan, the fallbacks and every caller run for real.  On a GPU the same tests run the real
+driver."""
+
+from __future__ import annotations
+
+import ctypes
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dynjax
+from dynjax._config import config
+from dynjax.jit import _cuda, _placement
+
+ON_GPU = jax.default_backend() == "gpu"
+
+
+class HostReads(_cuda.Driver):
+  """``_cuda.Driver``'s reads over a CPU array's memory: no stream, memcpy copies."""
+
+  READ_DEVICE = 1  # DLPack's kDLCPU
+
+  def __init__(self):  # (no libcuda)
+    self._read_ctx, self.reads, self.fail, self.wrong = {}, 0, None, False
+
+  def context_of(self, ptr):
+    return 1
+
+  def read_stream(self, device):
+    if device not in self._read_ctx:
+      raise _cuda.DriverError(f"reads from {device} were not verified")
+    return None
+
+  def copy_out(self, dst, src, nbytes, stream):
+    ctypes.memmove(dst, src, nbytes)
+    if self.wrong:  # a driver that reads back otherwise
+      ctypes.memset(dst, 0, nbytes)
+
+  def read(self, arrays):
+    self.reads += 1  # (asked: counted also where it fails)
+    if self.fail:
+      raise _cuda.DriverError(self.fail)
+    return super().read(arrays)
+
+
+class Counting:
+  """The real driver on a GPU, its reads counted, made to fail on demand."""
+
+  def __init__(self, inner):
+    self.inner, self.reads, self.fail = inner, 0, None
+
+  def __getattr__(self, name):
+    return getattr(self.inner, name)
+
+  def read(self, arrays):
+    self.reads += 1  # (asked: counted also where it fails)
+    if self.fail:
+      raise _cuda.DriverError(self.fail)
+    return self.inner.read(arrays)
+
+
+@pytest.fixture
+def drv(monkeypatch):
+  d = Counting(_cuda.driver()) if ON_GPU else HostReads()
+  monkeypatch.setattr(_cuda, "_driver", [d])
+  platform = jax.devices()[0].platform
+  monkeypatch.setattr(_placement, "AUTO_PLATFORMS", ("gpu", platform))
+  monkeypatch.setattr(_placement, "READ_PLATFORMS", (platform,))
+  monkeypatch.setattr(_placement, "_reads", {})
+  monkeypatch.setattr(config, "direct_outputs", True)
+  return d
+
+
+def fn(p, x, mask):
+  h = jnp.tanh(x @ p["w"])  # (b, t, 8): sliced back to the request's t
+  pooled = jnp.sum(h * mask[..., None], axis=1)  # (b, 8)
+  return {"h": h, "pooled": pooled, "any": jnp.any(h > 0, axis=-1),
+          "half": h.astype(jnp.bfloat16), "step": jnp.sum(p["w"])}
+
+
+P = {"w": jnp.asarray(np.random.RandomState(0).randn(8, 8), jnp.float32)}
+REF = jax.jit(fn)
+
+
+def _x(b, t, seed=0):
+  rng = np.random.RandomState(seed + t)
+  return rng.randn(b, t, 8).astype(np.float32), (rng.rand(b, t) > 0.3).astype(np.float32)
+
+
+def _same(got, want):
+  for k in want:
+    if k == "step":  # no dims: stays a device array, as jax.jit returns it
+      assert isinstance(got[k], jax.Array)
+    else:
+      assert type(got[k]) is np.ndarray, (k, type(got[k]))
+    assert got[k].shape == want[k].shape and got[k].dtype == want[k].dtype, k
+    np.testing.assert_allclose(np.asarray(got[k], np.float32), np.asarray(want[k], np.float32),
+                               rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("padding", ["auto", "trust"])
+def test_host_requests_results_are_read_by_the_driver_exactly(drv, padding):
+  f = dynjax.jit(fn, dims={"x": "b, t, 8", "mask": "b, t"}, padding=padding)
+  n0 = None
+  for b, t in [(3, 13), (4, 16), (3, 9), (2, 5)]:
+    x, m = _x(b, t)
+    _same(f(P, x, m), REF(P, x, m))
+    n0 = drv.reads if n0 is None else n0  # (the first call's plan verified the device)
+  fam = next(iter(f._dispatcher.all_families.values()))
+  assert not fam.host_out and not any(e.host_out for e in fam.buckets.values())
+  assert drv.reads - n0 == 3
+  st = f.stats()
+  assert st["direct_output_families"] == 1 and st["direct_outputs_failed"] is None
+  assert st["host_outputs"] == 0
+  assert "outputs in device memory (the first call was a host request; read by the CUDA " \
+         "driver" in f.explain()
+  # a device request of the same family: device arrays back, not read
+  x, m = _x(3, 13)
+  got = f(P, jnp.asarray(x), jnp.asarray(m))
+  assert isinstance(got["h"], jax.Array) and drv.reads - n0 == 3
+  np.testing.assert_allclose(np.asarray(got["h"]), np.asarray(REF(P, x, m)["h"]), rtol=1e-6)
+
+
+def test_a_read_that_fails_leaves_the_runtimes_copies_exact(drv):
+  f = dynjax.jit(fn, dims={"x": "b, t, 8", "mask": "b, t"})
+  x, m = _x(3, 13)
+  _same(f(P, x, m), REF(P, x, m))
+  n0 = drv.reads
+  drv.fail = "CUDA_ERROR_LAUNCH_FAILED (719)"
+  for t in (13, 11, 9):
+    x, m = _x(3, t)
+    _same(f(P, x, m), REF(P, x, m))
+  assert drv.reads == n0 + 1  # the failed one asked, then never again for this family
+  assert f.stats()["direct_output_families"] == 1
+  assert "CUDA_ERROR_LAUNCH_FAILED" in f.stats()["direct_outputs_failed"]
+  assert "the driver's reads failed, the runtime copies" in f.explain()
+
+
+def test_a_result_that_is_not_a_dense_device_buffer_is_refused(drv, monkeypatch):
+  # read's own check of the DLPack tensor (here: another device type than it copies from)
+  x = jnp.arange(12.0).reshape(3, 4) * 2
+  assert _placement.reads_ready(next(iter(x.devices())))  # (verified: read_stream serves it)
+  monkeypatch.setattr(type(drv.inner) if ON_GPU else HostReads, "READ_DEVICE", 99)
+  with pytest.raises(_cuda.DriverError, match=r"float32 \(3, 4\) result is not a dense device "
+                                              r"buffer of its own shape and dtype"):
+    (drv.inner if ON_GPU else drv).read([x])
+
+
+def test_a_driver_that_reads_back_otherwise_keeps_pinned_host_outputs(monkeypatch):
+  if ON_GPU:
+    pytest.skip("the stand-in's wrong read (the GPU's real driver reads right)")
+  d = HostReads()
+  d.wrong = True
+  monkeypatch.setattr(_cuda, "_driver", [d])
+  platform = jax.devices()[0].platform
+  monkeypatch.setattr(_placement, "AUTO_PLATFORMS", ("gpu", platform))
+  monkeypatch.setattr(_placement, "READ_PLATFORMS", (platform,))
+  monkeypatch.setattr(_placement, "_reads", {})
+  f = dynjax.jit(fn, dims={"x": "b, t, 8", "mask": "b, t"})
+  x, m = _x(3, 13)
+  _same(f(P, x, m), REF(P, x, m))
+  assert f.stats()["host_outputs"] == 1 and f.stats()["direct_output_families"] == 0
+  assert "read back otherwise" in next(iter(_placement._reads.values()))
+
+
+@pytest.mark.parametrize("switch", ["config", "host_outputs"])
+def test_switched_off_the_outputs_take_their_old_placement(drv, monkeypatch, switch):
+  if switch == "config":
+    monkeypatch.setattr(config, "direct_outputs", False)
+    f = dynjax.jit(fn, dims={"x": "b, t, 8", "mask": "b, t"})
+  else:
+    f = dynjax.jit(fn, dims={"x": "b, t, 8", "mask": "b, t"}, host_outputs=True)
+  x, m = _x(3, 13)
+  _same(f(P, x, m), REF(P, x, m))
+  assert f.stats()["host_outputs"] == 1 and drv.reads == 0
+
+
+def test_reads_under_a_transfer_guard_go_through_the_runtime(drv):
+  f = dynjax.jit(fn, dims={"x": "b, t, 8", "mask": "b, t"})
+  x, m = _x(3, 13)
+  _same(f(P, x, m), REF(P, x, m))
+  n0 = drv.reads
+  with jax.transfer_guard_device_to_host("log"):
+    _same(f(P, x, m), REF(P, x, m))
+  assert drv.reads == n0
+  _same(f(P, x, m), REF(P, x, m))
+  assert drv.reads == n0 + 1
