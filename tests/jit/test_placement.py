@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import dynjax
+from dynjax._config import config
 from dynjax._errors import SpecError
 from dynjax.jit import _placement
 from dynjax.jit import _serving as serving_mod
@@ -44,6 +45,13 @@ def _same(got, want, device: bool):
     # (tanh at another shape may take XLA:CPU's other vector path: 1 ulp)
     np.testing.assert_allclose(np.asarray(got[k]), np.asarray(want[k]), rtol=1e-6, atol=1e-6)
     assert np.asarray(got[k]).dtype == want[k].dtype
+
+
+@pytest.fixture(autouse=True)
+def pinned_rule(monkeypatch):
+  """This module tests the pinned host placement: on a GPU, without the driver's reads of
+  device outputs that replace it there by default (tests/jit/test_direct_outputs.py)."""
+  monkeypatch.setattr(config, "direct_outputs", False)
 
 
 @pytest.fixture
