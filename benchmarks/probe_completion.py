@@ -22,7 +22,6 @@ import argparse
 import ctypes
 import os
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -30,10 +29,8 @@ import numpy as np
 
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 
-import dynjax  # noqa: E402
-from benchmarks import bench_moe_gmm as bm  # noqa: E402
 from benchmarks._report import write_json  # noqa: E402
-from dynjax import route  # noqa: E402
+from benchmarks.probe_moe_call import encoder_case, take_turns  # noqa: E402
 from dynjax.jit import _cuda  # noqa: E402
 
 _get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
@@ -70,25 +67,9 @@ class Reader:
 
 
 def one_model(name: str, cfg: dict, t: int, args) -> dict:
-  rng = np.random.RandomState(args.seed)
-  tok = rng.randint(1, cfg["vocab"], (cfg["batch"], t)).astype(np.int32)
-  lens = rng.randint(t // 2 + 1, t + 1, cfg["batch"]).astype(np.int32)
-  routed = (route.Routed(route.Experts(route.ffn()),
-                         route.Router(cfg["experts"], k=cfg["k"], renormalize=True),
-                         mode="grouped", kernel="auto") if name == "grouped" else None)
-  model = bm.build_flax_model(cfg, name, routed)
-  variables = jax.jit(bm.build_flax_model(cfg, "dense", None).init)(
-      jax.random.PRNGKey(0), jnp.asarray(tok), jnp.asarray(lens))
-  v16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16) if x.ndim >= 2 else x, variables)
-  dt, dl = jnp.asarray(tok), jnp.asarray(lens)
-  jf = jax.jit(model.apply)
-  first = jf(v16, dt, dl)
-  reader = Reader(first)
+  tok, lens, dt, dl, variables, v16, jf, fn = encoder_case(name, cfg, t, args.seed)
+  reader = Reader(jf(v16, dt, dl))
   ctx_sync = reader.drv.lib.cuCtxSynchronize
-  fn = dynjax.flax.jit(model, dims={"tokens": "b, t", "lengths": "b"},
-                       buckets={"t": dynjax.buckets.pow2(min=16, max=cfg["max_len"]),
-                                "b": dynjax.buckets.explicit([cfg["batch"]])},
-                       padding="trust", cast_once=True)
 
   def ctx_sync_asarray():
     out = jf(v16, dt, dl)
@@ -107,15 +88,7 @@ def one_model(name: str, cfg: dict, t: int, args) -> dict:
     mismatches += not np.array_equal(got, np.asarray(out))
     for c in calls.values():
       c()
-  ts = {row: [] for row in calls}
-  names = list(calls)
-  for r in range(args.rounds):
-    order = names if r % 2 == 0 else names[::-1]
-    for _ in range(args.n // args.rounds):
-      for row in order:
-        t0 = time.perf_counter()
-        calls[row]()
-        ts[row].append(time.perf_counter() - t0)
+  ts = take_turns(calls, args.n, args.rounds)
   res = {"median_us": {row: float(np.median(v) * 1e6) for row, v in ts.items()},
          "p10_us": {row: float(np.percentile(v, 10) * 1e6) for row, v in ts.items()},
          "dlpack_copy_mismatches": mismatches}

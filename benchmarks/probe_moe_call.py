@@ -24,6 +24,8 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -44,8 +46,21 @@ def _median_us(ts) -> float:
   return float(np.median(ts) * 1e6)
 
 
-def one_model(name: str, cfg: dict, t: int, args) -> dict:
-  rng = np.random.RandomState(args.seed)
+class Case(NamedTuple):
+  """One request of the e2e encoder ``name`` at length t and its ways to be called."""
+
+  tok: np.ndarray
+  lens: np.ndarray
+  dt: jax.Array  # tokens and lengths on the device
+  dl: jax.Array
+  variables: dict  # float32 params (the e2e's)
+  v16: dict  # bfloat16 weights on the device (jax.jit's rows)
+  jf: Callable  # jax.jit(model.apply)
+  fn: Callable  # the e2e's dynjax.flax.jit call
+
+
+def encoder_case(name: str, cfg: dict, t: int, seed: int) -> Case:
+  rng = np.random.RandomState(seed)
   tok = rng.randint(1, cfg["vocab"], (cfg["batch"], t)).astype(np.int32)
   lens = rng.randint(t // 2 + 1, t + 1, cfg["batch"]).astype(np.int32)
   gpu = jax.default_backend() == "gpu"
@@ -57,12 +72,32 @@ def one_model(name: str, cfg: dict, t: int, args) -> dict:
   variables = jax.jit(bm.build_flax_model(cfg, "dense", None).init)(
       jax.random.PRNGKey(0), jnp.asarray(tok), jnp.asarray(lens))
   v16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16) if x.ndim >= 2 else x, variables)
-  dt, dl = jnp.asarray(tok), jnp.asarray(lens)
-  jf = jax.jit(model.apply)
   fn = dynjax.flax.jit(model, dims={"tokens": "b, t", "lengths": "b"},
                        buckets={"t": dynjax.buckets.pow2(min=16, max=cfg["max_len"]),
                                 "b": dynjax.buckets.explicit([cfg["batch"]])},
                        padding="trust", cast_once=True)
+  return Case(tok, lens, jnp.asarray(tok), jnp.asarray(lens), variables, v16,
+              jax.jit(model.apply), fn)
+
+
+def take_turns(calls: dict, n: int, rounds: int) -> dict:
+  """Seconds of each call, the calls taking turns (``n`` each over ``rounds`` rounds, the
+  order turned every round)."""
+  ts = {row: [] for row in calls}
+  names = list(calls)
+  for r in range(rounds):
+    order = names if r % 2 == 0 else names[::-1]
+    for _ in range(n // rounds):
+      for row in order:
+        t0 = time.perf_counter()
+        calls[row]()
+        ts[row].append(time.perf_counter() - t0)
+  return ts
+
+
+def one_model(name: str, cfg: dict, t: int, args) -> dict:
+  c = encoder_case(name, cfg, t, args.seed)
+  tok, lens, dt, dl, variables, v16, jf, fn = c
   put = bm.jax_put(fn)
   calls = {"jit_device": lambda: jax.block_until_ready(jf(v16, dt, dl)),
            "jit_numpy": lambda: np.asarray(jf(v16, tok, lens)),
@@ -75,15 +110,7 @@ def one_model(name: str, cfg: dict, t: int, args) -> dict:
     for _ in range(3):
       got = call()
     out["max_abs_diff"][row] = float(np.max(np.abs(np.asarray(got, np.float32) - ref)))
-  ts = {row: [] for row in calls}
-  names = list(calls)
-  for r in range(args.rounds):
-    order = names if r % 2 == 0 else names[::-1]
-    for _ in range(args.n // args.rounds):
-      for row in order:
-        t0 = time.perf_counter()
-        calls[row]()
-        ts[row].append(time.perf_counter() - t0)
+  ts = take_turns(calls, args.n, args.rounds)
   out["median_us"] = {row: _median_us(v) for row, v in ts.items()}
   out["stats"] = {k: v for k, v in fn.stats().items() if isinstance(v, int | float | str)}
   if args.trace:
