@@ -238,15 +238,18 @@ def one_size(nbytes: int, n: int, drv: Driver, rounds: int) -> dict:
 BINS = ((1, 64), (65, 128), (129, 256), (257, 512))
 
 
-def bert_ab(n: int, size: str, rounds: int) -> dict:
+def bert_ab(n: int, size: str, rounds: int, ab: str = "inputs") -> dict:
   """Issue 18's model: the BERT encoder (``examples/models.py``) under ``dynjax.flax.jit``
   (pow2 buckets, blocking compiles) on ``n`` stdlib docstring requests of batch 8, two
-  functions, the driver's copies on and off (``jax put``), every bucket built on both first,
-  then ``rounds`` passes taking turns per request: mean / median ms and the mean per length
-  bin."""
+  functions, every bucket built on both first, then ``rounds`` passes taking turns per
+  request: mean / median ms and the mean per length bin.  ``ab="inputs"``: the driver's
+  copies of the inputs on and off (``jax put``); ``"outputs"``: the results read by the driver
+  from device outputs (``driver reads``, session 33) or pinned host outputs (``pinned``, the
+  function planned with ``DYNJAX_DIRECT_OUTPUTS=0``)."""
   import dynjax
   import dynjax.flax
   from benchmarks.bench_moe_gmm import jax_put
+  from dynjax._config import config
   from examples import data, models
 
   cfg = models.ENCODER_SIZES[size]
@@ -254,14 +257,19 @@ def bert_ab(n: int, size: str, rounds: int) -> dict:
   variables = jax.device_put({"params": models.init_encoder_params(cfg, seed=0)})
   reqs = data.request_stream(n, batch=8, max_len=cfg.max_len, seed=0, vocab=cfg.vocab)
   fns = {}
-  for name in ("direct", "jax put"):
+  for name in ("direct", "jax put") if ab == "inputs" else ("driver reads", "pinned"):
     g = dynjax.flax.jit(module, dims={"tokens": "b, t", "lengths": "b"},
                         buckets={"t": dynjax.buckets.pow2(16, cfg.max_len)})
-    fns[name] = g if name == "direct" else jax_put(g)
+    fns[name] = jax_put(g) if name == "jax put" else g
   t0 = time.perf_counter()
   for r in reqs:  # every bucket built (and every request shape's call path) on both
-    for g in fns.values():
-      np.asarray(g(variables, r.tokens, r.lengths))
+    for name, g in fns.items():
+      saved = config.direct_outputs
+      config.direct_outputs = name != "pinned"  # (read as its family plans, at its 1st call)
+      try:
+        np.asarray(g(variables, r.tokens, r.lengths))
+      finally:
+        config.direct_outputs = saved
   cold = time.perf_counter() - t0
   ts = {name: [] for name in fns}
   names = list(fns)
@@ -272,8 +280,11 @@ def bert_ab(n: int, size: str, rounds: int) -> dict:
         np.asarray(fns[name](variables, r.tokens, r.lengths))
         ts[name].append(time.perf_counter() - t1)
   lengths = np.asarray([r.tokens.shape[1] for r in reqs] * rounds)
-  out = {"size": size, "requests": n, "rounds": rounds, "build_pass_s": cold,
-         "direct_failed": fns["direct"].stats()["direct_inputs_failed"]}
+  first = next(iter(fns.values()))
+  out = {"size": size, "requests": n, "rounds": rounds, "build_pass_s": cold, "ab": ab,
+         "direct_failed": first.stats()["direct_inputs_failed"],
+         "output_reads": {k: (g.stats()["direct_output_families"],
+                              g.stats()["direct_outputs_failed"]) for k, g in fns.items()}}
   for name, v in ts.items():
     v = np.asarray(v) * 1e3
     out[name] = {"mean_ms": float(v.mean()), "median_ms": float(np.median(v)),
@@ -290,28 +301,34 @@ def main(argv=None) -> dict:
   ap.add_argument("--rounds", type=int, default=4)
   ap.add_argument("--bert", type=int, default=0, help="requests of the BERT A/B (0: none)")
   ap.add_argument("--bert-size", default="base")
+  ap.add_argument("--bert-ab", default="inputs", choices=("inputs", "outputs"),
+                  help="the BERT A/B: the driver's input copies on/off, or the results read "
+                  "by the driver vs pinned host outputs")
   ap.add_argument("--sizes", default="65536,1048576,2097152,8388608",
                   help="bytes of a float32 input timed alone (numpy vs the driver's copy)")
   args = ap.parse_args(argv)
-  drv = Driver(0)
-  rng = np.random.default_rng(0)
-  emb = jax.device_put(rng.standard_normal((30522, 1024)).astype(np.float32))
+  ts = [int(x) for x in args.t.split(",") if x]
+  sizes = [int(x) for x in args.sizes.split(",") if x]
+  drv = Driver(0) if ts or sizes else None  # (the BERT A/B alone runs anywhere)
+  emb = (jax.device_put(np.random.default_rng(0).standard_normal((30522, 1024)).astype(
+      np.float32)) if ts else None)
   report = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "lengths": {}}
-  for t in (int(x) for x in args.t.split(",")):
+  for t in ts:
     report["lengths"][t] = r = one_length(t, args.n, drv, emb, args.rounds)
     print(f"t={t}: " + "  ".join(f"{k} {v:.1f}" for k, v in r.items()
                                  if isinstance(v, float)) + f"  exact {r['direct_exact']} "
           f"dynjax exact {r['dynjax_exact']}", flush=True)
   report["sizes"] = {}
-  for nbytes in (int(x) for x in args.sizes.split(",") if x):
+  for nbytes in sizes:
     report["sizes"][nbytes] = r = one_size(nbytes, max(50, args.n // 3), drv, args.rounds)
     print(f"{nbytes} bytes: numpy_in {r['numpy_in']:.1f}  direct_in {r['direct_in']:.1f}",
           flush=True)
   if args.bert:
-    report["bert"] = r = bert_ab(args.bert, args.bert_size, args.rounds)
+    report["bert"] = r = bert_ab(args.bert, args.bert_size, args.rounds, args.bert_ab)
     print(f"bert {args.bert_size}, {args.bert} requests x {args.rounds} (build pass "
-          f"{r['build_pass_s']:.1f} s; direct failed: {r['direct_failed']}):", flush=True)
-    for name in ("direct", "jax put"):
+          f"{r['build_pass_s']:.1f} s; direct failed: {r['direct_failed']}; reads "
+          f"(families, failed): {r['output_reads']}):", flush=True)
+    for name in [k for k in r if isinstance(r[k], dict) and "mean_ms" in r[k]]:
       print(f"  {name:8s} mean {r[name]['mean_ms']:.3f} ms  median {r[name]['median_ms']:.3f}  "
             + "  ".join(f"{k} {v:.3f}" for k, v in r[name]["bins_ms"].items()), flush=True)
   write_json(args.out, "probe_direct_inputs.json", report)
