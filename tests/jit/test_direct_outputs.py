@@ -193,3 +193,14 @@ def test_reads_under_a_transfer_guard_go_through_the_runtime(drv):
   assert drv.reads == n0
   _same(f(P, x, m), REF(P, x, m))
   assert drv.reads == n0 + 1
+
+
+def test_the_devices_check_compiles_nothing(drv, compiles):
+  # (a compile there would land in every process's first host request, and in compile counts)
+  x, m = _x(3, 13)
+  f = dynjax.jit(fn, dims={"x": "b, t, 8", "mask": "b, t"})
+  jax.clear_caches()  # (an op the check ran would compile again here)
+  want = REF(P, x, m)
+  start = compiles()
+  _same(f(P, x, m), want)
+  assert compiles() - start == f.stats()["compiles"] == 1
