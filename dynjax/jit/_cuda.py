@@ -185,10 +185,13 @@ class Driver:
     self.check(self.lib.cuMemcpyDtoHAsync_v2(dst, src, nbytes, stream), "cuMemcpyDtoHAsync")
 
   def read_stream(self, device):
-    """The stream :meth:`read` copies on for arrays of ``device`` (verified: verify_reads)."""
+    """The stream :meth:`read` copies on for arrays of ``device`` (verified first, once)."""
     ctx = self._read_ctx.get(device)
     if ctx is None:
-      raise DriverError(f"reads from {device} were not verified")
+      if device is None:
+        raise DriverError("an array on several devices")
+      self.verify_reads(device)  # (a function run under another jax.default_device)
+      ctx = self._read_ctx[device]
     return self.stream(ctx)
 
   def read(self, arrays) -> list:
@@ -202,6 +205,9 @@ class Driver:
     try:
       for a in arrays:
         dtype = np.dtype(a.dtype)
+        if not a.size:  # (no bytes to wait for)
+          outs.append(np.empty(a.shape, dtype))
+          continue
         devices = a.sharding.device_set
         stream = self.read_stream(next(iter(devices)) if len(devices) == 1 else None)
         cap = a.__dlpack__(stream=stream)  # (the device-side wait; a reference to a's buffer)
@@ -232,8 +238,11 @@ class Driver:
 
   def verify_reads(self, device) -> None:
     """Once a device: an array of a pattern, read by :meth:`read`, comes back the same."""
-    if device in self._read_ctx:
-      return
+    with _verify_lock:  # (one thread checks a device; the others wait for its answer)
+      if device not in self._read_ctx:
+        self._verify_reads(device)
+
+  def _verify_reads(self, device) -> None:
     want = np.arange(3, 3 + 64, dtype=np.float32).reshape(4, 16)
     where = jax.sharding.SingleDeviceSharding(device)
     first = jax.device_put(np.zeros_like(want), where)
@@ -283,6 +292,7 @@ class Slot:
 
 
 _lock = threading.Lock()
+_verify_lock = threading.RLock()  # (re-entered: a read verifies its device, the check reads)
 _driver: list = []  # [Driver] or [DriverError]: loaded once a process
 
 

@@ -147,7 +147,9 @@ def plan(fam, request: bool | None) -> tuple[bool, str]:
     return False, f"measured on GPU only ({dev.platform})"
   host, why = ((opts.serving, BY_REQUEST[2 + (not opts.serving)]) if request is None
                else (request, BY_REQUEST[not request]))
-  if host and reads_ready(dev):  # device outputs the driver reads: faster still
+  if host and reads_ready(dev) and all(  # device outputs the driver reads: faster still
+      _whole_bytes(np.dtype(a.dtype)) for a, dyn in zip(fam.out_avals, fam.out_dynamic,
+                                                         strict=True) if dyn):
     return False, f"{why}; {READS}"
   return host, why
 
