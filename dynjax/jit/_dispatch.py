@@ -82,8 +82,7 @@ class Executor:
     self.numpy_out = tuple(host and fam.out_dynamic[i] for i in kept)
     self.sync = any(self.numpy_out)  # the call blocks for its numpy results
     # ... read by the CUDA driver from device outputs (jit/_placement.py READS)
-    self.reads = (self.sync and not entry.host_out and fam.shard is None
-                  and (fam.host_out_reason or "").endswith(_placement.READS))
+    self.reads = self.sync and not entry.host_out and _placement.reads_planned(fam)
     # Leaves to pad: (position in the call's values, true shape, bucket shape, prefix, how its
     # host buffer is reused: sync calls only).  With a Padded among them (``all_leaves``) every
     # leaf with dims goes through pad_leaf; a sync call's leaves the driver copies to the

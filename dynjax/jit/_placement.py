@@ -182,6 +182,11 @@ def reads_ready(device) -> bool:
   return _reads[device] is None
 
 
+def reads_planned(fam) -> bool:
+  """Whether ``fam``'s host requests have their results read by the driver (its plan)."""
+  return not fam.host_out and (fam.host_out_reason or "").endswith(READS)
+
+
 def read_host(fam, outs, which) -> list:
   """``to_host(outs, which)``, the driver reading the outputs ``which`` marks (device outputs
   of a family planned with :data:`READS`); where it refuses, the runtime's copies, and the

@@ -171,8 +171,7 @@ def stats_dict(d) -> dict:
       "direct_inputs_failed": next((f.host_buffers.direct_failed for f in fams.values()
                                     if f.host_buffers.direct_failed), None),
       # host requests' results read by the CUDA driver from device outputs (GPU)
-      "direct_output_families": sum(1 for f in fams.values() if not f.host_out and (
-          f.host_out_reason or "").endswith(_placement.READS)),
+      "direct_output_families": sum(1 for f in fams.values() if _placement.reads_planned(f)),
       "direct_outputs_failed": next((f.host_buffers.reads_failed for f in fams.values()
                                      if f.host_buffers.reads_failed), None),
       "device_pads": d.devpads.describe(),  # jit/_devpad.py (device requests)

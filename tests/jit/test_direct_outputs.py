@@ -42,11 +42,11 @@ class HostReads(_cuda.Driver):
     if self.wrong:  # a driver that reads back otherwise
       ctypes.memset(dst, 0, nbytes)
 
-  def read(self, arrays):
+  def read(self, arrays, ctx=None):
     self.reads += 1  # (asked: counted also where it fails)
     if self.fail:
       raise _cuda.DriverError(self.fail)
-    return super().read(arrays)
+    return super().read(arrays, ctx)
 
 
 class Counting:
@@ -58,11 +58,11 @@ class Counting:
   def __getattr__(self, name):
     return getattr(self.inner, name)
 
-  def read(self, arrays):
+  def read(self, arrays, ctx=None):
     self.reads += 1  # (asked: counted also where it fails)
     if self.fail:
       raise _cuda.DriverError(self.fail)
-    return self.inner.read(arrays)
+    return self.inner.read(arrays, ctx)
 
 
 @pytest.fixture
