@@ -421,7 +421,8 @@ class Dispatcher:
     tree = fam.flat_fun.out_tree
     if not device:  # as the padded path: with dims numpy, without dims device arrays
       dyn = fam.out_dynamic
-      flat = to_host(flat, dyn if fam.sig.var_order and len(dyn) == len(flat) else None)
+      flat = _placement.exact_to_host(
+          fam, flat, dyn if fam.sig.var_order and len(dyn) == len(flat) else None)
     self.counters.unpadded(fam.fid, "exact",
                            sum(math.prod(np.shape(leaves[i])) for i in fam.dyn_leaves),
                            not device)

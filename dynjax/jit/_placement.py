@@ -557,6 +557,20 @@ def device_sharding(device):
   return jax.sharding.SingleDeviceSharding(device)
 
 
+def exact_to_host(fam, outs, which=None) -> list:
+  """``to_host`` of an unpadded (exact) run's device outputs; on a GPU the driver reads those
+  it can (:func:`read_host`: one device, whole-byte dtypes), as a padded bucket's."""
+  if which is None:
+    which = (True,) * len(outs)
+  read = tuple(w and isinstance(o, jax.Array) and not is_key(o) and len(o.sharding.device_set)
+               == 1 and _whole_bytes(np.dtype(o.dtype)) for o, w in zip(outs, which, strict=True))
+  if (any(read) and fam.shard is None and fam.host_buffers.reads_failed is None
+      and reads_ready(next(iter(outs[read.index(True)].sharding.device_set)))):
+    outs = read_host(fam, outs, read)
+    which = tuple(w and not r for w, r in zip(which, read, strict=True))
+  return to_host(outs, which)
+
+
 def to_host(outs, which=None) -> list:
   """Device outputs to numpy (those ``which`` marks; default all). ``np.asarray`` per output
   costs ~2 us on CPU where ``jax.device_get`` costs ~40 us (tree walk); several outputs start

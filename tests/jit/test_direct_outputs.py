@@ -239,3 +239,13 @@ def test_sub_byte_outputs_keep_pinned_host_outputs(drv):
   np.testing.assert_array_equal(np.asarray(got, np.int8),
                                 np.asarray(jax.jit(quantize)(x), np.int8))
   assert f.stats()["direct_output_families"] == 0 and f.stats()["host_outputs"] == 1
+
+
+def test_exact_runs_results_are_read_too(drv):
+  f = dynjax.jit(fn, dims={"x": "b, t, 8", "mask": "b, t"}, padding="exact")
+  n0 = None
+  for b, t in [(3, 13), (4, 16), (3, 13)]:
+    x, m = _x(b, t)
+    _same(f(P, x, m), REF(P, x, m))
+    n0 = drv.reads if n0 is None else n0
+  assert drv.reads - n0 == 2 and f.stats()["direct_outputs_failed"] is None
