@@ -223,7 +223,8 @@ def alternative(fam) -> bool | None:
   restart whose first request is numpy, on the store of a process that warmed up from shapes
   without ``serving=True``, compiled every bucket again (either placement gives the same
   results; the other costs ~0.1 ms a request on the H100, a compile seconds)."""
-  if fam.ctx.opts.host_outputs is not None or fam.host_out_reason not in BY_REQUEST:
+  reason = (fam.host_out_reason or "").split("; ")[0]  # (a READS plan: the rule's choice too)
+  if fam.ctx.opts.host_outputs is not None or reason not in BY_REQUEST:
     return None
   return not fam.host_out
 

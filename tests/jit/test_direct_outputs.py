@@ -249,3 +249,27 @@ def test_exact_runs_results_are_read_too(drv):
     _same(f(P, x, m), REF(P, x, m))
     n0 = drv.reads if n0 is None else n0
   assert drv.reads - n0 == 2 and f.stats()["direct_outputs_failed"] is None
+
+
+def test_a_restart_across_the_switch_loads_the_placement_its_store_holds(drv, tmp_path,
+                                                                          monkeypatch):
+  # A store written with the reads off (pinned host outputs) serves a restart that plans the
+  # reads, and the other way round: no compile, the same results.
+  kw = dict(dims={"x": "b, t, 8", "mask": "b, t"}, cache_dir=str(tmp_path),
+            buckets=dynjax.buckets.pow2(4, 16))
+  x, m = _x(3, 13)
+  for first, then in ((False, True), (True, False)):
+    root = tmp_path / f"from_{first}"
+    monkeypatch.setattr(config, "direct_outputs", first)
+    f = dynjax.jit(fn, **{**kw, "cache_dir": str(root)})
+    _same(f(P, x, m), REF(P, x, m))
+    assert f.stats()["direct_output_families"] == int(first)
+    monkeypatch.setattr(config, "direct_outputs", then)
+    g = dynjax.jit(fn, **{**kw, "cache_dir": str(root)})
+    _same(g(P, x, m), REF(P, x, m))
+    st = g.stats()
+    assert st["compiles"] == 0 and st["loaded_from_store"] == 1
+    # (pinned host outputs loaded: not read; device outputs loaded with the reads off: the
+    # runtime's copies)
+    assert st["direct_output_families"] == 0
+    assert "its cache_dir holds executables with" in g.explain()
