@@ -595,6 +595,9 @@ def run_e2e(args) -> dict:
                              "lowering_s": float(st.get("lowering_seconds", 0.0)),
                              "cast_once": st.get("cast_once"),
                              "host_outputs": st.get("host_outputs"),
+                             # results read by the CUDA driver (session 33), or why not
+                             "output_reads": (st.get("direct_output_families"),
+                                              st.get("direct_outputs_failed")),
                              # float32 copies of the expert weights left in the optimized
                              # HLO of the largest bucket (0: the casts folded away)
                              "hlo_f32_expert_weights": f32_expert_weights(fn, cfg)}

@@ -51,7 +51,9 @@ Modes (``--modes``, in order; a ``*_restart`` mode reuses the cache of the mode 
   ``*_nostore*``: no ``cache_dir`` (no executable store, no JAX cache: what the store's
   writes cost a cold start).  ``*_flat*``: ``DYNJAX_OUTLINE=0`` (the padding pass interprets
   and JAX lowers every layer, as before session 30; by default repeated layers are padded and
-  lowered once a bucket).  ``*_noprerun*``: ``DYNJAX_PRERUN=0`` (background builds do not run their executables once
+  lowered once a bucket).  ``*_pinned*``: ``DYNJAX_DIRECT_OUTPUTS=0`` (a numpy request's
+  results through pinned host outputs, as before session 33; by default on a GPU the CUDA
+  driver reads them from device outputs).  ``*_noprerun*``: ``DYNJAX_PRERUN=0`` (background builds do not run their executables once
   on zeros before they serve).  ``*t0tune*`` (an experiment, not an option): tier 0 autotunes its cuBLAS gemms (triton gemms
   stay off) instead of taking cuBLAS's heuristic choice; ``*t0lvl1*`` the same at autotune level 1
   (no buffer initialisation or correctness checks; the default since session 10);
@@ -522,7 +524,9 @@ def _child_dynjax(args, clock, mode):
                                              "preruns", "lowerings", "lowering_seconds",
                                              "lowerings_reused",
                                              "served_on_larger_bucket", "waited_for_compile",
-                                             "wait_seconds", "padded_fraction")},
+                                             "wait_seconds", "padded_fraction",
+                                             "host_outputs", "direct_output_families",
+                                             "direct_outputs_failed", "direct_inputs_failed")},
            "per_bucket_calls": st.get("per_bucket_calls"),
            "jax": jax.__version__, "dynjax_version": getattr(dynjax, "__version__", None)}
   if prof is not None:
@@ -685,6 +689,8 @@ def _spawn(args, mode, cache) -> dict:
     env["DYNJAX_PRERUN"] = "0"
   if "_flat" in mode:  # the padding pass interprets every layer (no outlined template)
     env["DYNJAX_OUTLINE"] = "0"
+  if "_pinned" in mode:  # results through pinned host outputs, not the driver's reads
+    env["DYNJAX_DIRECT_OUTPUTS"] = "0"
   proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
   _CHILD[0] = proc
   try:
