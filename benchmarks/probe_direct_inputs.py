@@ -249,7 +249,7 @@ def bert_ab(n: int, size: str, rounds: int, ab: str = "inputs") -> dict:
   import dynjax
   import dynjax.flax
   from benchmarks.bench_moe_gmm import jax_put
-  from dynjax._config import config
+  from dynjax import _config
   from examples import data, models
 
   cfg = models.ENCODER_SIZES[size]
@@ -264,12 +264,12 @@ def bert_ab(n: int, size: str, rounds: int, ab: str = "inputs") -> dict:
   t0 = time.perf_counter()
   for r in reqs:  # every bucket built (and every request shape's call path) on both
     for name, g in fns.items():
-      saved = config.direct_outputs
-      config.direct_outputs = name != "pinned"  # (read as its family plans, at its 1st call)
+      saved = _config.config.direct_outputs
+      _config.config.direct_outputs = name != "pinned"  # (read as its family plans: 1st call)
       try:
         np.asarray(g(variables, r.tokens, r.lengths))
       finally:
-        config.direct_outputs = saved
+        _config.config.direct_outputs = saved
   cold = time.perf_counter() - t0
   ts = {name: [] for name in fns}
   names = list(fns)
