@@ -81,8 +81,10 @@ class Executor:
     kept = [i for i in range(len(out_shapes)) if i not in fam.forward]
     self.numpy_out = tuple(host and fam.out_dynamic[i] for i in kept)
     self.sync = any(self.numpy_out)  # the call blocks for its numpy results
-    # ... read by the CUDA driver from device outputs (jit/_placement.py READS)
-    self.reads = self.sync and not entry.host_out and _placement.reads_planned(fam)
+    # ... read by the CUDA driver from device outputs (jit/_placement.py READS), up to the
+    # size pinned host outputs stop at (above it both leave large results to the runtime)
+    self.reads = (self.sync and not entry.host_out and _placement.reads_planned(fam)
+                  and _placement.read_bytes(fam, bkey, kept) <= _placement.MAX_BYTES)
     # Leaves to pad: (position in the call's values, true shape, bucket shape, prefix, how its
     # host buffer is reused: sync calls only).  With a Padded among them (``all_leaves``) every
     # leaf with dims goes through pad_leaf; a sync call's leaves the driver copies to the

@@ -229,14 +229,19 @@ def alternative(fam) -> bool | None:
   return not fam.host_out
 
 
+def read_bytes(fam, bkey, kept) -> int:
+  """Bytes of the outputs with dims (among ``kept``) of the bucket ``bkey``."""
+  return sum(math.prod(fam.out_shape_fns[i](bkey)) * np.dtype(fam.out_avals[i].dtype).itemsize
+             for i in kept if fam.out_dynamic[i])
+
+
 def jit_kwargs(fam, bkey) -> dict:
   """``jax.jit`` arguments of one bucket's function: its outputs with dims in pinned host
   memory (a host request returns those as numpy; the others stay device arrays), or none."""
   if not fam.host_out:
     return {}
   kept = [i for i in range(len(fam.out_avals)) if i not in fam.forward]
-  size = sum(math.prod(fam.out_shape_fns[i](bkey)) * np.dtype(fam.out_avals[i].dtype).itemsize
-             for i in kept if fam.out_dynamic[i])
+  size = read_bytes(fam, bkey, kept)
   if size == 0 or size > MAX_BYTES:
     return {}
   dev = default_device()

@@ -273,3 +273,17 @@ def test_a_restart_across_the_switch_loads_the_placement_its_store_holds(drv, tm
     # runtime's copies)
     assert st["direct_output_families"] == 0
     assert "its cache_dir holds executables with" in g.explain()
+
+
+def test_a_bucket_with_large_outputs_leaves_them_to_the_runtime(drv, monkeypatch):
+  # as pinned host outputs stop at MAX_BYTES: (4, 16) float32 read, (4, 32) not
+  monkeypatch.setattr(_placement, "MAX_BYTES", 4 * 16 * 4)
+  f = dynjax.jit(lambda x: x * 2, dims={"x": "b, t"})
+  np.testing.assert_array_equal(f(np.ones((3, 13), np.float32)), np.full((3, 13), 2.0))
+  n0 = drv.reads
+  for t in (13, 30, 30, 14):
+    x = np.arange(3 * t, dtype=np.float32).reshape(3, t)
+    got = f(x)
+    assert type(got) is np.ndarray
+    np.testing.assert_array_equal(got, x * 2)
+  assert drv.reads - n0 == 2 and f.stats()["direct_output_families"] == 1
