@@ -27,6 +27,7 @@ anything else raises :class:`DriverError` and the input takes JAX's own path (th
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import os
 import threading
@@ -221,11 +222,10 @@ class Driver:
         cap = a.__dlpack__(stream=stream)  # (the device-side wait; a reference to a's buffer)
         caps.append(cap)
         t = _DLTensor.from_address(_capsule_pointer(cap, b"dltensor"))
-        shape = tuple(t.shape[i] for i in range(t.ndim))
-        row_major = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+        shape = tuple(t.shape[:t.ndim])
         if (t.device.device_type != self.READ_DEVICE or shape != tuple(a.shape)
             or t.dtype.bits * t.dtype.lanes != 8 * dtype.itemsize
-            or t.strides and tuple(t.strides[i] for i in range(t.ndim)) != row_major):
+            or t.strides and tuple(t.strides[:t.ndim]) != _row_major(shape)):  # (NULL: dense)
           raise DriverError(f"a {dtype} {tuple(a.shape)} result is not a dense device buffer "
                             f"of its own shape and dtype")
         out = np.empty(a.shape, dtype)
@@ -262,6 +262,12 @@ class Driver:
         raise DriverError(f"a result of {device} read back otherwise ({back.ravel()[:4]}... "
                           f"for {want.ravel()[:4]}...)")
       self._read_ctx[device] = ctx
+
+
+@functools.lru_cache(maxsize=256)
+def _row_major(shape: tuple) -> tuple:
+  """The element strides of a dense row-major array of ``shape``."""
+  return tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
 
 
 def _free_host(lib, ptr) -> None:

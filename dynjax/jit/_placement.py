@@ -568,12 +568,16 @@ def exact_to_host(fam, outs, which=None) -> list:
   it can (:func:`read_host`: one device, whole-byte dtypes), as a padded bucket's."""
   if which is None:
     which = (True,) * len(outs)
-  read = tuple(w and isinstance(o, jax.Array) and not is_key(o) and len(o.sharding.device_set)
-               == 1 and _whole_bytes(np.dtype(o.dtype)) for o, w in zip(outs, which, strict=True))
-  if (any(read) and fam.shard is None and fam.host_buffers.reads_failed is None
-      and reads_ready(next(iter(outs[read.index(True)].sharding.device_set)))):
-    outs = read_host(fam, outs, read)
-    which = tuple(w and not r for w, r in zip(which, read, strict=True))
+  devices = next((o.sharding.device_set for o, w in zip(outs, which, strict=True)
+                  if w and isinstance(o, jax.Array)), ())
+  if fam.shard is None and len(devices) == 1 and reads_ready(next(iter(devices))):
+    # (where the driver does not read, as on a CPU, nothing more is asked of the outputs)
+    read = tuple(w and isinstance(o, jax.Array) and not is_key(o) and o.sharding.device_set
+                 == devices and _whole_bytes(np.dtype(o.dtype))
+                 for o, w in zip(outs, which, strict=True))
+    if any(read):
+      outs = read_host(fam, outs, read)
+      which = tuple(w and not r for w, r in zip(which, read, strict=True))
   return to_host(outs, which)
 
 
