@@ -53,7 +53,10 @@ Modes (``--modes``, in order; a ``*_restart`` mode reuses the cache of the mode 
   and JAX lowers every layer, as before session 30; by default repeated layers are padded and
   lowered once a bucket).  ``*_pinned*``: ``DYNJAX_DIRECT_OUTPUTS=0`` (a numpy request's
   results through pinned host outputs, as before session 33; by default on a GPU the CUDA
-  driver reads them from device outputs).  ``*_noprerun*``: ``DYNJAX_PRERUN=0`` (background builds do not run their executables once
+  driver reads them from device outputs).  ``*_nokeep*``: ``DYNJAX_KEEP_TRAFFIC=0`` (a
+  restart plans from nothing, as before session 34, not from the traffic the processes
+  before it kept in its ``cache_dir``; restarts on the same cache as the mode without the
+  tag).  ``*_noprerun*``: ``DYNJAX_PRERUN=0`` (background builds do not run their executables once
   on zeros before they serve).  ``*t0tune*`` (an experiment, not an option): tier 0 autotunes its cuBLAS gemms (triton gemms
   stay off) instead of taking cuBLAS's heuristic choice; ``*t0lvl1*`` the same at autotune level 1
   (no buffer initialisation or correctness checks; the default since session 10);
@@ -691,6 +694,8 @@ def _spawn(args, mode, cache) -> dict:
     env["DYNJAX_OUTLINE"] = "0"
   if "_pinned" in mode:  # results through pinned host outputs, not the driver's reads
     env["DYNJAX_DIRECT_OUTPUTS"] = "0"
+  if "_nokeep" in mode:  # the traffic kept in cache_dir is neither read nor written
+    env["DYNJAX_KEEP_TRAFFIC"] = "0"
   proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
   _CHILD[0] = proc
   try:
@@ -789,7 +794,7 @@ def cache_key(mode: str) -> tuple[bool, str]:
   what a process does at start-up only: ``X_warm_restart`` and ``X_restart`` restart on the
   cache of ``X`` or ``X_warm``, whichever ran last (every cold mode gets a fresh cache)."""
   m = (mode.removesuffix("_prof").replace("_again", "").replace("_noprerun", "")
-       .replace("_nostore", ""))
+       .replace("_nostore", "").replace("_nokeep", ""))
   return m.endswith("_restart"), m.removesuffix("_restart").replace("_warm", "")
 
 

@@ -14,6 +14,7 @@
 | DYNJAX_DIRECT_INPUTS  | 0 / 1                  | on a GPU, the numpy inputs of < 2 MiB of a call that returns numpy go to the device by the CUDA driver's copy into kept device arrays, not JAX's per-argument transfer (default 1; ``jit/_cuda.py``) |
 | DYNJAX_DIRECT_OUTPUTS | 0 / 1                  | on a GPU, a call that returns numpy gets its results read by the CUDA driver on a stream that waits for them on the device, its executables' outputs in device memory (default 1; else pinned host outputs; ``jit/_cuda.py``) |
 | DYNJAX_OUTLINE        | 0 / 1                  | the padding pass pads a block of equations repeated in a row (a model's layers) once a bucket, and JAX lowers it once (default 1; ``bucketing/_outline.py``) |
+| DYNJAX_KEEP_TRAFFIC   | 0 / 1                  | with a ``cache_dir``: an ``auto`` policy's traffic (sizes seen, seconds per call) is kept beside a family's executables, and a restart's warm-up and first call plan from it (default 1; ``jit/_traffic.py``) |
 | DYNJAX_KERNEL_CACHE   | a directory, or 0      | where ``dynjax.route``'s exported GPU kernels are kept across processes (default ``~/.cache/dynjax/kernels``; ``0`` off); read at each export by ``route._once`` |
 
 Nothing here changes compiled output, so none of it is part of the executable cache key.
@@ -71,6 +72,7 @@ class Config:
   direct_outputs: bool = True
   copy_threads: int = 4
   outline: bool = True
+  keep_traffic: bool = True
 
   @classmethod
   def from_env(cls) -> Config:
@@ -88,6 +90,7 @@ class Config:
         direct_outputs=_bool("DYNJAX_DIRECT_OUTPUTS", True),
         copy_threads=_int("DYNJAX_COPY_THREADS", 4, 1),
         outline=_bool("DYNJAX_OUTLINE", True),
+        keep_traffic=_bool("DYNJAX_KEEP_TRAFFIC", True),
     )
 
 

@@ -180,9 +180,12 @@ class Auto(BucketPolicy):
     self._n_obs += 1
     if self._n_obs >= self._next_plan_at:
       with self._lock:
-        if self._n_obs >= self._next_plan_at:
+        planned = self._n_obs >= self._next_plan_at
+        if planned:
           self._next_plan_at *= 2
           self._replan()
+      if planned and self.on_replan is not None:
+        self.on_replan()
 
   def is_bucket(self, b: int) -> bool:
     table = self._table or ()
@@ -214,6 +217,59 @@ class Auto(BucketPolicy):
                      max_executables: int | None = None) -> None:
     self._compiles[bucket] = seconds
     self._max_executables = max_executables
+
+  # -- traffic kept across processes (``jit/_traffic.py``) ---------------------------------
+  on_replan = None  # set by a family that keeps its traffic: called after each re-plan
+
+  def traffic(self) -> dict:
+    """What this policy has learned, as JSON: the sizes seen, the measured seconds per call
+    and compile seconds per bucket (:meth:`restore` takes it in, in another process)."""
+    with self._lock:
+      return {"policy": repr(self), "observations": self._n_obs,
+              "sizes": sorted([int(n), int(c)] for n, c in self._hist.items()),
+              "times": sorted([int(b), float(t), int(k)] for b, (t, k) in self._times.items()),
+              "compiles": sorted([int(b), float(s)] for b, s in self._compiles.items())}
+
+  def restore(self, traffic: dict) -> bool:
+    """Takes in the :meth:`traffic` of this policy in an earlier process: its sizes join the
+    histogram, its times and compile seconds fill the buckets not measured here, and the
+    policy re-plans.  False (nothing taken) for another policy's record (another ``repr``)."""
+    if traffic.get("policy") != repr(self):
+      return False
+    sizes = [(int(n), int(c)) for n, c in traffic["sizes"]]
+    times = [(int(b), float(t), int(k)) for b, t, k in traffic["times"]]
+    compiles = [(int(b), float(s)) for b, s in traffic["compiles"]]
+    n_obs = int(traffic["observations"])
+    if any(c < 0 for _, c in sizes) or n_obs < 0:
+      raise ValueError("negative counts")
+    with self._lock:
+      for n, c in sizes:
+        self._hist[n] += c
+      self._n_obs += n_obs
+      for b, t, k in times:
+        self._times.setdefault(b, [t, k])
+      for b, s in compiles:
+        self._compiles.setdefault(b, s)
+      while self._next_plan_at <= self._n_obs:
+        self._next_plan_at *= 2
+      self._replan()
+    return True
+
+  def value_order(self, new, have) -> list[int]:
+    """``new`` buckets one at a time in the order that cuts the histogram's expected cost the
+    most on top of ``have`` and the ones before (a restart builds its plan in this order)."""
+    with self._lock:
+      self._model = self.cost_model()
+      try:
+        table, left, out = set(have), set(new), []
+        while left:
+          b = min(left, key=lambda x: (self.expected_cost(table | {x}), -x))
+          out.append(b)
+          table.add(b)
+          left.remove(b)
+      finally:
+        self._model = None
+    return out
 
   # -- planning ----------------------------------------------------------------------------
   def cost_model(self) -> _cost.CostModel:

@@ -265,10 +265,14 @@ class Wrapped:
     The buckets: every bucket of the declared ranges (variables whose policy has no ``max``:
     the example's bucket only; an ``auto`` policy: its plan, or before any traffic a ladder
     ``max``, ``max/2``, ``max/4``, ``max/8`` that its later plans keep and add to), plus every
-    bucket a previous run stored under ``cache_dir``.
+    bucket a previous run stored under ``cache_dir``.  With ``cache_dir``, an ``auto`` policy
+    plans from the traffic earlier processes kept there (sizes seen, seconds per bucket:
+    ``DYNJAX_KEEP_TRAFFIC``): the buckets that plan adds build after the stored ones, the most
+    valuable first; in the background, those not started by the first call wait until the
+    traffic makes them worth their compile.
     Stored executables load in parallel (~0.05 s each for BERT-base on an H100) without
     tracing or lowering them again, so a restarted server is ready at once.
-    ``background=True`` returns at once and builds the buckets largest first, one at a time
+    ``background=True`` returns at once and builds the buckets (largest first), one at a time
     (``max_workers`` at a time when given: the server's own start-up code keeps its cores);
     with ``async_compile=True``/``serving=True`` calls are then served on the smallest built
     bucket that fits while the rest build, and a call that needs a bucket no built one covers

@@ -138,6 +138,15 @@ class CompileScheduler:
     job.future.cancel()
     return True
 
+  def demote(self, which: Callable[[Job], bool]) -> int:
+    """Queued warm jobs that ``which`` picks become value-ordered jobs; returns how many."""
+    with self._cv:
+      jobs = [j for j in self._pending.values() if j.warm and not j.urgent and which(j)]
+      for j in jobs:
+        j.warm = False
+      self._cv.notify_all()
+    return len(jobs)
+
   def poke(self) -> None:
     """Re-evaluates values now (a plan or histogram changed)."""
     with self._cv:

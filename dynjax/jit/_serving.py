@@ -39,7 +39,7 @@ import numpy as np
 
 from dynjax._config import config
 from dynjax.bucketing import _cost
-from dynjax.jit import _prerun
+from dynjax.jit import _prerun, _traffic
 from dynjax.jit._family import BucketEntry, Family
 from dynjax.jit._guards import capped_bucket
 from dynjax.jit._scheduler import WARM_AT_ONCE, CompileScheduler
@@ -237,16 +237,16 @@ class Compiler:
     the stored buckets join the plan now, before the call picks its bucket, and start loading
     in parallel, that call's own bucket first.
 
-    Before, a restarted ``auto`` policy planned the first call with its cold table (one
-    bucket at ``max``), so that call waited until the largest stored bucket had loaded, and
-    the loads went in directory order: on the H100 (BERT-base, 16 stored buckets) the first
-    answer of a restart waited 0.6-0.9 s, ~12% of its 1,000-request stream."""
+    Before, a restart's first call waited for the largest stored bucket's load (its cold
+    table), loads in directory order: H100 BERT-base, 0.6-0.9 s of a 1,000-request stream."""
     if fam.preloaded:
       return
     fam.preloaded = True
     stored = stored_buckets(fam)
     for b in stored:
       self._adopt(fam, b)
+    _traffic.restore(fam)  # the plan the traffic kept beside them wants (once a family)
+    _traffic.first_call(fam, self.scheduler)  # its warm-up's new buckets: value-ordered now
     own = fam.bucket_of(sizes, observe=False) if stored else None
     for b in sorted(stored, key=lambda b: b != own):  # urgent jobs run in submission order
       # loads in parallel (~0.05-0.2 s a bucket); the others' first runs happen here too
@@ -270,9 +270,8 @@ class Compiler:
       # Serving: the bucket covering everything compiles first; the own bucket follows in
       # the background, or (GPU quick tier, >= 8 cores) at the same time: quick compiles
       # autotune little (level 1), so two at once barely slow each other, and the first requests
-      # are served on the own bucket instead of the largest (H100, BERT-base: the 512
-      # bucket runs 8.7 ms a request, the 256 one 4.2).  Otherwise (or with no declared
-      # max): the own bucket, now.
+      # are served on the own bucket, not the largest (H100, BERT-base: the 512 bucket 8.7 ms
+      # a request, the 256 one 4.2).  Otherwise (or no declared max): the own bucket, now.
       top = top_bucket(fam, bkey) if self.opts.serving else None
       if top is not None and top != bkey:
         urgent = self.schedule(fam, top, 0, urgent=True)
@@ -482,6 +481,7 @@ class Compiler:
     stored = stored_buckets(fam)
     for b in stored:  # a restart plans with what its store holds (no cold ladder on top)
       self._adopt(fam, b)
+    _traffic.restore(fam)  # and with the traffic kept beside it
     jidx = () if fam.joint is None else fam.joint.idx  # joint dims: the joint plan's tuples
     per_var = [(p.sizes() if i in jidx else p.warm_sizes()) if p.max is not None
                else (p.bucket(n),)
@@ -493,11 +493,11 @@ class Compiler:
     todo = sorted({capped_bucket(fam, b) for b in todo} | set(stored))  # guards' bounds
     before, loads_before = self.cache.compiles, self.cache.loads
     t0 = time.perf_counter()
-    if background:  # in order, largest first, max_workers (default WARM_AT_ONCE) at a time
+    if background:  # in order (_traffic.warm_order), max_workers (default WARM_AT_ONCE) at once
       sched = self.sched()
       sched.warm_at_once = max_workers or WARM_AT_ONCE
-      futs = [self.schedule(fam, b, 0, warm=True)
-              for b in sorted(todo, key=math.prod, reverse=True)]
+      futs = [self.schedule(fam, b, 0, warm=_traffic.at_startup(fam, b))
+              for b in _traffic.warm_order(fam, todo)]
       return {"buckets": todo, "pending": sum(not f.done() for f in futs), "seconds": 0.0}
     show = config.progress if progress is None else progress
     workers = max_workers or min(len(todo), max(2, os.cpu_count() or 2))
