@@ -39,10 +39,24 @@ def _x(t):
   return np.random.RandomState(t).randn(2, t, 4).astype(np.float32)
 
 
+_MADE: list = []
+
+
+@pytest.fixture(autouse=True)
+def _idle_after():
+  """Every server of a test is idle when it ends: a background compile left running would
+  write (or fail to write) its store during the next test."""
+  yield
+  while _MADE:
+    assert _MADE.pop().wait(60)
+
+
 def _server(cache, workers=1):
-  return dynjax.jit(_model, dims={"x": "b, t, 4"}, serving=True, compile_workers=workers,
-                    cache_dir=str(cache),
-                    buckets={"b": [2], "t": dynjax.buckets.auto(max_compiles=6, max=64)})
+  f = dynjax.jit(_model, dims={"x": "b, t, 4"}, serving=True, compile_workers=workers,
+                 cache_dir=str(cache),
+                 buckets={"b": [2], "t": dynjax.buckets.auto(max_compiles=6, max=64)})
+  _MADE.append(f)
+  return f
 
 
 def _family(f):
