@@ -497,7 +497,7 @@ class Compiler:
       sched = self.sched()
       sched.warm_at_once = max_workers or WARM_AT_ONCE
       futs = [self.schedule(fam, b, 0, warm=_traffic.at_startup(fam, b))
-              for b in _traffic.warm_order(fam, todo)]
+              for b in _traffic.warm_order(fam, todo, stored)]
       return {"buckets": todo, "pending": sum(not f.done() for f in futs), "seconds": 0.0}
     show = config.progress if progress is None else progress
     workers = max_workers or min(len(todo), max(2, os.cpu_count() or 2))

@@ -141,15 +141,14 @@ def restore(fam) -> bool:
   return bool(taken)
 
 
-def warm_order(fam, todo) -> list[tuple]:
-  """The warm-up's build order: the stored buckets and the cold ladder largest first (as
+def warm_order(fam, todo, stored) -> list[tuple]:
+  """The warm-up's build order: the ``stored`` buckets and the cold ladder largest first (as
   before), then the buckets a restored plan adds to the stored ones, the most valuable first
   (by the family's one ``auto`` variable's policy; by size where there are several)."""
   st = _STATE.get(fam, {})
-  store = fam.store()
   new = set()
-  if st.get("restored") and store is not None:
-    new = set(todo) - {b for b, _ in store.stored()}
+  if st.get("restored"):
+    new = set(todo) - set(stored)
     st["new"] = st["new"] | new
   rest = sorted(set(todo) - new, key=math.prod, reverse=True)
   keeps = _keeps(fam)
