@@ -6,6 +6,7 @@
 # mode's (s; a `*wait` mode's tier-up took 106 s and once over 150); L32/L16: the exact
 # lengths of the `lengths` mode.  `*warm*`: the server warms up from shapes at start-up.  The defaults fit one call
 # (~9 min on the H100 with the machine's start) only half at a time: run FP32= then BF16=.
+# SF_ARGS: more serve_fresh flags (e.g. --pristine-restarts: each restart on a copy of the cold cache).
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -18,12 +19,12 @@ BF16=${BF16-torch_eager,hand_warm,hand_warm_restart,dynjax_cudnn_auto16_warm_wai
 cat "$OUT/versions.txt"
 if [ -n "$FP32" ]; then
   timeout "${T32:-540}" python3 -m benchmarks.serve_fresh --out "$OUT" --modes "$FP32" \
-    --timeout "${TO:-200}" --lengths "${L32:-37,141,300,450}" --reps 20 > "$OUT/fp32.log" 2>&1
+    --timeout "${TO:-200}" --lengths "${L32:-37,141,300,450}" --reps 20 ${SF_ARGS:-} > "$OUT/fp32.log" 2>&1
   echo "fp32 rc=$?"
 fi
 if [ -n "$BF16" ]; then
   timeout "${T16:-540}" python3 -m benchmarks.serve_fresh --out "$OUT" --dtype bfloat16 \
-    --modes "$BF16" --timeout "${TO:-200}" --lengths "${L16:-37,141,300,450}" --reps 20 \
+    --modes "$BF16" --timeout "${TO:-200}" --lengths "${L16:-37,141,300,450}" --reps 20 ${SF_ARGS:-} \
     > "$OUT/bf16.log" 2>&1
   echo "bf16 rc=$?"
 fi

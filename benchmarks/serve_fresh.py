@@ -56,7 +56,8 @@ Modes (``--modes``, in order; a ``*_restart`` mode reuses the cache of the mode 
   driver reads them from device outputs).  ``*_nokeep*``: ``DYNJAX_KEEP_TRAFFIC=0`` (a
   restart plans from nothing, as before session 34, not from the traffic the processes
   before it kept in its ``cache_dir``; restarts on the same cache as the mode without the
-  tag).  ``*_noprerun*``: ``DYNJAX_PRERUN=0`` (background builds do not run their executables once
+  tag; with ``--pristine-restarts`` every restart runs on a copy of the cache as the cold
+  process left it, so an A/B of restarts does not depend on their order).  ``*_noprerun*``: ``DYNJAX_PRERUN=0`` (background builds do not run their executables once
   on zeros before they serve).  ``*t0tune*`` (an experiment, not an option): tier 0 autotunes its cuBLAS gemms (triton gemms
   stay off) instead of taking cuBLAS's heuristic choice; ``*t0lvl1*`` the same at autotune level 1
   (no buffer initialisation or correctness checks; the default since session 10);
@@ -111,6 +112,10 @@ def _parse(argv=None):
   p.add_argument("--lengths", default="37,141,300,450")
   p.add_argument("--reps", type=int, default=30)
   p.add_argument("--timeout", type=float, default=300.0, help="seconds per child process")
+  p.add_argument("--pristine-restarts", action="store_true",
+                 help="every restart runs on a copy of its cache as the cold process left it "
+                      "(an A/B of restarts in any order: a restart's own background builds "
+                      "do not reach the next restart)")
   p.add_argument("--profile_first", type=int, default=0,
                  help="dynjax modes: cProfile the first N calls (run before the timed stream)")
   p.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -752,10 +757,18 @@ def main(argv=None) -> dict:
         continue
       if restart:
         cache = caches[base]
+        if args.pristine_restarts:  # this restart's copy of what the cold process left
+          pristine, cache = cache + ".cold", os.path.join(tmp, f"{mode}-{len(results)}")
+          if not os.path.isdir(pristine):
+            results.append({"mode": mode, "error": f"{base} left no cache to restart on"})
+            continue
+          shutil.copytree(pristine, cache, symlinks=True)
       else:  # a cold mode always starts on a fresh cache (a repeated mode too: the same
         # directory made its second run a restart); later restarts take the latest
         cache = caches[base] = os.path.join(tmp, f"{mode}-{len(results)}")
     rec = _spawn(args, mode, cache)
+    if args.pristine_restarts and cache and not restart and os.path.isdir(cache):
+      shutil.copytree(cache, cache + ".cold", symlinks=True)
     results.append(rec)
     print(_line(rec), flush=True)
     out = _write(args, results)  # after every mode: a run cut short keeps what it measured
