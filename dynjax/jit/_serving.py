@@ -18,7 +18,7 @@ it while its own bucket compiles in the background (progressive serving):
   wanted) and traffic has a gap or is steady, one at a time, the most used bucket first;
   ``wait()`` forces them.  A tier-1 executable replaces its tier-0 file in ``cache_dir``.
 - Lowering holds the GIL, so it runs on one lane thread with a 0.5 ms switch interval
-  (:func:`quick_switches`); the plan's buckets are lowered while the first one compiles.
+  (:func:`quick_switches`); the plan's buckets lower while a first call's bucket compiles.
 - ``cache_dir``: stored executables load at the first call (and in ``warmup``).
 """
 
@@ -45,18 +45,16 @@ from dynjax.jit._guards import capped_bucket
 from dynjax.jit._scheduler import WARM_AT_ONCE, CompileScheduler
 from dynjax.jit._store import FirstRun
 
-# Quick compiles on GPU (serving, tier 0): Triton gemms off, cuBLAS autotuned at level 1
-# (timing only: no buffer init or checks).  Level 0 (cuBLAS heuristics; compile 2.2 / 3.0 s
-# at T=128 / 512 vs 5.2 / 5.1 with XLA's defaults, run 2.72 / 8.70 ms vs 2.03 / 6.70) was the
-# choice while four compiles ran at once and autotuning stalled every request (~110 ms).  With
-# one at a time, level 1 serves better from the first request (H100 BERT-base fp32 cold,
-# serve_fresh runs 27/28, tag t0lvl1: 3.96-4.13 vs 4.51-5.09 ms a request, stream 4.21-4.40 vs
-# 4.74-5.40 s, torch eager 4.35-4.39).  Tier 1 recompiles with XLA's defaults once steady.
+# Quick compiles on GPU (serving, tier 0): Triton gemms off, cuBLAS autotuned at level 1 (timing
+# only: no buffer init or checks).  Level 0 (cuBLAS heuristics; compile 2.2 / 3.0 s at T=128 /
+# 512 vs 5.2 / 5.1 with XLA's defaults, run 2.72 / 8.70 ms vs 2.03 / 6.70) was the choice while
+# four compiles at once autotuning stalled every request (~110 ms); one at a time, level 1 serves
+# better from the first request (H100 BERT-base fp32 cold, serve_fresh runs 27/28, tag t0lvl1:
+# 3.96-4.13 vs 4.51-5.09 ms a request, stream 4.21-4.40 vs 4.74-5.40 s, torch 4.35-4.39).
 QUICK_GPU_OPTIONS = {"xla_gpu_enable_triton_gemm": False, "xla_gpu_autotune_level": 1}
-PRELOWER_MAX = 12  # buckets lowered in the background during the first wait (serving)
-# A tier-0 build keeps its (Lowered, rewrites) for its tier-1 recompile (the same module, other
-# options): lowering holds the GIL (BERT-base ~0.3 s a bucket on the H100's host) while requests
-# are served.  At most this many a family, oldest dropped (BERT-base: 0.17 MB of StableHLO each).
+PRELOWER_MAX = 12  # buckets lowered on the lane during a first call's wait (serving)
+# A tier-0 build keeps its (Lowered, rewrites) for its tier-1 recompile (lowering holds the GIL:
+# BERT-base ~0.3 s a bucket, H100 host); at most this many a family (0.17 MB of StableHLO each).
 KEEP_LOWERED = 16
 # Tier-1 recompiles (serving on GPU) start when the compile queue is idle AND either the
 # function has had no call for ``TIER_UP_IDLE_S`` (a gap in traffic: the autotuning stalls no
@@ -141,8 +139,8 @@ class Compiler:
     serves (``_prerun``; skipped if a caller started waiting for it meanwhile)."""
     if tier == 0:
       entry = self.cache.get_or_build(
-          (fam.fid, bkey), lambda: self._first_run(fam, bkey, 0, self._build(fam, bkey, 0),
-                                                   prerun))
+          (fam.fid, bkey), lambda: self._first_run(
+              fam, bkey, 0, self._build(fam, bkey, 0, prelower=not prerun), prerun))
       if entry.source == "compiled":
         self.calls_at_compile = self.counters.calls_so_far()
     else:
@@ -169,21 +167,27 @@ class Compiler:
       self.prerunner.run(fam, bkey, entry)
     return entry
 
-  def _build(self, fam: Family, bkey, tier: int, stored_min: int = 0) -> BucketEntry:
+  def _build(self, fam: Family, bkey, tier: int, stored_min: int = 0,
+             prelower: bool = False) -> BucketEntry:
     """The bucket's best stored executable (tier >= ``stored_min``), or lowered and compiled
-    with ``tier``'s compiler options (and stored)."""
+    with ``tier``'s compiler options (and stored); ``prelower``: see :meth:`_compile`."""
     entry = fam.load_stored(bkey, stored_min)
     if entry is not None:
       entry.exe = FirstRun(entry.exe, functools.partial(self._rebuild, fam, bkey, entry.tier),
                            functools.partial(_proven, fam, entry),
                            f"{fam.name} bucket {tuple(bkey)} tier {entry.tier}")
       return entry
-    return self._compile(fam, bkey, tier)
+    return self._compile(fam, bkey, tier, prelower)
 
-  def _compile(self, fam: Family, bkey, tier: int) -> BucketEntry:
-    """Lowered (:meth:`lowered`), compiled with ``tier``'s options and stored."""
+  def _compile(self, fam: Family, bkey, tier: int, prelower: bool = False) -> BucketEntry:
+    """Lowered (:meth:`lowered`), compiled with ``tier``'s options and stored; ``prelower``
+    (a caller waits: a first call's build) lowers the plan's other buckets meanwhile
+    (:meth:`_prelower`).  Background builds do not: the process works beside them, and
+    lowering holds the GIL (H200, BERT-base fp32: a restart's warm-up from kept traffic
+    lowered 8 buckets no job compiled before traffic, 1.9 s of GIL, while the main thread
+    built its request list: 7.1 s vs 4.3 s without kept traffic; serve_fresh session 35)."""
     lowered, rewrites = self.lowered(fam, bkey, tier)
-    if self.opts.serving and not fam.prelowering:
+    if prelower and self.opts.serving and not fam.prelowering:
       self._prelower(fam, bkey)  # the rest of the plan lowers while this one compiles
     entry = fam.compile_bucket(lowered, rewrites, bkey, tier, self.compile_options(tier))
     if tier + 1 < self.tiers() and KEEP_LOWERED:
@@ -300,14 +304,10 @@ class Compiler:
             and (os.cpu_count() or 1) >= 8)
 
   def _prelower(self, fam: Family, first) -> None:
-    """Lowers the buckets the policies plan, on the lane, while the first (urgent) bucket
-    compiles.
-
-    Lowering is Python (tracing, MLIR building) and holds the GIL: done by the compile
-    workers once serving has started, it stalled every request (H100, BERT-base: ~0.3 s of
-    GIL per bucket, ~100 ms requests for a second after the first compile).  While the first
-    bucket compiles no request is served yet, so the lowering there is free.
-    """
+    """Lowers the buckets the policies plan, on the lane, while a first call's bucket
+    compiles: no request is served yet, so the GIL it holds is free (done by the compile
+    workers once serving had started, it stalled every request: H100, BERT-base, ~0.3 s
+    of GIL a bucket, ~100 ms requests for a second after the first compile)."""
     fam.prelowering = True
     stored = set(stored_buckets(fam))
     plan = [b for b in plan_buckets(fam, first, PRELOWER_MAX) if b != first and b not in stored]

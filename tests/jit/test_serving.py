@@ -904,6 +904,26 @@ def test_kept_lowerings_are_bounded_and_a_blocking_warmup_tiers_up(monkeypatch):
   assert f.stats()["lowerings_reused"] == 1
 
 
+def test_only_a_build_a_caller_waits_for_lowers_the_plan_ahead(monkeypatch):
+  # Lowering holds the GIL: while a first call waits nothing else runs, so the plan's other
+  # buckets lower then; a background build (a start-up warm-up's) runs beside the process's
+  # own work and lowers only itself (an H200 restart's warm-up lowered 8 buckets nobody
+  # compiled, 1.9 s of GIL, while its main thread built the request list).
+  monkeypatch.setattr(serving_mod, "on_gpu", lambda: False)
+  p = _params()
+  f = _serving(compile_workers=1)
+  info = f.warmup(p, _x(5), background=True)
+  assert info["pending"] >= 1 and f.wait(30)
+  fam = next(iter(f._dispatcher.families.values()))
+  assert not fam.prelowering and not fam.prelowered
+  assert f.stats()["lowerings"] == f.stats()["compiles"] == len(fam.buckets)
+  g = _serving(compile_workers=1)
+  np.testing.assert_allclose(g(p, _x(5)), EXACT(p, _x(5)), rtol=1e-6, atol=1e-6)
+  gfam = next(iter(g._dispatcher.families.values()))
+  assert gfam.prelowering  # the first call waited: the plan lowered meanwhile
+  assert g.wait(30)
+
+
 def test_pre_lowering_twice_lowers_each_planned_bucket_once(monkeypatch):
   # Two builds could both start the plan's pre-lowering (each checked fam.prelowering before
   # either set it); the second replaced the first one's queued futures, and each planned
