@@ -152,8 +152,8 @@ class Family:
     self.forward = _forward.find(self) if padded else {}
     self.casts = _casts.plan(self) if padded else {}  # (reads self.forward)
     self.cast_memo = _casts.Memo()
-    self.host_out, self.host_out_reason = _placement.plan(self, None if first_leaves is None else
-        _placement.host_request(first_leaves, self.dyn_leaves)) if padded else (False, None)
+    self.host_out, self.host_out_reason, self.reads_out = (
+        _placement.plan(self, first_leaves) if padded else (False, None, False))
     self._store, self._store_ready = None, False
     self.store()  # now: it may take the output placement its cache_dir holds (_store)
     self.buckets: dict[tuple, BucketEntry] = {}

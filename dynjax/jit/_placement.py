@@ -124,34 +124,36 @@ def has_host_memory(device) -> bool:
     return False
 
 
-def plan(fam, request: bool | None) -> tuple[bool, str]:
-  """(host outputs?, why) for a padded family whose first call was ``request``."""
+def plan(fam, first_leaves) -> tuple[bool, str, bool]:
+  """(host outputs?, why, results read by the CUDA driver?) for a padded family whose first
+  call had ``first_leaves`` (None: none yet)."""
+  request = None if first_leaves is None else host_request(first_leaves, fam.dyn_leaves)
   opts = fam.ctx.opts
   want = opts.host_outputs
   if want is False:
-    return False, "host_outputs=False"
+    return False, "host_outputs=False", False
   if fam.shard is not None:
-    return False, "sharded"
+    return False, "sharded", False
   if opts.donate_argnames:
-    return False, "donated arguments (their buffers may become outputs)"
+    return False, "donated arguments (their buffers may become outputs)", False
   if opts.return_padded:
-    return False, "return_padded=True (results stay on the device)"
+    return False, "return_padded=True (results stay on the device)", False
   if any(is_key(a) for a in fam.out_avals):
-    return False, "PRNG-key outputs"
+    return False, "PRNG-key outputs", False
   dev = default_device()
   if not has_host_memory(dev):
-    return False, f"{dev.platform} has no {HOST_KIND} memory"
+    return False, f"{dev.platform} has no {HOST_KIND} memory", False
   if want is True:
-    return True, "host_outputs=True"
+    return True, "host_outputs=True", False
   if dev.platform not in AUTO_PLATFORMS:
-    return False, f"measured on GPU only ({dev.platform})"
+    return False, f"measured on GPU only ({dev.platform})", False
   host, why = ((opts.serving, BY_REQUEST[2 + (not opts.serving)]) if request is None
                else (request, BY_REQUEST[not request]))
   if host and reads_ready(dev) and all(  # device outputs the driver reads: faster still
       _whole_bytes(np.dtype(a.dtype)) for a, dyn in zip(fam.out_avals, fam.out_dynamic,
                                                          strict=True) if dyn):
-    return False, f"{why}; {READS}"
-  return host, why
+    return False, f"{why}; {READS}", True
+  return host, why, False
 
 
 # A host request's results read by the CUDA driver (``_cuda.Driver.read``) from device outputs.
@@ -184,7 +186,7 @@ def reads_ready(device) -> bool:
 
 def reads_planned(fam) -> bool:
   """Whether ``fam``'s host requests have their results read by the driver (its plan)."""
-  return not fam.host_out and (fam.host_out_reason or "").endswith(READS)
+  return not fam.host_out and fam.reads_out
 
 
 def read_host(fam, outs, which) -> list:

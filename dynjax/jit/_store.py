@@ -320,7 +320,7 @@ def family_store(fam, padded: bool) -> ExecutableStore | None:
   if other is not None and not store.stored():
     alt = _store_of(fam, root, {**parts, "host_outputs": other})
     if alt.stored():  # a restart serves what it has (before any of its buckets lowers)
-      fam.host_out = other
+      fam.host_out, fam.reads_out = other, False  # (a READS plan's alternative is pinned)
       fam.host_out_reason += (f"; its cache_dir holds executables with "
                               f"{'pinned host' if other else 'device'} outputs only")
       logger.info("dynjax: %s takes the output placement its cache_dir holds: %s", fam.name,
