@@ -42,7 +42,7 @@ from dynjax.bucketing import _cost
 from dynjax.jit import _prerun, _traffic
 from dynjax.jit._family import BucketEntry, Family
 from dynjax.jit._guards import capped_bucket
-from dynjax.jit._scheduler import WARM_AT_ONCE, CompileScheduler
+from dynjax.jit._scheduler import CompileScheduler
 from dynjax.jit._store import FirstRun
 
 # Quick compiles on GPU (serving, tier 0): Triton gemms off, cuBLAS autotuned at level 1 (timing
@@ -65,13 +65,11 @@ KEEP_LOWERED = 16
 # only 1-2 of them finished before the process ended.  wait() runs them at once.
 TIER_UP_AFTER = config.tier_up_after
 TIER_UP_IDLE_S = 1.0
-# Whether a gap before a function's first call counts as a traffic gap.  No: a start-up
-# warmup's buckets could tier up before requests come, but the one still compiling when they
-# do stalls them and holds back the plan's next buckets (background jobs run one at a time).
-# H100, BERT-base fp32, a warmed cold stream of 1,000 requests (jax 0.11.2): with it, 512
-# tiered up before the first request and 256 compiled through the first 4 s of the stream,
-# no planned bucket compiled, 739 requests ran on a larger bucket: 4.91 s (PyTorch eager 4.27);
-# without it (and no tier-up at all) another run's stream took 5.33 s (PyTorch 5.84).
+# Whether a gap before a function's first call counts as a traffic gap.  No: the tier-up still
+# compiling when requests come stalls them and holds back the plan's next buckets.  H100,
+# BERT-base fp32, a warmed cold stream of 1,000 requests (jax 0.11.2): with it, 512 tiered up
+# before the first request, 256 compiled through the first 4 s of the stream, 739 requests ran
+# on a larger bucket: 4.91 s (PyTorch eager 4.27); without it another run's took 5.33 s (5.84).
 TIER_UP_BEFORE_TRAFFIC = False
 # A background compile slows the requests served while it runs (GPU serving: host cores, the
 # GIL while it lowers, the device while its first run loads).  A tier-0 job starts when what
@@ -250,7 +248,9 @@ class Compiler:
     for b in stored:
       self._adopt(fam, b)
     _traffic.restore(fam)  # the plan the traffic kept beside them wants (once a family)
-    _traffic.first_call(fam, self.scheduler)  # its warm-up's new buckets: value-ordered now
+    if self.scheduler is not None:  # traffic: warm jobs one at a time, the restored plan's
+      self.scheduler.traffic_started()  # new buckets value-ordered
+      _traffic.first_call(fam, self.scheduler)
     own = fam.bucket_of(sizes, observe=False) if stored else None
     for b in sorted(stored, key=lambda b: b != own):  # urgent jobs run in submission order
       # loads in parallel (~0.05-0.2 s a bucket); the others' first runs happen here too
@@ -493,9 +493,9 @@ class Compiler:
     todo = sorted({capped_bucket(fam, b) for b in todo} | set(stored))  # guards' bounds
     before, loads_before = self.cache.compiles, self.cache.loads
     t0 = time.perf_counter()
-    if background:  # in order (_traffic.warm_order), max_workers (default WARM_AT_ONCE) at once
+    if background:  # in order (_traffic.warm_order), max_workers at once (CompileScheduler.warm)
       sched = self.sched()
-      sched.warm_at_once = max_workers or WARM_AT_ONCE
+      sched.warm(max_workers)
       futs = [self.schedule(fam, b, 0, warm=_traffic.at_startup(fam, b))
               for b in _traffic.warm_order(fam, todo, stored)]
       return {"buckets": todo, "pending": sum(not f.done() for f in futs), "seconds": 0.0}

@@ -19,10 +19,11 @@ Restored (:func:`restore`, once a family, where a restart already looks at its s
 warm-up and the first call of a function with ``async_compile``/``serving``): each policy takes
 its record back (:meth:`~dynjax.bucketing._auto.Auto.restore`) and re-plans; the buckets that
 plan adds to the stored ones are built by ``warmup(background=True)`` in the order that saves
-the most first (:func:`warm_order`), as warm jobs on hosts of :data:`STARTUP_CORES` cores
-(:func:`at_startup`): before traffic they compile beside the server's own start-up.  At the first call (:func:`first_call`) those not yet started become
-value-ordered jobs: from then on they compile when the traffic the process sees makes them
-worth it (the contention rule), as any other bucket.
+the most first (:func:`warm_order`), as warm jobs on hosts of ``_scheduler.STARTUP_CORES``
+cores (:func:`at_startup`): before traffic they compile beside the server's own start-up.  At
+the first call (:func:`first_call`) those not yet started become value-ordered jobs: from then
+on they compile when the traffic the process sees makes them worth it (the contention rule),
+as any other bucket.
 
 A record of another policy (its ``repr`` differs), of another fingerprint, or one that cannot
 be read is ignored (logged; the next save replaces it).  Joint plans (several ``auto`` dims)
@@ -41,9 +42,9 @@ import weakref
 
 from dynjax._config import config
 from dynjax.bucketing import _auto
+from dynjax.jit import _scheduler
 
 FILE = "traffic.json"
-STARTUP_CORES = 8  # a restored plan's new buckets compile before traffic on such hosts
 _FORMAT = 1
 logger = logging.getLogger("dynjax")
 # family -> {"restored": a kept record was taken, "new": buckets the restored plan added to
@@ -167,11 +168,11 @@ def warm_order(fam, todo, stored) -> list[tuple]:
 def at_startup(fam, bkey) -> bool:
   """Whether a background warm-up builds ``bkey`` now, before traffic (a warm job): every
   bucket it built before, and a restored plan's new ones where the host has
-  :data:`STARTUP_CORES` (their compiles leave the server's own start-up its cores; on a
-  2-core CPU box ten of them took 9 s more of a start-up building its requests).  Elsewhere
+  ``_scheduler.STARTUP_CORES`` (their compiles leave the server's own start-up its cores; on
+  a 2-core CPU box ten of them took 9 s more of a start-up building its requests).  Elsewhere
   those wait for the traffic the process sees, as value-ordered jobs."""
   return (bkey not in _STATE.get(fam, {}).get("new", ())
-          or (os.cpu_count() or 1) >= STARTUP_CORES)
+          or (os.cpu_count() or 1) >= _scheduler.STARTUP_CORES)
 
 
 def first_call(fam, sched) -> int:

@@ -18,7 +18,7 @@ import pytest
 
 import dynjax
 from dynjax._errors import PaddingUnsupportedError
-from dynjax.jit import _family
+from dynjax.jit import _family, _scheduler
 from dynjax.jit import _serving as serving_mod
 from dynjax.jit._scheduler import CompileScheduler
 
@@ -840,6 +840,7 @@ def test_a_background_build_that_fails_says_so_and_a_waited_one_leaves_it_to_its
 
 def test_background_warmup_builds_largest_first_one_at_a_time_and_serves(compiles, monkeypatch):
   monkeypatch.setattr(serving_mod, "on_gpu", lambda: False)  # one tier: the log is warm jobs
+  monkeypatch.setattr(_scheduler, "STARTUP_CORES", 10_000)  # a small host: one at a time
   f = _serving()
   p = _params()
   info = f.warmup(p, _x(5), background=True)
@@ -859,7 +860,46 @@ def test_background_warmup_builds_largest_first_one_at_a_time_and_serves(compile
   assert g._dispatcher.compiler.scheduler.warm_at_once == 3
   assert g.wait(30) and g.stats()["compiles"] == 5
   g.warmup(p, _x(5), background=True)  # a later warmup without max_workers: one at a time
-  assert g._dispatcher.compiler.scheduler.warm_at_once == serving_mod.WARM_AT_ONCE == 1
+  assert g._dispatcher.compiler.scheduler.warm_at_once == _scheduler.WARM_AT_ONCE == 1
+
+
+def test_a_big_host_warms_up_two_at_once_until_traffic_comes(monkeypatch):
+  # One GPU compile is one core's work: on hosts of STARTUP_CORES a start-up warm-up builds
+  # STARTUP_AT_ONCE buckets at once (H200: the whole ladder before the first request); from
+  # a function's first call on, one at a time (compiles beside requests slow them), unless
+  # the warm-up named its max_workers.
+  monkeypatch.setattr(serving_mod, "on_gpu", lambda: False)
+  monkeypatch.setattr(_scheduler, "STARTUP_CORES", 1)
+  gate, started = threading.Event(), []
+  built = serving_mod.Compiler.build_entry
+
+  def held(self, fam, bkey, *a, **kw):
+    started.append(bkey)
+    gate.wait(30)
+    return built(self, fam, bkey, *a, **kw)
+
+  monkeypatch.setattr(serving_mod.Compiler, "build_entry", held)
+  p = _params()
+  f = _serving(compile_workers=2)  # (a 16-core host's default is 4 threads)
+  f.warmup(p, _x(5), background=True)
+  sched = f._dispatcher.compiler.scheduler
+  deadline = time.time() + 10
+  while time.time() < deadline and len(started) < 2:
+    time.sleep(0.01)
+  time.sleep(0.05)
+  assert sched.warm_at_once == _scheduler.STARTUP_AT_ONCE == 2
+  assert started == [(2, 64), (2, 32)] and len(sched.running_jobs()) == 2  # largest first
+  f._dispatcher.compiler.preload(next(iter(f._dispatcher.families.values())), (2, 5))
+  assert sched.warm_at_once == _scheduler.WARM_AT_ONCE  # the first call: traffic
+  gate.set()
+  assert f.wait(30)
+  np.testing.assert_allclose(f(p, _x(5)), EXACT(p, _x(5)), rtol=1e-6, atol=1e-6)
+  g = _serving(compile_workers=3)
+  g.warmup(p, _x(5), background=True, max_workers=3)  # named: kept after traffic starts
+  gs = g._dispatcher.compiler.scheduler
+  g._dispatcher.compiler.preload(next(iter(g._dispatcher.families.values())), (2, 5))
+  assert gs.warm_at_once == 3
+  assert g.wait(30)
 
 
 @pytest.mark.parametrize("keep", [16, 0])

@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 
 import dynjax
 from dynjax._config import config
+from dynjax.jit import _scheduler, _traffic
 from dynjax.jit import _serving as serving_mod
-from dynjax.jit import _traffic
 from dynjax.jit._scheduler import CompileScheduler
 
 
@@ -145,7 +145,9 @@ def test_warm_jobs_of_the_restored_plan_turn_value_ordered_at_the_first_call(
     tmp_path, monkeypatch, one_tier, cores):
   # cores: STARTUP_CORES; 1 (every host has spare cores): the restored plan's new buckets
   # are warm jobs until the first call; 10,000 (none has): value-ordered jobs from the start.
-  monkeypatch.setattr(_traffic, "STARTUP_CORES", cores)
+  # (One at a time: how many start at once is test_serving's.)
+  monkeypatch.setattr(_scheduler, "STARTUP_CORES", cores)
+  monkeypatch.setattr(_scheduler, "STARTUP_AT_ONCE", 1)
   f = _server(tmp_path)
   _serve_on_top_bucket_only(f)
   _kept(tmp_path, f, len(STREAM))
@@ -174,6 +176,7 @@ def test_warm_jobs_of_the_restored_plan_turn_value_ordered_at_the_first_call(
   assert len(running) == (cores == 1) and all(j.info[1] in new for j in running)
   np.testing.assert_allclose(g(P, _x(40)), EXACT(P, _x(40)), rtol=1e-6, atol=1e-6)
   assert not any(j.warm for j in sched.pending_jobs() if j.info[1] in new)
+  assert sched.warm_at_once == _scheduler.WARM_AT_ONCE  # traffic: one at a time from here
   gate.set()
   assert g.wait(30)
   for t in (5, 21):
