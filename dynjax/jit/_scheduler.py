@@ -111,6 +111,7 @@ class CompileScheduler:
     self._closed = False
     self.warm_at_once = WARM_AT_ONCE
     self._warm_named = False  # a warm-up named its max_workers: kept after traffic starts
+    self._traffic = False  # a function of this scheduler's has had its first call
     self.done = 0
     self.failed = 0
     self.busy_seconds = 0.0
@@ -119,15 +120,17 @@ class CompileScheduler:
 
   def warm(self, max_workers: int | None) -> None:
     """A background warm-up starts: its jobs run ``max_workers`` at once, else
-    :data:`STARTUP_AT_ONCE` on hosts of :data:`STARTUP_CORES` cores (:data:`WARM_AT_ONCE`
-    elsewhere) until :meth:`traffic_started`."""
+    :data:`STARTUP_AT_ONCE` on hosts of :data:`STARTUP_CORES` cores until
+    :meth:`traffic_started` (:data:`WARM_AT_ONCE` elsewhere, and once traffic has come)."""
     self._warm_named = bool(max_workers)
     self.warm_at_once = max_workers or (
-        STARTUP_AT_ONCE if (os.cpu_count() or 1) >= STARTUP_CORES else WARM_AT_ONCE)
+        STARTUP_AT_ONCE if not self._traffic and (os.cpu_count() or 1) >= STARTUP_CORES
+        else WARM_AT_ONCE)
 
   def traffic_started(self) -> None:
     """A function's first call: warm jobs left run :data:`WARM_AT_ONCE` at once from here
     (unless the warm-up named its ``max_workers``); compiles beside requests slow them."""
+    self._traffic = True
     if not self._warm_named:
       self.warm_at_once = WARM_AT_ONCE
 

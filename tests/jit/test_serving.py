@@ -894,6 +894,8 @@ def test_a_big_host_warms_up_two_at_once_until_traffic_comes(monkeypatch):
   gate.set()
   assert f.wait(30)
   np.testing.assert_allclose(f(p, _x(5)), EXACT(p, _x(5)), rtol=1e-6, atol=1e-6)
+  f.warmup(p, _x(5), background=True)  # a later warm-up, beside traffic: one at a time
+  assert sched.warm_at_once == _scheduler.WARM_AT_ONCE and f.wait(30)
   g = _serving(compile_workers=3)
   g.warmup(p, _x(5), background=True, max_workers=3)  # named: kept after traffic starts
   gs = g._dispatcher.compiler.scheduler
