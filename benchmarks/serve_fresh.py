@@ -65,7 +65,9 @@ Modes (``--modes``, in order; a ``*_restart`` mode reuses the cache of the mode 
   lowering keeps the interpreter's 5 ms GIL switch interval instead of dropping it to 0.5 ms.
   ``*parN*``: XLA's ``xla_gpu_force_compilation_parallelism=N`` for every compile; ``*nice*``:
   the compile workers (and the threads they start) run at nice 10; ``*ladN*``: a cold ``auto``
-  warm-up builds N buckets (``max`` and its halvings; ``_auto.WARM_LADDER``, 4).  ``*nocb*`` (any mode, and
+  warm-up builds N buckets (``max`` and its halvings; ``_auto.WARM_LADDER``, 4); ``*waN*``: the
+  warm-up builds N buckets at once (``wa1``: one at a time, dynjax's default before session
+  35).  ``*nocb*`` (any mode, and
   ``lengths_nocb``): the child runs with ``XLA_FLAGS=--xla_gpu_enable_command_buffer=``, XLA:GPU
   without CUDA graphs (every kernel launched on its own).
 
@@ -413,7 +415,8 @@ def _warmup_from_shapes(args, build, clock, workers=None):
   server builds its function and starts ``warmup(background=True)`` from abstract arguments
   (Flax's ``jax.eval_shape(module.init, ...)`` idiom): the first bucket compiles (a restart:
   the stored buckets load) while the process reads its weights.  ``workers``: buckets built
-  at once (``wa2`` tag: 2; default one at a time)."""
+  at once (``waN`` tag: N, kept after the first call; default dynjax's: two at once on hosts
+  of 8+ cores until the first call, since session 35; ``wa1`` = one at a time, as before)."""
   module, shapes, tokens, lengths = _abstract_model(args)
   f = build(module)
   f.warmup(shapes, tokens, lengths, background=True, max_workers=workers)
