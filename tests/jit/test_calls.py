@@ -242,3 +242,22 @@ def test_a_forwarded_numpy_input_comes_back_as_a_device_array():
   s = f(np.ones((2, 3), np.float32), 3.0)[1]  # a Python scalar, as jax.jit returns it
   want = jax.jit(step)(np.ones((2, 3), np.float32), 3.0)[1]  # float32 (float64 with x64 on)
   assert isinstance(s, jax.Array) and s.dtype == want.dtype and float(s) == 3.0
+
+
+def test_device_outputs_at_the_bucket_shape_come_back_as_they_are_in_their_tree():
+  # Executor.as_is: no output to cut, none to move: the executable's outputs go back in the
+  # function's own tree (a tuple with a dict here), each exact, the Python list not re-made.
+  def f(x):
+    return x * 2.0, {"s": x.sum(1), "n": jnp.float32(x.shape[1])}
+
+  g = dynjax.jit(f, dims={"x": "b, t"}, buckets={"t": dynjax.buckets.pow2(4, 16)})
+  x8 = jnp.asarray(np.arange(16, dtype=np.float32).reshape(2, 8))
+  for _ in range(2):  # the miss, then the executor's hit
+    got = g(x8)
+    want = jax.jit(f)(x8)
+    assert type(got) is tuple and set(got[1]) == {"s", "n"}
+    _same(got, want)
+  ex = next(iter(next(iter(g._dispatcher.families.values())).executors.values()))
+  assert ex.as_is
+  got = g(np.asarray(x8)[:, :5])  # a host request with cut outputs: the other routine
+  _same(got, jax.jit(f)(np.asarray(x8)[:, :5]))
