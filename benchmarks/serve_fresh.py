@@ -416,7 +416,7 @@ def _warmup_from_shapes(args, build, clock, workers=None):
   (Flax's ``jax.eval_shape(module.init, ...)`` idiom): the first bucket compiles (a restart:
   the stored buckets load) while the process reads its weights.  ``workers``: buckets built
   at once (``waN`` tag: N, kept after the first call; default dynjax's: two at once on hosts
-  of 8+ cores until the first call, since session 35; ``wa1`` = one at a time, as before)."""
+  of 12+ cores until the first call, since session 35; ``wa1`` = one at a time, as before)."""
   module, shapes, tokens, lengths = _abstract_model(args)
   f = build(module)
   f.warmup(shapes, tokens, lengths, background=True, max_workers=workers)

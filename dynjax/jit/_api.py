@@ -274,8 +274,9 @@ class Wrapped:
     Stored executables load in parallel (~0.05 s each for BERT-base on an H100) without
     tracing or lowering them again, so a restarted server is ready at once.
     ``background=True`` returns at once and builds the buckets (largest first): two at once
-    until the function's first call on hosts of 8 or more cores (one GPU compile is one
-    core's work), else and then one at a time (``max_workers`` at a time when given);
+    until the function's first call on hosts of 8 or more cores with a compile worker to
+    spare (the default from 12 cores), else and then one at a time (``max_workers`` when
+    given);
     with ``async_compile=True``/``serving=True`` calls are then served on the smallest built
     bucket that fits while the rest build, and a call that needs a bucket no built one covers
     builds it at once beside them (``wait()`` blocks until all are done).  A blocking warmup

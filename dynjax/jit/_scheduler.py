@@ -58,7 +58,8 @@ WARM_AT_ONCE = 1
 # cold 1,000-request stream took 4.51 / 4.00 s against 5.16 / 4.78 (4.11 / 3.97 ms a request
 # against 4.66 / 4.69; start to the 1,000th answer 18.5 / 20.2 s against 22.2 / 21.9; PyTorch
 # eager 5.81 / 4.48 s, 21.6 / 21.0 s); the request list beside them took no longer (5.5-6.9
-# s against 5.8-6.8).  From the first call on, WARM_AT_ONCE: requests are served.
+# s against 5.8-6.8).  From the first call on, WARM_AT_ONCE: requests are served.  One worker
+# stays free for an urgent build (a call that needs a bucket waits for none of these).
 STARTUP_AT_ONCE = 2
 STARTUP_CORES = 8
 
@@ -121,11 +122,12 @@ class CompileScheduler:
   def warm(self, max_workers: int | None) -> None:
     """A background warm-up starts: its jobs run ``max_workers`` at once, else
     :data:`STARTUP_AT_ONCE` on hosts of :data:`STARTUP_CORES` cores until
-    :meth:`traffic_started` (:data:`WARM_AT_ONCE` elsewhere, and once traffic has come)."""
+    :meth:`traffic_started` (:data:`WARM_AT_ONCE` elsewhere, and once traffic has come),
+    leaving a worker free for a caller's urgent build (it does not wait for a warm one)."""
     self._warm_named = bool(max_workers)
     self.warm_at_once = max_workers or (
-        STARTUP_AT_ONCE if not self._traffic and (os.cpu_count() or 1) >= STARTUP_CORES
-        else WARM_AT_ONCE)
+        max(WARM_AT_ONCE, min(STARTUP_AT_ONCE, self.workers - 1))
+        if not self._traffic and (os.cpu_count() or 1) >= STARTUP_CORES else WARM_AT_ONCE)
 
   def traffic_started(self) -> None:
     """A function's first call: warm jobs left run :data:`WARM_AT_ONCE` at once from here

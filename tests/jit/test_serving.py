@@ -880,7 +880,7 @@ def test_a_big_host_warms_up_two_at_once_until_traffic_comes(monkeypatch):
 
   monkeypatch.setattr(serving_mod.Compiler, "build_entry", held)
   p = _params()
-  f = _serving(compile_workers=2)  # (a 16-core host's default is 4 threads)
+  f = _serving(compile_workers=3)  # (a 16-core host's default is 4 threads; one stays free)
   f.warmup(p, _x(5), background=True)
   sched = f._dispatcher.compiler.scheduler
   deadline = time.time() + 10
@@ -889,10 +889,13 @@ def test_a_big_host_warms_up_two_at_once_until_traffic_comes(monkeypatch):
   time.sleep(0.05)
   assert sched.warm_at_once == _scheduler.STARTUP_AT_ONCE == 2
   assert started == [(2, 64), (2, 32)] and len(sched.running_jobs()) == 2  # largest first
+  h = _serving(compile_workers=2)  # two threads: one warm job, one thread for a caller
+  h.warmup(p, _x(5), background=True)
+  assert h._dispatcher.compiler.scheduler.warm_at_once == 1
   f._dispatcher.compiler.preload(next(iter(f._dispatcher.families.values())), (2, 5))
   assert sched.warm_at_once == _scheduler.WARM_AT_ONCE  # the first call: traffic
   gate.set()
-  assert f.wait(30)
+  assert f.wait(30) and h.wait(30)
   np.testing.assert_allclose(f(p, _x(5)), EXACT(p, _x(5)), rtol=1e-6, atol=1e-6)
   f.warmup(p, _x(5), background=True)  # a later warm-up, beside traffic: one at a time
   assert sched.warm_at_once == _scheduler.WARM_AT_ONCE and f.wait(30)
