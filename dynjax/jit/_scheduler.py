@@ -64,6 +64,12 @@ STARTUP_AT_ONCE = 2
 STARTUP_CORES = 8
 
 
+def startup_host() -> bool:
+  """Whether this host has :data:`STARTUP_CORES` cores: compiles before traffic (two warm
+  jobs at once, a restored plan's new buckets) leave the server's own start-up its cores."""
+  return (os.cpu_count() or 1) >= STARTUP_CORES
+
+
 def _shutting_down(e: BaseException) -> bool:
   """Whether ``e`` only says the interpreter is exiting (a thread pool refusing new work)."""
   return sys.is_finalizing() or (isinstance(e, RuntimeError)
@@ -127,7 +133,7 @@ class CompileScheduler:
     self._warm_named = bool(max_workers)
     self.warm_at_once = max_workers or (
         max(WARM_AT_ONCE, min(STARTUP_AT_ONCE, self.workers - 1))
-        if not self._traffic and (os.cpu_count() or 1) >= STARTUP_CORES else WARM_AT_ONCE)
+        if not self._traffic and startup_host() else WARM_AT_ONCE)
 
   def traffic_started(self) -> None:
     """A function's first call: warm jobs left run :data:`WARM_AT_ONCE` at once from here

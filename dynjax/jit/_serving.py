@@ -224,6 +224,14 @@ class Compiler:
       return self.lane().submit(lowering, fam, bkey).result()
     return fam.lower_bucket(bkey)
 
+  def _plan_from_store(self, fam: Family) -> list:
+    """A restart's plan: its stored buckets (returned), then the traffic kept beside them."""
+    stored = stored_buckets(fam)
+    for b in stored:
+      self._adopt(fam, b)
+    _traffic.restore(fam)
+    return stored
+
   @staticmethod
   def _adopt(fam: Family, bkey) -> None:
     """The policies (and the joint plan) take a stored bucket as part of their table."""
@@ -237,17 +245,13 @@ class Compiler:
   def preload(self, fam: Family, sizes) -> None:
     """A family's first call under ``async_compile`` with a ``cache_dir`` (true ``sizes``):
     the stored buckets join the plan now, before the call picks its bucket, and start loading
-    in parallel, that call's own bucket first.
-
-    Before, a restart's first call waited for the largest stored bucket's load (its cold
-    table), loads in directory order: H100 BERT-base, 0.6-0.9 s of a 1,000-request stream."""
+    in parallel, that call's own bucket first (before, a restart's first call waited for the
+    largest stored bucket's load, loads in directory order: H100 BERT-base, 0.6-0.9 s of a
+    1,000-request stream)."""
     if fam.preloaded:
       return
     fam.preloaded = True
-    stored = stored_buckets(fam)
-    for b in stored:
-      self._adopt(fam, b)
-    _traffic.restore(fam)  # the plan the traffic kept beside them wants (once a family)
+    stored = self._plan_from_store(fam)
     if self.scheduler is not None:  # traffic: warm jobs one at a time, the restored plan's
       self.scheduler.traffic_started()  # new buckets value-ordered
       _traffic.first_call(fam, self.scheduler)
@@ -478,10 +482,7 @@ class Compiler:
     if fam.mode not in ("trust", "auto"):
       return {"buckets": [], "compiled": 0, "seconds": 0.0,
               "note": fam.fallback or f"{fam.mode} mode"}
-    stored = stored_buckets(fam)
-    for b in stored:  # a restart plans with what its store holds (no cold ladder on top)
-      self._adopt(fam, b)
-    _traffic.restore(fam)  # and with the traffic kept beside it
+    stored = self._plan_from_store(fam)  # (a restart: no cold ladder on top)
     jidx = () if fam.joint is None else fam.joint.idx  # joint dims: the joint plan's tuples
     per_var = [(p.sizes() if i in jidx else p.warm_sizes()) if p.max is not None
                else (p.bucket(n),)
@@ -494,8 +495,7 @@ class Compiler:
     before, loads_before = self.cache.compiles, self.cache.loads
     t0 = time.perf_counter()
     if background:  # in order (_traffic.warm_order), max_workers at once (CompileScheduler.warm)
-      sched = self.sched()
-      sched.warm(max_workers)
+      self.sched().warm(max_workers)
       futs = [self.schedule(fam, b, 0, warm=_traffic.at_startup(fam, b))
               for b in _traffic.warm_order(fam, todo, stored)]
       return {"buckets": todo, "pending": sum(not f.done() for f in futs), "seconds": 0.0}

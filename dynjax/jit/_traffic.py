@@ -171,8 +171,7 @@ def at_startup(fam, bkey) -> bool:
   ``_scheduler.STARTUP_CORES`` (their compiles leave the server's own start-up its cores; on
   a 2-core CPU box ten of them took 9 s more of a start-up building its requests).  Elsewhere
   those wait for the traffic the process sees, as value-ordered jobs."""
-  return (bkey not in _STATE.get(fam, {}).get("new", ())
-          or (os.cpu_count() or 1) >= _scheduler.STARTUP_CORES)
+  return bkey not in _STATE.get(fam, {}).get("new", ()) or _scheduler.startup_host()
 
 
 def first_call(fam, sched) -> int:
