@@ -1,0 +1,191 @@
+"""What one BERT-base call costs at each bucket size on a GPU, and dynjax's request path against
+the hand-written one at the same buckets (issue 18: the T<=64 bin, the tier-up's worth, the
+planner's cost model against the hardware).
+
+  python benchmarks/probe_cost_curve.py --out DIR [--sizes 16:512:8] [--options quick,full]
+                                        [--ab 1000] [--ab-options xla,quick]
+
+``curve``: for each size T and each named option set (``quick``: dynjax's tier 0, ``full``:
+its tier 1, ``xla``: XLA's defaults), ``jax.jit(module.apply)`` lowered at (batch, T) with
+every length T and compiled (``--workers`` compiles at once); then every executable's median
+of ``--reps`` synced runs on device inputs (ms), in ``--rounds`` rounds, the order reversed
+each round (the median over rounds is reported).  ``--extra`` adds sizes off the grid (odd
+and unaligned: the exact shapes a request brings).
+
+``ab``: issue 18's request stream (``--ab`` requests of batch 8, numpy in and out) served by
+the hand-written server (``serve_fresh.py``'s ``hand``: pow2 buckets padded on the host,
+``jax.jit``, ``np.asarray`` of the padded result) and ``dynjax.flax.jit`` with the same pow2
+buckets under each of ``--ab-options`` (blocking compiles), every bucket built on all of them
+first, then ``--rounds`` passes taking turns per request: mean / median ms and the mean per
+length bin.  The two differ in the request path only where the options are the same
+(``xla``).  Writes DIR/probe_cost_curve.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import os
+import sys
+import time
+
+import jax
+import numpy as np
+
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
+
+from benchmarks._report import write_json  # noqa: E402
+
+BINS = ((1, 64), (65, 128), (129, 256), (257, 512))
+# dynjax's tier 0 / tier 1 on GPU (jit/_serving.py's QUICK_GPU_OPTIONS / FULL_GPU_OPTIONS,
+# spelled here: benchmarks do not import dynjax's private modules).
+OPTIONS = {"quick": {"xla_gpu_enable_triton_gemm": False, "xla_gpu_autotune_level": 1},
+           "full": {"xla_gpu_enable_triton_gemm": False}, "xla": {}}
+
+
+def _sizes(spec: str) -> list[int]:
+  out = []
+  for part in filter(None, spec.split(",")):
+    if ":" in part:
+      lo, hi, step = (int(x) for x in part.split(":"))
+      out += list(range(lo, hi + 1, step))
+    else:
+      out.append(int(part))
+  return sorted(set(out))
+
+
+def _model(size: str, dtype: str):
+  from examples import models
+
+  cfg = models.ENCODER_SIZES[size]
+  module = models.BertEncoder(cfg)
+  dt = jax.numpy.dtype(dtype)
+  variables = jax.device_put({"params": jax.tree.map(
+      lambda a: a.astype(dt), models.init_encoder_params(cfg, seed=0))})
+  return cfg, module, variables
+
+
+def curve(args) -> dict:
+  cfg, module, variables = _model(args.size, args.dtype)
+  apply = jax.jit(module.apply)
+  sizes = sorted(set(_sizes(args.sizes)) | set(_sizes(args.extra)))
+  opts = [o for o in args.options.split(",") if o]
+  rng = np.random.default_rng(0)
+  inputs = {t: (jax.device_put(rng.integers(1, cfg.vocab, (args.batch, t), dtype=np.int32)),
+                jax.device_put(np.full((args.batch,), t, np.int32))) for t in sizes}
+  t0 = time.perf_counter()
+  lowered = {t: apply.lower(variables, *inputs[t]) for t in sizes}  # lowering holds the GIL
+  lower_s = time.perf_counter() - t0
+  t0 = time.perf_counter()
+  with concurrent.futures.ThreadPoolExecutor(args.workers) as pool:
+    futs = {(t, o): pool.submit(lowered[t].compile, compiler_options=OPTIONS[o])
+            for t in sizes for o in opts}
+    exes = {k: f.result() for k, f in futs.items()}
+  compile_s = time.perf_counter() - t0
+  keys = list(exes)
+  per: dict = {k: [] for k in keys}
+  for rnd in range(args.rounds):
+    for k in (keys if rnd % 2 == 0 else keys[::-1]):
+      exe, (tok, lens) = exes[k], inputs[k[0]]
+      for _ in range(3):
+        exe(variables, tok, lens).block_until_ready()
+      xs = []
+      for _ in range(args.reps):
+        t1 = time.perf_counter()
+        exe(variables, tok, lens).block_until_ready()
+        xs.append(time.perf_counter() - t1)
+      per[k].append(float(np.median(xs)) * 1e3)
+  table = {o: {t: float(np.median(per[(t, o)])) for t in sizes} for o in opts}
+  for t in sizes:
+    print(f"T={t:4d} " + "  ".join(f"{o} {table[o][t]:.3f}" for o in opts), flush=True)
+  return {"ms": table, "spread_ms": {o: {t: [min(per[(t, o)]), max(per[(t, o)])]
+                                         for t in sizes} for o in opts},
+          "lower_s": lower_s, "compile_s": compile_s, "workers": args.workers}
+
+
+def _served(g, variables):
+  return lambda r: np.asarray(g(variables, r.tokens, r.lengths))
+
+
+def ab(args) -> dict:
+  import dynjax
+  import dynjax.flax
+  from examples import data
+
+  cfg, module, variables = _model(args.size, args.dtype)
+  reqs = data.request_stream(args.ab, batch=args.batch, max_len=cfg.max_len, seed=0,
+                             vocab=cfg.vocab)
+  pol = dynjax.buckets.pow2(16, cfg.max_len)
+  apply = jax.jit(module.apply)
+
+  def hand(r):
+    b, t = r.tokens.shape
+    buf = np.zeros((b, pol.bucket(t)), r.tokens.dtype)
+    buf[:, :t] = r.tokens
+    return np.asarray(apply(variables, buf, r.lengths))[:, :t]
+
+  fns = {"hand": hand}
+  for o in filter(None, args.ab_options.split(",")):
+    g = dynjax.flax.jit(module, dims={"tokens": "b, t", "lengths": "b"},
+                        buckets={"t": pol}, compiler_options=OPTIONS[o] or None)
+    fns[f"dynjax_{o}"] = _served(g, variables)
+  t0 = time.perf_counter()
+  for r in reqs:  # every bucket built on all (and every request shape's path)
+    for fn in fns.values():
+      fn(r)
+  build_s = time.perf_counter() - t0
+  names = list(fns)
+  ts: dict = {n: [] for n in names}
+  for k in range(args.rounds):
+    for i, r in enumerate(reqs):
+      for n in (names if (i + k) % 2 == 0 else names[::-1]):
+        t1 = time.perf_counter()
+        fns[n](r)
+        ts[n].append(time.perf_counter() - t1)
+  lengths = np.asarray([r.tokens.shape[1] for r in reqs] * args.rounds)
+  out = {"requests": args.ab, "rounds": args.rounds, "build_pass_s": build_s}
+  for n, v in ts.items():
+    v = np.asarray(v) * 1e3
+    out[n] = {"mean_ms": float(v.mean()), "median_ms": float(np.median(v)),
+              "bins_ms": {f"{lo}-{hi}": float(v[(lengths >= lo) & (lengths <= hi)].mean())
+                          for lo, hi in BINS if ((lengths >= lo) & (lengths <= hi)).any()},
+              "bins_median_ms": {f"{lo}-{hi}": float(np.median(v[(lengths >= lo)
+                                                                  & (lengths <= hi)]))
+                                 for lo, hi in BINS if ((lengths >= lo) & (lengths <= hi)).any()}}
+    print(f"{n:14s} mean {out[n]['mean_ms']:.3f} median {out[n]['median_ms']:.3f} bins "
+          + " ".join(f"{b} {x:.3f}" for b, x in out[n]["bins_ms"].items()), flush=True)
+  return out
+
+
+def main(argv=None) -> dict:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap.add_argument("--out", default=None)
+  ap.add_argument("--parts", default="curve,ab")
+  ap.add_argument("--size", default="base")
+  ap.add_argument("--dtype", default="float32")
+  ap.add_argument("--batch", type=int, default=8)
+  ap.add_argument("--sizes", default="16:512:8", help="lo:hi:step and single sizes, comma-separated")
+  ap.add_argument("--extra", default="37,141,300,450", help="sizes off the grid")
+  ap.add_argument("--options", default="quick,full")
+  ap.add_argument("--workers", type=int, default=4)
+  ap.add_argument("--reps", type=int, default=20)
+  ap.add_argument("--rounds", type=int, default=2)
+  ap.add_argument("--ab", type=int, default=1000, help="requests of the A/B (0: none)")
+  ap.add_argument("--ab-options", default="xla,quick")
+  args = ap.parse_args(argv)
+  report = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+            "config": vars(args)}
+  parts = args.parts.split(",")
+  if "curve" in parts:
+    report["curve"] = curve(args)
+    if args.out:
+      write_json(args.out, "probe_cost_curve.json", report)
+  if "ab" in parts and args.ab:
+    report["ab"] = ab(args)
+  if args.out:
+    write_json(args.out, "probe_cost_curve.json", report)
+  return report
+
+
+if __name__ == "__main__":
+  main()
