@@ -3,7 +3,7 @@ the hand-written one at the same buckets (issue 18: the T<=64 bin, the tier-up's
 planner's cost model against the hardware).
 
   python benchmarks/probe_cost_curve.py --out DIR [--sizes 16:512:8] [--options quick,full]
-                                        [--ab 1000] [--ab-options xla,quick]
+                                        [--ab 1000] [--ab-variants hand,pow2_xla,...]
 
 ``curve``: for each size T and each named option set (``quick``: dynjax's tier 0, ``full``:
 its tier 1, ``xla``: XLA's defaults), ``jax.jit(module.apply)`` lowered at (batch, T) with
@@ -14,11 +14,10 @@ and unaligned: the exact shapes a request brings).
 
 ``ab``: issue 18's request stream (``--ab`` requests of batch 8, numpy in and out) served by
 the hand-written server (``serve_fresh.py``'s ``hand``: pow2 buckets padded on the host,
-``jax.jit``, ``np.asarray`` of the padded result) and ``dynjax.flax.jit`` with the same pow2
-buckets under each of ``--ab-options`` (blocking compiles), every bucket built on all of them
-first, then ``--rounds`` passes taking turns per request: mean / median ms and the mean per
-length bin.  The two differ in the request path only where the options are the same
-(``xla``).  Writes DIR/probe_cost_curve.json.
+``jax.jit``, ``np.asarray`` of the padded result) and dynjax's variants (:func:`ab`), every
+bucket built on all of them first, then ``--rounds`` passes taking turns per request: mean /
+median ms and the mean per length bin.  ``hand`` and ``pow2_xla`` differ in the request path
+only (the same buckets and XLA options).  Writes DIR/probe_cost_curve.json.
 """
 
 from __future__ import annotations
@@ -107,7 +106,24 @@ def _served(g, variables):
   return lambda r: np.asarray(g(variables, r.tokens, r.lengths))
 
 
+def _bin_stats(v, lengths) -> dict:
+  v = np.asarray(v) * 1e3
+  sel = {f"{lo}-{hi}": (lengths >= lo) & (lengths <= hi) for lo, hi in BINS}
+  return {"mean_ms": float(v.mean()), "median_ms": float(np.median(v)),
+          "bins_ms": {b: float(v[m].mean()) for b, m in sel.items() if m.any()},
+          "bins_median_ms": {b: float(np.median(v[m])) for b, m in sel.items() if m.any()}}
+
+
 def ab(args) -> dict:
+  """The request paths side by side (see the module docstring); ``--ab-variants``:
+  ``hand``; ``pow2_<opts>`` dynjax.flax.jit, pow2 buckets, blocking compiles; ``auto16s``
+  ``auto(16)`` with ``serving=True`` and a ``cache_dir`` (tier-0 options named, so one tier),
+  planned by build passes over the stream, then ``wait()``; ``auto16s_loaded`` a second such
+  function on the same ``cache_dir`` (a restart's executables, loaded from the store).  Then
+  ``auto16s`` again in whole passes, its family keeping executors by sizes (``keep``) or
+  building one per call (``perc``: dynjax before session 36), taking turns."""
+  import tempfile
+
   import dynjax
   import dynjax.flax
   from examples import data
@@ -117,6 +133,8 @@ def ab(args) -> dict:
                              vocab=cfg.vocab)
   pol = dynjax.buckets.pow2(16, cfg.max_len)
   apply = jax.jit(module.apply)
+  cache = tempfile.mkdtemp(prefix="probe_cost_curve_")
+  dims = {"tokens": "b, t", "lengths": "b"}
 
   def hand(r):
     b, t = r.tokens.shape
@@ -124,16 +142,34 @@ def ab(args) -> dict:
     buf[:, :t] = r.tokens
     return np.asarray(apply(variables, buf, r.lengths))[:, :t]
 
-  fns = {"hand": hand}
-  for o in filter(None, args.ab_options.split(",")):
-    g = dynjax.flax.jit(module, dims={"tokens": "b, t", "lengths": "b"},
-                        buckets={"t": pol}, compiler_options=OPTIONS[o] or None)
-    fns[f"dynjax_{o}"] = _served(g, variables)
-  t0 = time.perf_counter()
-  for r in reqs:  # every bucket built on all (and every request shape's path)
-    for fn in fns.values():
-      fn(r)
-  build_s = time.perf_counter() - t0
+  def auto16s():
+    return dynjax.flax.jit(module, dims=dims, buckets={"t": dynjax.buckets.auto(
+        max_compiles=16, min=16, max=cfg.max_len)}, serving=True, cache_dir=cache,
+        compiler_options=OPTIONS["quick"])
+
+  fns, wrapped, out = {}, {}, {"requests": args.ab, "rounds": args.rounds, "build_s": {}}
+  for v in filter(None, args.ab_variants.split(",")):
+    t0 = time.perf_counter()
+    if v == "hand":
+      fns[v] = hand
+    elif v.startswith("pow2_"):
+      g = dynjax.flax.jit(module, dims=dims, buckets={"t": pol},
+                          compiler_options=OPTIONS[v[5:]] or None)
+      fns[v] = _served(g, variables)
+    elif v in ("auto16s", "auto16s_loaded"):
+      g = wrapped[v] = auto16s()
+      fns[v] = _served(g, variables)
+    else:
+      raise SystemExit(f"--ab-variants: unknown {v!r}")
+    for _ in range(2 if v == "auto16s" else 1):  # planned from the stream, then built
+      for r in reqs:
+        fns[v](r)
+      if v in wrapped:
+        wrapped[v].wait()
+    out["build_s"][v] = time.perf_counter() - t0
+  for v, g in wrapped.items():
+    out[f"{v}_stats"] = {k: g.stats().get(k) for k in ("compiles", "loaded_from_store",
+                                                        "per_bucket_calls")}
   names = list(fns)
   ts: dict = {n: [] for n in names}
   for k in range(args.rounds):
@@ -143,17 +179,31 @@ def ab(args) -> dict:
         fns[n](r)
         ts[n].append(time.perf_counter() - t1)
   lengths = np.asarray([r.tokens.shape[1] for r in reqs] * args.rounds)
-  out = {"requests": args.ab, "rounds": args.rounds, "build_pass_s": build_s}
   for n, v in ts.items():
-    v = np.asarray(v) * 1e3
-    out[n] = {"mean_ms": float(v.mean()), "median_ms": float(np.median(v)),
-              "bins_ms": {f"{lo}-{hi}": float(v[(lengths >= lo) & (lengths <= hi)].mean())
-                          for lo, hi in BINS if ((lengths >= lo) & (lengths <= hi)).any()},
-              "bins_median_ms": {f"{lo}-{hi}": float(np.median(v[(lengths >= lo)
-                                                                  & (lengths <= hi)]))
-                                 for lo, hi in BINS if ((lengths >= lo) & (lengths <= hi)).any()}}
-    print(f"{n:14s} mean {out[n]['mean_ms']:.3f} median {out[n]['median_ms']:.3f} bins "
+    out[n] = _bin_stats(v, lengths)
+    print(f"{n:16s} mean {out[n]['mean_ms']:.3f} median {out[n]['median_ms']:.3f} bins "
           + " ".join(f"{b} {x:.3f}" for b, x in out[n]["bins_ms"].items()), flush=True)
+  if "auto16s" in wrapped:  # executors kept by sizes vs one per call, whole passes in turn
+    g, fn = wrapped["auto16s"], fns["auto16s"]
+    fams = list(g._dispatcher.all_families.values())
+    keep = {id(f): (f.keeps_executors, f.watched_plan) for f in fams}
+    passes: dict = {"keep": [], "perc": []}
+    for k in range(2 * args.rounds):
+      mode = ("keep", "perc")[(k + k // 2) % 2]  # keep perc perc keep keep perc ...
+      for f in fams:
+        f.keeps_executors, f.watched_plan = keep[id(f)] if mode == "keep" else (False, False)
+        f.executors.clear()
+      xs = []
+      for r in reqs:
+        t1 = time.perf_counter()
+        fn(r)
+        xs.append(time.perf_counter() - t1)
+      passes[mode] += xs
+    lens = np.asarray([r.tokens.shape[1] for r in reqs] * args.rounds)
+    out["executors"] = {m: _bin_stats(v, lens) for m, v in passes.items()}
+    for m, r in out["executors"].items():
+      print(f"auto16s {m:5s} mean {r['mean_ms']:.4f} median {r['median_ms']:.4f} bins "
+            + " ".join(f"{b} {x:.3f}" for b, x in r["bins_ms"].items()), flush=True)
   return out
 
 
@@ -171,7 +221,7 @@ def main(argv=None) -> dict:
   ap.add_argument("--reps", type=int, default=20)
   ap.add_argument("--rounds", type=int, default=2)
   ap.add_argument("--ab", type=int, default=1000, help="requests of the A/B (0: none)")
-  ap.add_argument("--ab-options", default="xla,quick")
+  ap.add_argument("--ab-variants", default="hand,pow2_xla,pow2_quick,auto16s,auto16s_loaded")
   args = ap.parse_args(argv)
   report = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
             "config": vars(args)}

@@ -11,6 +11,7 @@ import bisect
 import math
 import threading
 import time
+import weakref
 from collections import Counter
 from collections.abc import Sequence
 
@@ -113,7 +114,22 @@ class Auto(BucketPolicy):
     self.replans = 0
     self.last_plan_seconds = 0.0  # how long the last re-plan took (explain, benchmarks)
     self._model: _cost.CostModel | None = None  # set while re-planning
+    # Families that keep their executors by sizes (``watch``): a change of the table makes
+    # those stale (a size's bucket may have moved), so each is told (its ``plan_changed``).
+    self._watchers: weakref.WeakSet = weakref.WeakSet()
     super().__init__(min, max, multiple)
+
+  def watch(self, family) -> None:
+    """``family.plan_changed()`` is called after every change of this policy's table."""
+    with self._lock:
+      self._watchers.add(family)
+
+  def _set_table(self, table: tuple[int, ...]) -> None:
+    # (under self._lock) every write of the table after construction goes through here
+    if table != self._table:
+      self._table = table
+      for family in list(self._watchers):
+        family.plan_changed()
 
   def _quantum(self) -> int:
     return math.lcm(self.align, self.multiple)
@@ -140,7 +156,7 @@ class Auto(BucketPolicy):
     b = _round_up(self._rule(max(n, self.min)), self.multiple)
     with self._lock:
       self._used.add(b)
-      self._table = tuple(sorted(set(self._table or ()) | {b}))
+      self._set_table(tuple(sorted(set(self._table or ()) | {b})))
     return b
 
   def sizes(self) -> tuple[int, ...]:
@@ -201,7 +217,7 @@ class Auto(BucketPolicy):
       if self.max is not None and b > _round_up(self.max, self.multiple):
         return
       self._used.add(b)
-      self._table = tuple(sorted(set(self._table or ()) | {b}))
+      self._set_table(tuple(sorted(set(self._table or ()) | {b})))
 
   def record_time(self, bucket: int, seconds: float) -> None:
     # The first run of an executable carries one-off costs (allocation, first launch): the
@@ -372,7 +388,7 @@ class Auto(BucketPolicy):
       floor = self.exact_cost()
       if self._table is None or self._objective(new, floor) < (
           1.0 - self.hysteresis) * self._objective(self._table, floor):
-        self._table = new
+        self._set_table(new)
         self.replans += 1
     finally:
       self._model = None

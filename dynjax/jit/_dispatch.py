@@ -55,7 +55,7 @@ class Executor:
                "single", "sync", "device", "return_padded", "timed", "check", "ctx", "n", "lock",
                "padded_elems", "true_elems", "larger", "bucket_id", "out_dynamic", "top",
                "plain_out", "casts", "fwd", "to_device", "numpy_out", "pad_sites", "cut_sites",
-               "reads", "as_is")
+               "reads", "as_is", "watch")
 
   def __init__(self, ctx, fam: Family, sizes, own, bkey, entry, shapes, device: bool,
                top: bool, dev_sizes, out_shapes, true_elems: int, all_leaves: bool):
@@ -144,6 +144,10 @@ class Executor:
     self.padded_elems = entry.padded_elems
     self.true_elems = true_elems
     self.larger = bkey != own  # served on a larger bucket than its own (still compiling)
+    # (policy, size) for each policy that learns from traffic, where the family keeps this
+    # executor for later calls (Family.watched_plan): those calls show it their sizes.
+    self.watch = (tuple((p, sizes[i]) for i, p in fam.observers) if fam.watched_plan
+                  else None)
     self.bucket_id = (fam.fid, bkey)
 
   def run(self, vals):
@@ -151,6 +155,9 @@ class Executor:
     the flat leaves."""
     fam = self.fam
     taken = None
+    if self.watch is not None and self.n:  # (the call that built it was seen in resolve)
+      for p, n in self.watch:
+        p.observe(n)
     if self.shard is not None:  # placed with their shardings, straight from the host
       args = self.shard.pad(fam, vals, self.full_shapes, self.in_shapes, fam.mode == "trust")
     elif self.pads:
@@ -387,7 +394,7 @@ class Dispatcher:
     # Counted on read (registered); a replaced executor stays registered: a thread may be
     # running it right now.
     self.counters.register(ex)
-    if self.keep_executors and not fam.dynamic_plan:
+    if self.keep_executors and fam.keeps_executors:
       if len(fam.executors) > 4096:
         fam.executors.clear()
       fam.executors[key] = ex

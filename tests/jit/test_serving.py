@@ -525,12 +525,39 @@ def test_hot_path_hits_are_exact_counted_and_follow_new_buckets(compiles):
   assert (((2, 5, 4),), True, False) in fam.executors and f.stats()["host_syncs"] == 5
 
 
+class _Learner(dynjax.buckets.BucketPolicy):
+  """A user's policy that learns from traffic without telling anyone when its table moves."""
+
+  name = "learner"
+
+  def __init__(self):
+    super().__init__(1, 64)
+    self.seen = 0
+
+  def _build_table(self):
+    return (8, 64)
+
+  def _rule(self, n):
+    return 64
+
+  def observe(self, n):
+    self.seen += 1
+
+  def _args(self):
+    return ""
+
+  def _clone(self, multiple):
+    return _Learner()
+
+
 def test_executors_are_kept_only_where_no_call_decides_something():
   p = _params()
+  auto = dynjax.buckets.auto(max_compiles=3, max=64)
   for kw, kept in (({"check": True}, True), ({"return_padded": True}, True),
                    ({"max_executables": 2}, False),
-                   ({"buckets": {"b": [2], "t": dynjax.buckets.auto(max_compiles=3, max=64)}},
-                    False)):
+                   ({"buckets": {"b": [2], "t": auto}}, True),  # the plan tells (Auto.watch)
+                   ({"buckets": {"b": [2], "t": _Learner()}}, False),  # nothing tells
+                   ({"buckets": auto}, False)):  # b and t planned jointly
     f = dynjax.jit(_model, dims={"x": "b, t, 4"}, padding="auto",
                    **{"buckets": {"b": [2], "t": dynjax.buckets.pow2(4, 64)}, **kw})
     for _ in range(3):
@@ -540,6 +567,44 @@ def test_executors_are_kept_only_where_no_call_decides_something():
     assert f.stats()["calls"] == 3 and f.stats()["cache_hits"] == 2, kw
     fam = next(iter(f._dispatcher.families.values()))
     assert bool(fam.executors) == kept, kw
+
+
+def test_an_auto_plan_keeps_its_executors_until_it_moves_a_size_and_sees_every_call(compiles):
+  # An auto policy's calls take the kept executor (no per-call plan, entry and executor:
+  # 86 -> 212 us a call before, 2-core box); the policy still sees every call, and a re-plan
+  # that moves a size's bucket (8 observations of t=5: 64 -> 8) makes its executor stale.
+  p = _params()
+  f = dynjax.jit(_model, dims={"x": "b, t, 4"}, padding="auto",
+                 buckets={"b": [2], "t": dynjax.buckets.auto(max_compiles=3, max=64)})
+  for _ in range(12):
+    np.testing.assert_allclose(f(p, _x(5)), EXACT(p, _x(5)), rtol=1e-6, atol=1e-6)
+  fam = next(iter(f._dispatcher.families.values()))
+  (t_pol,) = [q for _, q in fam.observers]
+  assert t_pol._n_obs == 12 and t_pol._hist[5] == 12  # every call seen, none twice
+  s = f.stats()
+  assert s["per_bucket_calls"] == {"b=2, t=64": 8, "b=2, t=8": 4}, s["per_bucket_calls"]
+  assert s["cache_hits"] == 10 and compiles() == 2
+  (ex,) = [e for e in fam.executors.values() if e.gen == fam.gen]  # the rest are stale
+  assert ex.bkey == (2, 8)
+  # A bucket adopted from outside (a restart's store) is a change of plan too.
+  gen = fam.gen
+  t_pol.adopt(16)
+  assert fam.gen == gen + 1
+  t_pol.adopt(16)  # no change, no stale executors
+  assert fam.gen == gen + 1
+  np.testing.assert_allclose(f(p, _x(5)), EXACT(p, _x(5)), rtol=1e-6, atol=1e-6)
+  assert f.stats()["per_bucket_calls"]["b=2, t=8"] == 5
+
+
+def test_a_policy_that_does_not_tell_sees_every_call_through_a_fresh_executor():
+  p = _params()
+  f = dynjax.jit(_model, dims={"x": "b, t, 4"}, padding="auto",
+                 buckets={"b": [2], "t": _Learner()})
+  for _ in range(3):
+    np.testing.assert_allclose(f(p, _x(5)), EXACT(p, _x(5)), rtol=1e-6, atol=1e-6)
+  fam = next(iter(f._dispatcher.families.values()))
+  (q,) = [q for _, q in fam.observers]
+  assert q.seen == 3 and not fam.executors and not fam.watched_plan
 
 
 def test_background_lowering_switches_the_gil_quickly_and_restores_it():
