@@ -323,3 +323,19 @@ def driver() -> Driver:
 
 if hasattr(os, "register_at_fork"):  # a forked child starts its own (or none)
   os.register_at_fork(after_in_child=_driver.clear)
+
+
+@functools.cache
+def whole_bytes(dtype) -> bool:
+  """Whether ``dtype``'s elements are whole bytes, as numpy lays them out, on the device too:
+  numpy's own kinds and ml_dtypes' 8- and 16-bit floats; not int4/uint4/int2/float4 (one an
+  unpacked byte in numpy, packed on the device: the driver copies bytes as they are)."""
+  if dtype.kind in "biufc":
+    return True
+  try:
+    import ml_dtypes  # noqa: PLC0415 - jax's own dependency
+
+    info = ml_dtypes.finfo(dtype) if "float" in dtype.name else ml_dtypes.iinfo(dtype)
+    return info.bits == 8 * dtype.itemsize
+  except Exception:  # noqa: BLE001 - an unknown kind: JAX's transfer
+    return False

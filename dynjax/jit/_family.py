@@ -144,17 +144,15 @@ class Family:
                              min(self.policies[i].max_compiles for i in auto_idx))
       self.observers = tuple((i, p) for i, p in self.observers if i not in auto_idx)
     self.dynamic_plan = bool(self.observers) or self.joint is not None
-    # Executors are kept by sizes where the plan is fixed, or where every policy that learns
-    # from traffic tells this family when its table changes (``Auto.watch``: ``plan_changed``
-    # makes them stale); a kept executor's calls show their sizes to those policies
-    # (``Executor.watch``).  Before, an ``auto`` function built an executor on every call:
-    # +125 us a call on the 2-core box (tiny function, numpy in and out, 86 -> 212 us).
+    # Executors are kept by sizes where the plan is fixed, or where each learning policy says
+    # when its table moves (``Auto.watch`` -> ``plan_changed``); their calls show it their
+    # sizes (``Executor.watch``).  An executor a call cost an auto function 0.47 ms a request
+    # on the H200 (BERT-base, probe_cost_curve.py: 3.50 -> 3.03 ms).
     self.watched_plan = self.joint is None and bool(self.observers) and all(
         hasattr(p, "watch") for _, p in self.observers)
     self.keeps_executors = not self.dynamic_plan or self.watched_plan
-    if self.watched_plan:
-      for _, p in self.observers:
-        p.watch(self)
+    for _, p in self.observers if self.watched_plan else ():
+      p.watch(self)
     # One device: executables take the arguments' own pytrees (jax flattens them in C++), so
     # the hot path never flattens model parameters in Python.  Sharded: flat leaves.
     self.structured = self.shard is None
@@ -376,8 +374,7 @@ class Family:
         f"dynjax.jit({self.name}): running unpadded, one compile per shape: {reason}",
         stacklevel=user_stacklevel())
 
-  def plan_changed(self) -> None:
-    """A policy's table changed (``Auto.watch``): the executors kept by sizes are stale."""
+  def plan_changed(self) -> None:  # a policy's table moved (Auto.watch): executors are stale
     self.gen += 1
 
   def bucket_env(self, bkey) -> dict[str, int]:

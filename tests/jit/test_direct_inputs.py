@@ -206,7 +206,7 @@ def test_only_dtypes_laid_out_alike_take_the_copy(dtype, whole):
   import ml_dtypes
 
   dt = np.dtype(getattr(ml_dtypes, dtype, None) or dtype)
-  assert _placement._whole_bytes(dt) is whole
+  assert _cuda.whole_bytes(dt) is whole
 
 
 def test_without_libcuda_the_driver_says_so_once(monkeypatch):

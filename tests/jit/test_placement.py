@@ -504,3 +504,29 @@ def test_padded_calls_with_split_copies_are_exact(parallel_copies, pinned, paddi
     s, h = f(x)
     np.testing.assert_allclose(s, x.sum(1), rtol=1e-5, atol=1e-4)
     np.testing.assert_array_equal(h, x[:, :, :4] * 2)
+
+
+def test_an_executables_device_is_read_once_and_forgotten_with_it():
+  # jax rebuilds input_shardings (every parameter's) on each read: kept per executable.
+  reads = []
+
+  class Exe:
+    @property
+    def input_shardings(self):
+      reads.append(1)
+      return ((jax.sharding.SingleDeviceSharding(jax.devices()[0]),) * 3, {})
+
+  exe = Exe()
+  assert _placement.exe_device(exe) == jax.devices()[0] == _placement.exe_device(exe)
+  assert len(reads) == 1 and exe in _placement._EXE_DEVICE
+  del exe
+  assert not any(type(k).__name__ == "Exe" for k in list(_placement._EXE_DEVICE))
+  # A real executable too; one that cannot be weakly referenced is read each time.
+  c = jax.jit(lambda x: x + 1).lower(jnp.ones(3)).compile()
+  assert _placement.exe_device(c) == jax.devices()[0] and c in _placement._EXE_DEVICE
+
+  class Slotted:
+    __slots__ = ()
+    input_shardings = Exe.input_shardings
+
+  assert _placement.exe_device(Slotted()) == jax.devices()[0] and len(reads) == 2
