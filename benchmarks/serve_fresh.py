@@ -694,6 +694,7 @@ def _spawn(args, mode, cache) -> dict:
   flags = xla_options.as_flags(xla_options.OPTION_SETS["nocb"]) if "nocb" in mode else ""
   env = dict(_isolated.env_with_xla_flags(flags) if flags else os.environ,
              SERVE_FRESH_T0=repr(time.time()))
+  env.setdefault("PYTHONFAULTHANDLER", "1")  # a crash prints every thread's stack (stderr)
   if args.bytecode:  # the checkout's modules compiled once, as an installed package ships them
     env["PYTHONPYCACHEPREFIX"] = args.bytecode
   if "_noprerun" in mode:  # background builds do not run their executables ahead
