@@ -58,6 +58,7 @@ from dynjax.bucketing._padding_core import (
   bind_plain,
   is_dynamic_dim,
   register,
+  sub_jaxprs,
   unsupported,
 )
 
@@ -283,3 +284,25 @@ def _attention_rule(ctx, eqn, invals):
     bias = neg if bias is None else bias + neg.astype(bias.dtype)
     ctx.note(eqn, f"XLA: padded keys get a -inf bias (true {ka.shape[1]})")
   return [PaddedValue(_dpa(q, k, v, mask, bias, None, scale=p["scale"], impl="xla"))]
+
+
+# cuDNN's kernels (fused attention, cuDNN fusions), by the primitive jax binds them with.
+CUDNN_PRIMITIVES = ("dot_product_attention", "cudnn_fusion")
+
+
+def runs_cudnn(jaxpr, attention: str | None) -> bool:
+  """Whether a family's executables call cuDNN's kernels: ``attention="cudnn"``, or a
+  primitive of :data:`CUDNN_PRIMITIVES` in its jaxpr (``jax.nn.dot_product_attention(...,
+  implementation="cudnn")`` written in the model), nested jaxprs included.  Why: two builds of
+  such executables at once crashed the process (SIGSEGV; ``jit/_serving.py`` builds them one
+  at a time)."""
+  if attention == "cudnn":
+    return True
+  todo = [jaxpr] if jaxpr is not None else []
+  while todo:
+    j = todo.pop()
+    for e in getattr(j, "jaxpr", j).eqns:  # (a ClosedJaxpr's jaxpr)
+      if e.primitive.name.startswith(CUDNN_PRIMITIVES):
+        return True
+      todo.extend(sub_jaxprs(e.params))
+  return False

@@ -48,8 +48,8 @@ from dynjax.jit._guards import (
   capped_bucket,
   declared_checks,
   equality_guards,
-  guard_texts,
   held_bucket,
+  outside_guards,
   trace_failure_hint,
   trust_bucket_holds,
 )
@@ -315,25 +315,8 @@ class Family:
     return not (self.declared and broken_declared(self, sizes))
 
   def outside_guards(self, sizes) -> None:
-    """Call before running ``sizes`` (with ``guard_ok(sizes)`` False) exact: raises
-    ``PaddingFallbackError`` under ``on_fallback="error"``, else warns once per family."""
-    names = self.sig.var_order
-    bad = list(guard_texts(names, {i: (lo, hi) for i, lo, hi in self._guard_bounds
-                                   if not lo <= sizes[i] <= hi}))
-    bad += [f"{text} ({where})" for text, diff, where in self._unequal if diff(sizes) == 0]
-    bad += broken_declared(self, sizes)  # labelled: constraints=, or inferred
-    at = ", ".join(f"{v} = {n}" for v, n in zip(self.sig.var_order, sizes, strict=True))
-    what = (f"dynjax.jit({self.name}): sizes {at} violate the guard(s) {', '.join(bad)} "
-            "inferred while tracing")
-    if self.ctx.opts.on_fallback == "error":
-      raise PaddingFallbackError(
-          f"{what}, and on_fallback='error' refuses to run them unpadded (one compile per "
-          f"shape). Fix: keep {', '.join(bad)}, or pass constraints=[...] that decide the "
-          "comparison the other way, or on_fallback='warn'") from None
-    if not self._warned_guards:
-      self._warned_guards = True
-      warnings.warn(f"{what}: such calls run unpadded, one compile per shape",
-                    stacklevel=user_stacklevel())
+    """Before running ``sizes`` exact (``guard_ok`` False): see :func:`_guards.outside_guards`."""
+    outside_guards(self, sizes)
 
   def _guarded_probe_bucket(self) -> tuple[int, ...]:
     """The probe bucket: each policy's smallest, each variable's at least its guards' lower

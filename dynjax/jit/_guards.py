@@ -18,7 +18,7 @@ import warnings
 import numpy as np
 
 from dynjax import _symbolic
-from dynjax._errors import user_stacklevel
+from dynjax._errors import PaddingFallbackError, user_stacklevel
 from dynjax.jit import _facts
 from dynjax.jit._facts import (  # noqa: F401 - re-exported
   _CLASH,
@@ -370,3 +370,25 @@ def broken_declared(fam, sizes) -> list[str]:
   """The ``constraints=[...]`` (the user's, and inferred rules) that true ``sizes`` break
   (none: ``[]``), each labelled by where it came from."""
   return [text for text, lhs, op, rhs in fam.declared if not _HOLDS[op](lhs(sizes), rhs(sizes))]
+
+
+def outside_guards(fam, sizes) -> None:
+  """Call before running ``sizes`` of ``fam`` (with ``fam.guard_ok(sizes)`` False) exact:
+  raises ``PaddingFallbackError`` under ``on_fallback="error"``, else warns once a family."""
+  names = fam.sig.var_order
+  bad = list(guard_texts(names, {i: (lo, hi) for i, lo, hi in fam._guard_bounds
+                                 if not lo <= sizes[i] <= hi}))
+  bad += [f"{text} ({where})" for text, diff, where in fam._unequal if diff(sizes) == 0]
+  bad += broken_declared(fam, sizes)  # labelled: constraints=, or inferred
+  at = ", ".join(f"{v} = {n}" for v, n in zip(names, sizes, strict=True))
+  what = (f"dynjax.jit({fam.name}): sizes {at} violate the guard(s) {', '.join(bad)} "
+          "inferred while tracing")
+  if fam.ctx.opts.on_fallback == "error":
+    raise PaddingFallbackError(
+        f"{what}, and on_fallback='error' refuses to run them unpadded (one compile per "
+        f"shape). Fix: keep {', '.join(bad)}, or pass constraints=[...] that decide the "
+        "comparison the other way, or on_fallback='warn'") from None
+  if not fam._warned_guards:
+    fam._warned_guards = True
+    warnings.warn(f"{what}: such calls run unpadded, one compile per shape",
+                  stacklevel=user_stacklevel())

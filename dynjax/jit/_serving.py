@@ -38,7 +38,7 @@ import jax
 import numpy as np
 
 from dynjax._config import config
-from dynjax.bucketing import _cost
+from dynjax.bucketing import _attention, _cost
 from dynjax.jit import _prerun, _traffic
 from dynjax.jit._family import BucketEntry, Family
 from dynjax.jit._guards import capped_bucket
@@ -65,11 +65,9 @@ KEEP_LOWERED = 16
 # only 1-2 of them finished before the process ended.  wait() runs them at once.
 TIER_UP_AFTER = config.tier_up_after
 TIER_UP_IDLE_S = 1.0
-# Whether a gap before a function's first call counts as a traffic gap.  No: the tier-up still
-# compiling when requests come stalls them and holds back the plan's next buckets.  H100,
-# BERT-base fp32, a warmed cold stream of 1,000 requests (jax 0.11.2): with it, 512 tiered up
-# before the first request, 256 compiled through the first 4 s of the stream, 739 requests ran
-# on a larger bucket: 4.91 s (PyTorch eager 4.27); without it another run's took 5.33 s (5.84).
+# Whether a gap before a function's first call counts as a traffic gap.  No: a tier-up still
+# compiling when requests come stalls them and holds back the plan's next buckets (H100,
+# BERT-base fp32, warmed cold stream: with it 739 of 1,000 requests ran on a larger bucket).
 TIER_UP_BEFORE_TRAFFIC = False
 # A background compile slows the requests served while it runs (GPU serving: host cores, the
 # GIL while it lowers, the device while its first run loads).  A tier-0 job starts when what
@@ -494,8 +492,10 @@ class Compiler:
     todo = sorted({capped_bucket(fam, b) for b in todo} | set(stored))  # guards' bounds
     before, loads_before = self.cache.compiles, self.cache.loads
     t0 = time.perf_counter()
-    if background:  # in order (_traffic.warm_order), max_workers at once (CompileScheduler.warm)
-      self.sched().warm(max_workers)
+    if background:  # in order (_traffic.warm_order), max_workers at once (CompileScheduler.warm;
+      # cuDNN's kernels one at a time: two at once crashed 3 of 5 bf16 processes, H200)
+      one = _attention.runs_cudnn(fam.jaxpr, self.opts.attention)
+      self.sched().warm(max_workers or (1 if one else None))
       futs = [self.schedule(fam, b, 0, warm=_traffic.at_startup(fam, b))
               for b in _traffic.warm_order(fam, todo, stored)]
       return {"buckets": todo, "pending": sum(not f.done() for f in futs), "seconds": 0.0}

@@ -972,6 +972,51 @@ def test_a_big_host_warms_up_two_at_once_until_traffic_comes(monkeypatch):
   assert g.wait(30)
 
 
+def _fake_cudnn_primitive():
+  """A primitive named as jax's cuDNN attention binds it (runs as tanh: CPU tests)."""
+  from jax.extend import core as jex_core
+  from jax.interpreters import mlir
+
+  prim = jex_core.Primitive("dot_product_attention_fwd_test")
+  prim.def_impl(jnp.tanh)
+  prim.def_abstract_eval(lambda x: jax.core.ShapedArray(x.shape, x.dtype))
+  mlir.register_lowering(prim, mlir.lower_fun(jnp.tanh, multiple_results=False))
+  return prim
+
+
+_CUDNN = _fake_cudnn_primitive()
+
+
+def test_a_warm_up_builds_cudnn_kernels_one_at_a_time(monkeypatch):
+  # H200, bf16 BERT-base with attention="cudnn": 3 of 5 processes died of SIGSEGV while the
+  # start-up warm-up built two buckets at once (one at a time, before session 35: none).
+  from dynjax.bucketing import _attention
+
+  monkeypatch.setattr(serving_mod, "on_gpu", lambda: False)
+  monkeypatch.setattr(_scheduler, "STARTUP_CORES", 1)
+
+  def model(params, x):  # the model's own cuDNN attention, inside a nested jit (pad-safe)
+    return jax.jit(_CUDNN.bind)(x @ params["w"]).sum(1)
+
+  def plain(params, x):
+    return jnp.tanh(x @ params["w"]).sum(1)
+
+  assert _attention.runs_cudnn(jax.make_jaxpr(model)(_params(), _x(5)), None)
+  assert not _attention.runs_cudnn(jax.make_jaxpr(plain)(_params(), _x(5)), None)
+  assert _attention.runs_cudnn(None, "cudnn") and not _attention.runs_cudnn(None, "pallas")
+  p = _params()
+  at_once = {}
+  for name, fn in (("cudnn", model), ("plain", plain)):
+    f = dynjax.jit(fn, dims={"x": "b, t, 4"}, padding="trust", serving=True,
+                   compile_workers=3, buckets={"b": [2], "t": dynjax.buckets.pow2(4, 64)})
+    f.warmup(p, _x(5), background=True)
+    at_once[name] = f._dispatcher.compiler.scheduler.warm_at_once
+    assert f.wait(30)
+    want = jax.jit(fn)(p, _x(5))
+    np.testing.assert_allclose(f(p, _x(5)), want, rtol=1e-6, atol=1e-6)
+  assert at_once == {"cudnn": 1, "plain": _scheduler.STARTUP_AT_ONCE}
+
+
 @pytest.mark.parametrize("keep", [16, 0])
 def test_a_tier_up_compiles_its_tier_zero_lowering(monkeypatch, keep):
   # A tier-1 recompile compiles the module its tier-0 build lowered, with the full options:
