@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import math
 import threading
+import weakref
 from collections import Counter
 from collections.abc import Sequence
 
@@ -52,6 +53,18 @@ class JointPlan:
     if all(p.max is not None for p in ps):
       self.top = tuple(_round_up(p.max, p.multiple) for p in ps)
     self._table: tuple[tuple, ...] = (self.top,) if self.top is not None else ()
+    self._watchers: weakref.WeakSet = weakref.WeakSet()  # as Auto's: told of table changes
+
+  def watch(self, family) -> None:
+    """``family.plan_changed()`` is called after every change of the table."""
+    with self._lock:
+      self._watchers.add(family)
+
+  def _set_table(self, table: tuple[tuple, ...]) -> None:  # (under self._lock)
+    if table != self._table:
+      self._table = table
+      for family in list(self._watchers):
+        family.plan_changed()
 
   # -- the dispatcher's side -----------------------------------------------------------------
   def sub(self, sizes: Sequence[int]) -> tuple:
@@ -79,7 +92,7 @@ class JointPlan:
         return None
       best = tuple(p.grow(n) for p, n in zip(ps, sub, strict=True))  # unbounded: extend
       with self._lock:
-        self._table = tuple(sorted(set(self._table) | {best}))
+        self._set_table(tuple(sorted(set(self._table) | {best})))
     if best not in self._used:
       with self._lock:
         self._used.add(best)
@@ -91,7 +104,7 @@ class JointPlan:
   def adopt(self, sub: tuple) -> None:
     with self._lock:
       self._used.add(sub)
-      self._table = tuple(sorted(set(self._table) | {sub}))
+      self._set_table(tuple(sorted(set(self._table) | {sub})))
 
   def sizes(self) -> tuple[tuple, ...]:
     return self._table
@@ -163,7 +176,7 @@ class JointPlan:
     new = self.plan()
     old_cost = self.expected_cost(self._table)
     if not self._table or self.expected_cost(new) < (1.0 - self.hysteresis) * old_cost:
-      self._table = new
+      self._set_table(new)
       self.replans += 1
 
   def __repr__(self) -> str:

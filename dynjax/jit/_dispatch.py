@@ -145,7 +145,7 @@ class Executor:
     self.true_elems = true_elems
     self.larger = bkey != own  # served on a larger bucket than its own (still compiling)
     # (policy, size) of each learning policy that sees the kept executor's calls (Family)
-    self.watch = tuple((p, sizes[i]) for i, p in fam.observers) if fam.watched_plan else None
+    self.watch = fam.watch_items(sizes) if fam.watched_plan else None
     self.bucket_id = (fam.fid, bkey)
 
   def run(self, vals):

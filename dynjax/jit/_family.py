@@ -148,10 +148,10 @@ class Family:
     # when its table moves (``Auto.watch`` -> ``plan_changed``); their calls show it their
     # sizes (``Executor.watch``).  An executor a call cost an auto function 0.47 ms a request
     # on the H200 (BERT-base, probe_cost_curve.py: 3.50 -> 3.03 ms).
-    self.watched_plan = self.joint is None and bool(self.observers) and all(
-        hasattr(p, "watch") for _, p in self.observers)
+    plans = [p for _, p in self.observers] + ([self.joint] if self.joint is not None else [])
+    self.watched_plan = bool(plans) and all(hasattr(p, "watch") for p in plans)
     self.keeps_executors = not self.dynamic_plan or self.watched_plan
-    for _, p in self.observers if self.watched_plan else ():
+    for p in plans if self.watched_plan else ():
       p.watch(self)
     # One device: executables take the arguments' own pytrees (jax flattens them in C++), so
     # the hot path never flattens model parameters in Python.  Sharded: flat leaves.
@@ -359,6 +359,11 @@ class Family:
 
   def plan_changed(self) -> None:  # a policy's table moved (Auto.watch): executors are stale
     self.gen += 1
+
+  def watch_items(self, sizes) -> tuple:
+    """(plan, what it observes) for each plan that learns from the sizes (Executor.watch)."""
+    joint = () if self.joint is None else ((self.joint, self.joint.sub(sizes)),)
+    return tuple((p, sizes[i]) for i, p in self.observers) + joint
 
   def bucket_env(self, bkey) -> dict[str, int]:
     return dict(zip(self.sig.var_order, bkey, strict=True))

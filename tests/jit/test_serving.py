@@ -557,7 +557,7 @@ def test_executors_are_kept_only_where_no_call_decides_something():
                    ({"max_executables": 2}, False),
                    ({"buckets": {"b": [2], "t": auto}}, True),  # the plan tells (Auto.watch)
                    ({"buckets": {"b": [2], "t": _Learner()}}, False),  # nothing tells
-                   ({"buckets": auto}, False)):  # b and t planned jointly
+                   ({"buckets": auto}, True)):  # b and t planned jointly (JointPlan.watch)
     f = dynjax.jit(_model, dims={"x": "b, t, 4"}, padding="auto",
                    **{"buckets": {"b": [2], "t": dynjax.buckets.pow2(4, 64)}, **kw})
     for _ in range(3):
@@ -594,6 +594,22 @@ def test_an_auto_plan_keeps_its_executors_until_it_moves_a_size_and_sees_every_c
   assert fam.gen == gen + 1
   np.testing.assert_allclose(f(p, _x(5)), EXACT(p, _x(5)), rtol=1e-6, atol=1e-6)
   assert f.stats()["per_bucket_calls"]["b=2, t=8"] == 5
+
+
+def test_a_joint_plan_keeps_its_executors_and_sees_every_call(compiles):
+  p = _params()
+  f = dynjax.jit(_model, dims={"x": "b, t, 4"}, padding="auto",
+                 buckets=dynjax.buckets.auto(max_compiles=3, max=64))
+  for _ in range(12):
+    np.testing.assert_allclose(f(p, _x(5)), EXACT(p, _x(5)), rtol=1e-6, atol=1e-6)
+  fam = next(iter(f._dispatcher.families.values()))
+  assert fam.joint is not None and fam.watched_plan
+  assert fam.joint._n == 12 and fam.joint._hist[(2, 5)] == 12  # every call seen, none twice
+  s = f.stats()
+  assert s["per_bucket_calls"] == {"b=64, t=64": 8, "b=8, t=8": 4}, s["per_bucket_calls"]
+  assert s["cache_hits"] == 10 and compiles() == 2
+  (ex,) = [e for e in fam.executors.values() if e.gen == fam.gen]
+  assert ex.bkey == (8, 8)
 
 
 def test_a_policy_that_does_not_tell_sees_every_call_through_a_fresh_executor():
