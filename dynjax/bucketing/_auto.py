@@ -54,7 +54,25 @@ DEFAULT_MAX_COMPILES = 8
 SERVING_MAX_COMPILES = 16
 
 
-class Auto(BucketPolicy):
+class Watched:
+  """A plan that learns from traffic and tells the families keeping executors by sizes when
+  its table moves (a size's bucket may have changed): each ``watch``-ing family's
+  ``plan_changed()`` runs after every change.  Needs ``_lock``, ``_table`` and ``_watchers``
+  (a ``weakref.WeakSet``); every write of the table after construction goes through
+  ``_set_table``, under ``_lock``."""
+
+  def watch(self, family) -> None:
+    with self._lock:
+      self._watchers.add(family)
+
+  def _set_table(self, table) -> None:
+    if table != self._table:
+      self._table = table
+      for family in list(self._watchers):
+        family.plan_changed()
+
+
+class Auto(BucketPolicy, Watched):
   """Profile-guided buckets re-planned from the observed histogram and measured costs.
 
   Cold start: a single bucket at ``max`` (or the next power of two above the first size when
@@ -118,18 +136,6 @@ class Auto(BucketPolicy):
     # those stale (a size's bucket may have moved), so each is told (its ``plan_changed``).
     self._watchers: weakref.WeakSet = weakref.WeakSet()
     super().__init__(min, max, multiple)
-
-  def watch(self, family) -> None:
-    """``family.plan_changed()`` is called after every change of this policy's table."""
-    with self._lock:
-      self._watchers.add(family)
-
-  def _set_table(self, table: tuple[int, ...]) -> None:
-    # (under self._lock) every write of the table after construction goes through here
-    if table != self._table:
-      self._table = table
-      for family in list(self._watchers):
-        family.plan_changed()
 
   def _quantum(self) -> int:
     return math.lcm(self.align, self.multiple)

@@ -25,14 +25,14 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from dynjax.bucketing._auto import early_budget
+from dynjax.bucketing._auto import Watched, early_budget
 
 
 def _round_up(n: int, q: int) -> int:
   return -(-n // q) * q
 
 
-class JointPlan:
+class JointPlan(Watched):
   """Bucket tuples for the variables ``idx`` (positions in the family's size tuple)."""
 
   def __init__(self, policies: Sequence, idx: Sequence[int], max_compiles: int,
@@ -53,18 +53,7 @@ class JointPlan:
     if all(p.max is not None for p in ps):
       self.top = tuple(_round_up(p.max, p.multiple) for p in ps)
     self._table: tuple[tuple, ...] = (self.top,) if self.top is not None else ()
-    self._watchers: weakref.WeakSet = weakref.WeakSet()  # as Auto's: told of table changes
-
-  def watch(self, family) -> None:
-    """``family.plan_changed()`` is called after every change of the table."""
-    with self._lock:
-      self._watchers.add(family)
-
-  def _set_table(self, table: tuple[tuple, ...]) -> None:  # (under self._lock)
-    if table != self._table:
-      self._table = table
-      for family in list(self._watchers):
-        family.plan_changed()
+    self._watchers: weakref.WeakSet = weakref.WeakSet()  # (Watched)
 
   # -- the dispatcher's side -----------------------------------------------------------------
   def sub(self, sizes: Sequence[int]) -> tuple:
