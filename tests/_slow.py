@@ -15,6 +15,8 @@ when a run measures it at 1.5 s or more (seconds beside each id: that run, for r
 MODULES = ("tests/bucketing/test_zoo.py",)  # 13 tests, 64 s, and a 9.5 s module fixture
 
 TESTS = {
+  # session 36: a hypothesis property over auto and joint plans (2.75 s alone)
+  "tests/jit/test_serving.py::test_property_kept_executors_follow_the_plan_and_every_call_is_seen_once": 2.75,
   "tests/benchmarks/test_bench_moe_public.py::test_the_kernels_mode_runs_the_model_as_written_with_the_rewrite": 4.7,
   "tests/control/test_edge_cases.py::test_python_scalars_ride_in_the_ids_array_and_big_ones_are_stacked[False]": 4.2,
   "tests/control/test_edge_cases.py::test_python_scalars_ride_in_the_ids_array_and_big_ones_are_stacked[True]": 4.1,

@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import dynjax
 from dynjax._errors import PaddingUnsupportedError
@@ -1166,3 +1168,36 @@ def test_a_stored_executable_that_fails_its_first_run_is_compiled_again(tmp_path
   np.testing.assert_allclose(h(p, _x(7)), EXACT(p, _x(7)), rtol=1e-6, atol=1e-6)
   assert (h.stats()["compiles"], h.stats()["loaded_from_store"], h.stats()["stored_rebuilt"]) \
       == (0, 1, 0)
+
+
+_AUTO_F = {}
+
+
+@settings(max_examples=25, deadline=None)
+@given(ts=st.lists(st.integers(1, 40), min_size=1, max_size=40),
+       joint=st.booleans())
+def test_property_kept_executors_follow_the_plan_and_every_call_is_seen_once(ts, joint):
+  # One function per kind across examples (compiles are reused): whatever sizes come, in any
+  # order, each call is exact, the plans see it exactly once, and once the calls are done a
+  # size runs on the bucket the current plan gives it (no executor outlives a plan change).
+  if joint not in _AUTO_F:
+    buckets = (dynjax.buckets.auto(max_compiles=4, max=64) if joint else
+               {"b": [2], "t": dynjax.buckets.auto(max_compiles=4, max=64)})
+    _AUTO_F[joint] = dynjax.jit(_model, dims={"x": "b, t, 4"}, padding="auto", buckets=buckets)
+  f, p = _AUTO_F[joint], _params()
+  fam = None
+  before = None
+  for t in ts:
+    np.testing.assert_allclose(f(p, _x(t)), EXACT(p, _x(t)), rtol=1e-5, atol=1e-6)
+    fam = fam or next(iter(f._dispatcher.families.values()))
+    if before is None:
+      before = fam.joint._n - 1 if joint else fam.observers[0][1]._n_obs - 1
+  seen = fam.joint._n if joint else fam.observers[0][1]._n_obs
+  assert seen - before == len(ts)
+  for t in set(ts):
+    sizes = (2, t)
+    want = fam.bucket_of(sizes, observe=False)
+    ex = next((e for e in fam.executors.values() if e.sizes == sizes and e.gen == fam.gen),
+              None)
+    if ex is not None:
+      assert ex.bkey == want, (t, ex.bkey, want)
