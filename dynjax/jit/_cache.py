@@ -45,6 +45,10 @@ class ExecutableCache:
     self.compile_seconds = 0.0
     self.evictions = 0
     self.compile_log: list[tuple[Hashable, float]] = []
+    # fid -> the family whose ``(fid, bucket)`` keys these are: an evicted bucket's entry
+    # leaves its ``buckets`` too (before session 36 it stayed there, and with it every
+    # executable ever built: a bound of 2 over 6 buckets kept 6 alive).
+    self.owners: dict[Hashable, Any] = {}
 
   def built_seconds(self, key: Hashable) -> float | None:
     """Seconds the latest compile of ``key`` took, or None (loads are not logged)."""
@@ -124,8 +128,12 @@ class ExecutableCache:
       self._count_compile(key, dt)
     if self.max_entries is not None:
       while len(self._entries) > self.max_entries:
-        self._entries.popitem(last=False)
+        old_key, old = self._entries.popitem(last=False)
         self.evictions += 1
+        fam = self.owners.get(old_key[0]) if type(old_key) is tuple and len(old_key) == 2 else None
+        if fam is not None and fam.buckets.get(old_key[1]) is old:
+          fam.buckets.pop(old_key[1], None)
+          fam.gen += 1  # its executors hold the entry: stale now
     if self.log:
       logger.info("%s %s %s in %.3f s", "loaded" if stored else "compiled", self.name, key, dt)
 

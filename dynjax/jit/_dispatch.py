@@ -41,13 +41,10 @@ from dynjax.jit._stats import Counters
 class Executor:
   """The run routine of padded calls of one (family, shapes, host/device) on one bucket.
 
-  Measured (2-core CPU box, jax 0.10.2, tiny function ``x * 2 + 1`` through the top-level
-  path, timeit, session 35): numpy (8, 13) in and out 71-72 us against 51-52 for the same AOT
-  executable with the padding written by hand (np.zeros, a slice, np.asarray); a (8, 16)
-  device array 34 us against 17-20 for the executable alone.  The pieces timed alone add up
-  to ~3-5 us; right after an XLA:CPU dispatch the same Python runs several times slower on
-  that box.  BERT-base, H200 host, taking turns (probe_cost_curve.py): 3.28 ms a request
-  against 3.70 for hand-written pow2 buckets.  Building one costs ~0.2 ms (2-core box).
+  Measured (2-core box, jax 0.10.2, ``x * 2 + 1``, timeit, session 35): numpy (8, 13) in and
+  out 71-72 us against 51-52 for the AOT executable with hand-written padding; a (8, 16) device
+  array 34 us against 17-20.  BERT-base, H200 host, taking turns (probe_cost_curve.py): 3.28
+  ms a request against 3.70 for hand-written pow2 buckets.  Building one: ~0.2 ms (2-core).
   """
 
   __slots__ = ("fam", "gen", "sizes", "bkey", "exe", "pads", "zero_pad", "shard", "full_shapes",
@@ -55,7 +52,7 @@ class Executor:
                "single", "sync", "device", "return_padded", "timed", "check", "ctx", "n", "lock",
                "padded_elems", "true_elems", "larger", "bucket_id", "out_dynamic", "top",
                "plain_out", "casts", "fwd", "to_device", "numpy_out", "pad_sites", "cut_sites",
-               "reads", "as_is", "watch")
+               "reads", "as_is", "watch", "once")
 
   def __init__(self, ctx, fam: Family, sizes, own, bkey, entry, shapes, device: bool,
                top: bool, dev_sizes, out_shapes, true_elems: int, all_leaves: bool):
@@ -147,6 +144,7 @@ class Executor:
     # (policy, size) of each learning policy that sees the kept executor's calls (Family)
     self.watch = fam.watch_items(sizes) if fam.watched_plan else None
     self.bucket_id = (fam.fid, bkey)
+    self.once = False  # not kept (Dispatcher.resolve): its count folds in as its call ends
 
   def run(self, vals):
     """pad -> run -> unpad -> count.  ``vals``: the dynamic arguments (top-level path) or
@@ -240,6 +238,8 @@ class Executor:
       res = self.fwd.insert(res, vals)
     with self.lock:
       self.n += 1
+    if self.once:  # (registered, 4,096 of them kept their executables alive)
+      self.ctx.counters.fold(self)
     fam.tuple_hist[self.sizes] += 1
     if type(res) is list:
       out = res[0] if self.single else tree_unflatten(self.out_tree, res)
@@ -386,13 +386,13 @@ class Dispatcher:
                    else self.sizes_vector(fam, sizes))
     ex = Executor(self, fam, sizes, own, bkey, entry, shapes, device, top, dev_sizes,
                   out_shapes, true_elems, padded_in)
-    # Counted on read (registered); a replaced executor stays registered: a thread may be
-    # running it right now.
-    self.counters.register(ex)
     if self.keep_executors and fam.keeps_executors:
       if len(fam.executors) > 4096:
         fam.executors.clear()
       fam.executors[key] = ex
+      self.counters.register(ex)  # counted on read; a replaced one stays (a thread may run it)
+    else:
+      ex.once = True
     return ex
 
   def sizes_vector(self, fam: Family, sizes):
@@ -519,7 +519,7 @@ class Dispatcher:
         if type(x) is np.ndarray and x.dtype != a.dtype:
           fam.note_converted(i, x.dtype, a.dtype)
       self.families[key] = fam
-      self.all_families[fam.fid] = fam
+      self.all_families[fam.fid] = self.cache.owners[fam.fid] = fam
       return fam
 
   def _no_dims_on_static(self, specs, statics, dyn) -> None:

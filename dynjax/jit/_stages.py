@@ -147,7 +147,7 @@ class Compiled:
     dev_sizes = d.sizes_vector(fam, traced.sizes) if fam.mode == "auto" else None
     ex = Executor(d, fam, traced.sizes, own, self.bucket, self.entry, shapes, device, False,
                   dev_sizes, out_shapes, true_elems, padded_in)
-    d.counters.register(ex)
+    ex.once = True  # counted as its call ends (not kept)
     return ex.run(leaves)
 
   def __repr__(self) -> str:
