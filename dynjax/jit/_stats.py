@@ -36,16 +36,27 @@ class Counters:
     self.lowerings_reused = 0  # tier-1 recompiles that took their tier-0 build's lowering
     self.stored_rebuilt = 0  # stored executables that failed their first run, compiled again
     self.live: list = []  # executors whose own counts are not folded yet
+    self._sweep_at = 64  # len(live) at which register() next lets the replaced ones go
 
   # -- writes (each under the lock) ----------------------------------------------------------
   def register(self, ex) -> None:
-    """An executor kept for later calls: its counts are summed on read.  Replaced ones stay
-    (a thread may still run one) until 4,096 accumulate and are folded."""
+    """An executor kept for later calls: its counts are summed on read.  Once the list has
+    doubled since the last sweep, the replaced ones (their family's ``gen`` moved on; all of
+    them past 4,096) are folded and let go, so that none keeps a replaced executable alive
+    (a tier-0 one after its tier-up); a call still running on one folds its own count as it
+    ends (``Executor.once``; before session 36 such late counts were lost)."""
     with self.lock:
-      if len(self.live) >= 4096:
+      if len(self.live) >= self._sweep_at:
+        full = len(self.live) >= 4096
+        keep = []
         for old in self.live:
-          self._fold(old)
-        self.live.clear()
+          if full or old.gen != old.fam.gen:
+            self._fold(old)
+            old.once = True
+          else:
+            keep.append(old)
+        self.live = keep
+        self._sweep_at = max(64, 2 * len(keep))
       self.live.append(ex)
 
   def fold(self, ex) -> None:

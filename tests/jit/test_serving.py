@@ -1201,3 +1201,27 @@ def test_property_kept_executors_follow_the_plan_and_every_call_is_seen_once(ts,
               None)
     if ex is not None:
       assert ex.bkey == want, (t, ex.bkey, want)
+
+
+def test_replaced_executors_are_let_go_and_every_call_still_counts():
+  # Each plan change replaces a family's executors; the replaced ones are folded and dropped
+  # from the counters as the list grows (none keeps a replaced executable alive), and a call
+  # that runs on one after that still counts (Executor.once).
+  p = _params()
+  f = dynjax.jit(_model, dims={"x": "b, t, 4"}, padding="trust",
+                 buckets={"b": [2], "t": dynjax.buckets.pow2(4, 128)})
+  calls = 0
+  for rnd in range(3):
+    for t in range(1, 41):
+      f(p, _x(t))
+      calls += 1
+    fam = next(iter(f._dispatcher.families.values()))
+    if rnd == 0:
+      old = fam.executors[(((2, 7, 4),), False, False)]
+    fam.plan_changed()  # every executor stale
+  counters = f._dispatcher.counters
+  assert len(counters.live) <= 64  # 120 registered: the replaced ones went
+  assert old not in counters.live and old.once  # swept: folded, let go
+  old.run([p, _x(7)])  # a thread still holding it: its call counts all the same
+  calls += 1
+  assert f.stats()["calls"] == calls
