@@ -275,8 +275,8 @@ class Wrapped:
     tracing or lowering them again, so a restarted server is ready at once.
     ``background=True`` returns at once and builds the buckets (largest first): two at once
     until the function's first call on hosts of 8 or more cores with a compile worker to
-    spare (the default from 12 cores), else and then one at a time (``max_workers`` when
-    given);
+    spare (the default from 12 cores) unless its executables call cuDNN, else and then one at
+    a time (``max_workers`` when given);
     with ``async_compile=True``/``serving=True`` calls are then served on the smallest built
     bucket that fits while the rest build, and a call that needs a bucket no built one covers
     builds it at once beside them (``wait()`` blocks until all are done).  A blocking warmup
