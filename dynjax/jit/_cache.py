@@ -133,7 +133,7 @@ class ExecutableCache:
         fam = self.owners.get(old_key[0]) if type(old_key) is tuple and len(old_key) == 2 else None
         if fam is not None and fam.buckets.get(old_key[1]) is old:
           fam.buckets.pop(old_key[1], None)
-          fam.gen += 1  # its executors hold the entry: stale now
+          fam.gen += 1  # an executable dropped: executors built on it are stale
     if self.log:
       logger.info("%s %s %s in %.3f s", "loaded" if stored else "compiled", self.name, key, dt)
 

@@ -238,7 +238,7 @@ class Executor:
       res = self.fwd.insert(res, vals)
     with self.lock:
       self.n += 1
-    if self.once:  # (registered, 4,096 of them kept their executables alive)
+    if self.once:  # not registered (Counters.register): its count goes in now
       self.ctx.counters.fold(self)
     fam.tuple_hist[self.sizes] += 1
     if type(res) is list:
@@ -390,7 +390,7 @@ class Dispatcher:
       if len(fam.executors) > 4096:
         fam.executors.clear()
       fam.executors[key] = ex
-      self.counters.register(ex)  # counted on read; a replaced one stays (a thread may run it)
+      self.counters.register(ex)  # counted on read (Counters.register lets replaced ones go)
     else:
       ex.once = True
     return ex

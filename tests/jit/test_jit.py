@@ -251,18 +251,10 @@ def test_max_executables_evicts_lru(compiles):
     np.testing.assert_array_equal(f(np.ones(t, np.float32)), np.zeros(t))
   s = f.stats()
   assert s["executables"] == 2 and s["evictions"] == 5 and s["compiles"] == 7
-  # The evicted executables are let go of (the bound is the memory's): only the two in the
-  # cache stay alive, and their family holds no other (session 36: it held all seven).
-  import gc
-  import weakref
-
+  # The family holds only the two buckets the cache holds (session 36: it held all five;
+  # that their executables are collected: test_an_lru_bound_keeps_memory_flat_over_many_shapes).
   fam = next(iter(f._dispatcher.families.values()))
   assert sorted(fam.buckets) == [(1,), (2,)]
-  alive = [weakref.ref(e.exe) for e in fam.buckets.values()]
-  gc.collect()
-  live = [o for o in gc.get_objects() if type(o).__name__ == "Compiled"
-          and any(getattr(o, "_executable", None) is getattr(r(), "_executable", 0) for r in alive)]
-  assert all(r() is not None for r in alive) and len(live) == 2
   # ... and a size whose bucket was evicted compiles it again, exact.
   np.testing.assert_array_equal(f(np.ones(16, np.float32)), np.zeros(16))
   assert f.stats()["compiles"] == 8 and sorted(fam.buckets) == [(2,), (16,)]
