@@ -284,11 +284,11 @@ class Compiler:
         self.schedule(fam, bkey, 0, urgent=self._co_compile_own())
       else:
         urgent = self.schedule(fam, bkey, 0, urgent=True)
-      futs = self._covering_futures(fam, bkey) or [urgent]
+      futs = {urgent, *self._covering_futures(fam, bkey)}  # (urgent always: a queued job
+      # worth nothing now may never run; waiting on such alone hung a restart's first call)
       done, _ = concurrent.futures.wait(futs, return_when=concurrent.futures.FIRST_COMPLETED)
-      for f in done:
-        if f.exception() is not None and (f is urgent or len(futs) == 1):
-          raise f.exception()
+      if urgent in done and urgent.exception() is not None:
+        raise urgent.exception()
 
   def larger_bucket(self, fam: Family, bkey):
     """(bucket, entry) of the smallest compiled bucket that covers ``bkey``, or None."""

@@ -1225,3 +1225,33 @@ def test_replaced_executors_are_let_go_and_every_call_still_counts():
   old.run([p, _x(7)])  # a thread still holding it: its call counts all the same
   calls += 1
   assert f.stats()["calls"] == calls
+
+
+def test_a_call_never_waits_on_a_covering_job_that_may_never_run(monkeypatch):
+  # The race behind a hung restart test: the call found nothing compiled, then its covering
+  # bucket finished before the call listed what it could wait for; the list held only a
+  # queued job worth nothing now (it may never run), and the call waited on it forever.  The
+  # call's own urgent future is always among those waited for.
+  monkeypatch.setattr(serving_mod, "on_gpu", lambda: False)
+  p = _params()
+  f = _serving(compile_workers=1)
+  np.testing.assert_allclose(f(p, _x(40)), EXACT(p, _x(40)), rtol=1e-6, atol=1e-6)
+  assert f.wait(30)
+  fam = next(iter(f._dispatcher.families.values()))
+  comp = f._dispatcher.compiler
+  monkeypatch.setattr(serving_mod.Compiler, "job_value", lambda self, job: 0.0)
+  comp.schedule(fam, (2, 32), 0)  # queued, covers t=5, never runs (worth nothing)
+  real, looks = serving_mod.Compiler.larger_bucket, []
+
+  def racy(self, fam_, bkey):  # the first look misses the top bucket (it finished just after)
+    looks.append(bkey)
+    return None if len(looks) == 1 else real(self, fam_, bkey)
+
+  monkeypatch.setattr(serving_mod.Compiler, "larger_bucket", racy)
+  got = []
+  caller = threading.Thread(target=lambda: got.append(f(p, _x(5))), daemon=True)
+  caller.start()
+  caller.join(30)  # (it hung here before)
+  assert not caller.is_alive() and len(got) == 1, "the call waited on a job that never runs"
+  np.testing.assert_allclose(got[0], EXACT(p, _x(5)), rtol=1e-6, atol=1e-6)
+  assert len(looks) == 2 and f.stats()["per_bucket_calls"]["b=2, t=64"] == 2
