@@ -48,6 +48,8 @@ Modes (``--modes``, in order; a ``*_restart`` mode reuses the cache of the mode 
   ``*pallas*``: with ``attention="pallas"`` (dynjax's Pallas flash attention; fp32 too).
   ``*_devout*``: ``host_outputs=False`` (outputs in device memory, the default before
   session 10; the default puts a numpy request's outputs in pinned host memory on GPU).
+  ``*_defer*`` (an experiment): a restart's new buckets (planned from the kept traffic, not
+  in its store) wait for its traffic instead of compiling at start-up on a big host.
   ``*_nostore*``: no ``cache_dir`` (no executable store, no JAX cache: what the store's
   writes cost a cold start).  ``*_flat*``: ``DYNJAX_OUTLINE=0`` (the padding pass interprets
   and JAX lowers every layer, as before session 30; by default repeated layers are padded and
@@ -162,6 +164,7 @@ class _Clock:
 
   def mark(self, name: str) -> None:
     self.marks[name] = round(self.now(), 4)
+    sys.stderr.write(f"serve_fresh mark {name} {self.marks[name]}\n")  # (a hung child's phase)
     # The heap's size as pymalloc's allocated blocks: ``len(gc.get_objects())`` here raced a
     # warm-up thread building a tuple (CPython's "tupleobject.c: bad argument to internal
     # function" SystemError in JAX's tracing: the H100 run 35 lost a bucket to it).
@@ -463,6 +466,11 @@ def _child_dynjax(args, clock, mode):
       return work(self)
 
     _scheduler.CompileScheduler._work = niced
+  if "_defer" in mode:  # experiment: a restart's new (kept-traffic) buckets wait for traffic
+    from dynjax.jit import _traffic
+
+    _traffic.at_startup = lambda fam, bkey: bkey not in _traffic._STATE.get(fam, {}).get(
+        "new", ())
   ladder = re.search(r"lad(\d+)", mode)  # experiment: a cold auto warm-up builds N buckets
   if ladder:
     from dynjax.bucketing import _auto
@@ -493,6 +501,7 @@ def _child_dynjax(args, clock, mode):
 
           msg += " | " + "".join(traceback.format_exception(*record.exc_info))[-1500:]
       timeline.append((round(clock.now(), 2), msg))
+      sys.stderr.write(f"serve_fresh timeline {timeline[-1][0]} {msg[:160]}\n")
 
   logging.getLogger("dynjax").addHandler(_Timeline(logging.INFO))
   logging.getLogger("dynjax").setLevel(logging.INFO)
@@ -710,15 +719,61 @@ def _spawn(args, mode, cache) -> dict:
   try:
     stdout, stderr = proc.communicate(timeout=args.timeout)
   except subprocess.TimeoutExpired:
+    stacks = _hung_stacks(args, mode, proc)
     proc.kill()
-    proc.communicate()
-    return {"mode": mode, "error": f"timed out after {args.timeout:.0f} s"}
+    _, stderr = proc.communicate()
+    return {"mode": mode, "error": f"timed out after {args.timeout:.0f} s",
+            "stderr_tail": stderr[-6000:], "stacks_file": stacks}
   finally:
     _CHILD[0] = None
   lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
   if proc.returncode != 0 or not lines:
     return {"mode": mode, "error": f"rc={proc.returncode}: {stderr[-3000:]}"}
   return json.loads(lines[-1][len("RESULT "):])
+
+
+def _hung_stacks(args, mode, proc) -> str | None:
+  """Before a hung child is killed: every thread's Python stack (the child's SIGUSR1 handler,
+  into its stderr) and, where ``py-spy`` or ``gdb`` is installed, the native stacks, into a
+  file under ``--out`` (its path is returned)."""
+  import shutil
+  import signal
+
+  proc.send_signal(signal.SIGUSR1)
+  time.sleep(2)
+  path = os.path.join(args.out or tempfile.gettempdir(), f"hang_{mode}_{proc.pid}.txt")
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  with open(path, "a") as fh:  # the GPU busy (a kernel spins) or idle (a host-side lock)?
+    for cmd in (["nvidia-smi", "--query-gpu=utilization.gpu,memory.used", "--format=csv"],):
+      if shutil.which(cmd[0]):
+        got = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+        fh.write(f"== {' '.join(cmd)}\n{got.stdout}{got.stderr}\n")
+    fh.write("== threads (name, state, wchan)\n")
+    for tid in sorted(os.listdir(f"/proc/{proc.pid}/task")):
+      try:
+        name = open(f"/proc/{proc.pid}/task/{tid}/comm").read().strip()
+        state = open(f"/proc/{proc.pid}/task/{tid}/stat").read().split(") ")[1].split()[0]
+        wchan = open(f"/proc/{proc.pid}/task/{tid}/wchan").read().strip()
+      except OSError:
+        continue
+      fh.write(f"{tid} {name} {state} {wchan}\n")
+  for cmd in (["py-spy", "dump", "--native", "--pid", str(proc.pid)],
+              ["gdb", "-p", str(proc.pid), "-batch", "-ex", "thread apply all bt 30"]):
+    if shutil.which(cmd[0]) is None:
+      continue
+    try:
+      got = subprocess.run(cmd, capture_output=True, text=True, timeout=40)
+    except (subprocess.TimeoutExpired, OSError) as e:
+      got = None
+      text = f"{cmd[0]}: {e}"
+    else:
+      text = got.stdout + got.stderr
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "a") as fh:
+      fh.write(f"== {' '.join(cmd)}\n{text}\n")
+    if got is not None and got.returncode == 0:
+      break
+  return path if os.path.exists(path) else None
 
 
 _CHILD: list = [None]  # the mode's process now running (killed with this one)
@@ -736,6 +791,10 @@ def _kill_child(signum, frame):
 def main(argv=None) -> dict:
   args = _parse(argv)
   if args.child:
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent asks a hung child
     rec = child(args)
     print("RESULT " + json.dumps(rec), flush=True)
     os._exit(0)  # background compile threads need not finish
@@ -811,7 +870,7 @@ def cache_key(mode: str) -> tuple[bool, str]:
   what a process does at start-up only: ``X_warm_restart`` and ``X_restart`` restart on the
   cache of ``X`` or ``X_warm``, whichever ran last (every cold mode gets a fresh cache)."""
   m = (mode.removesuffix("_prof").replace("_again", "").replace("_noprerun", "")
-       .replace("_nostore", "").replace("_nokeep", ""))
+       .replace("_nostore", "").replace("_nokeep", "").replace("_defer", ""))
   return m.endswith("_restart"), m.removesuffix("_restart").replace("_warm", "")
 
 

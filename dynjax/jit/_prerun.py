@@ -12,10 +12,14 @@ serves, so that cost lands on a compile worker.
 Skipped, with the reason counted in ``stats()["preruns"]``: ``DYNJAX_PRERUN=0`` ("off"),
 platforms other than GPU (a CPU executable's first run costs ~ms: ``PLATFORMS``), functions
 with effects (a ``jax.debug.print`` or callback must not run on data nobody sent), donated
-arguments, extended dtypes (PRNG keys), and zero inputs of more than ``MAX_BYTES`` (one buffer
-per distinct shape, dtype and sharding: ~110 MB for BERT-base's float32 parameters, whose
-440 MB repeat a few shapes).  The executable cache's build seconds include the first run
-(H100, BERT-base: 0.79 s for 16 buckets, ~50 ms each with the zeros' copy).
+arguments, extended dtypes (PRNG keys), functions whose executables call cuDNN ("cuDNN": bf16
+BERT-base with ``attention="cudnn"`` on the H200, sessions 36-37: both SIGSEGV stacks recorded,
+of a cold process and of a restart, had a worker in a prerun's ``device_put``, and the one
+hang, a cold process stuck for good in its weights' upload, began as a prerun did; the first
+request runs them, as under plain JAX), and zero inputs of more than ``MAX_BYTES`` (one buffer
+per distinct shape, dtype and sharding: ~110 MB for BERT-base's float32 parameters, whose 440
+MB repeat a few shapes). The executable cache's build seconds include the first run (H100,
+BERT-base: 0.79 s for 16 buckets, ~50 ms each with the zeros' copy).
 """
 
 from __future__ import annotations
@@ -46,14 +50,17 @@ class Prerunner:
     with self._lock:
       return {"runs": self.runs, "seconds": self.seconds, "skipped": dict(self.skipped)}
 
+  def skip(self, why: str) -> None:
+    with self._lock:
+      self.skipped[why] += 1
+
   def run(self, fam, bkey, entry) -> bool:
     """Runs ``entry``'s executable once on zero inputs (true sizes = the bucket's own under
     ``padding="auto"``); False, with the reason counted, when it must not or need not."""
     exe = entry.exe
     args, why = _zero_args(fam, bkey, exe)
     if why is not None:
-      with self._lock:
-        self.skipped[why] += 1
+      self.skip(why)
       return False
     t0 = time.perf_counter()
     try:

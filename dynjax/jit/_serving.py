@@ -110,6 +110,7 @@ class Compiler:
     self.calls_at_compile = 0  # calls so far when the last tier-0 compile finished
     self._gap_probe = (-1, 0.0)  # (calls, since when) for _traffic_gap
     self.prerunner = _prerun.Prerunner()
+    self._cudnn: dict[int, bool] = {}  # fid -> its executables call cuDNN (runs_cudnn)
 
   # -- a call's entry ----------------------------------------------------------------------
   def ready(self, fam: Family, bkey) -> BucketEntry | None:
@@ -160,8 +161,20 @@ class Compiler:
     it meanwhile (a waiting caller runs it itself, on its own request)."""
     if prerun and not (self.scheduler is not None
                        and self.scheduler.waited_for((fam.fid, bkey, tier))):
-      self.prerunner.run(fam, bkey, entry)
+      if self.runs_cudnn(fam):  # a prerun was in flight in each SIGSEGV and hang of such a
+        # process seen (H200, bf16 BERT-base, sessions 36-37; _prerun's docstring): the first
+        # request runs it, as under plain JAX
+        self.prerunner.skip("cuDNN")
+      else:
+        self.prerunner.run(fam, bkey, entry)
     return entry
+
+  def runs_cudnn(self, fam: Family) -> bool:
+    """Whether ``fam``'s executables call cuDNN (``_attention.runs_cudnn``; once a family)."""
+    got = self._cudnn.get(fam.fid)
+    if got is None:
+      got = self._cudnn[fam.fid] = _attention.runs_cudnn(fam.jaxpr, self.opts.attention)
+    return got
 
   def _build(self, fam: Family, bkey, tier: int, stored_min: int = 0,
              prelower: bool = False) -> BucketEntry:
@@ -494,8 +507,7 @@ class Compiler:
     t0 = time.perf_counter()
     if background:  # in order (_traffic.warm_order), max_workers at once (CompileScheduler.warm;
       # cuDNN's kernels one at a time: two at once crashed 3 of 5 bf16 processes, H200)
-      one = _attention.runs_cudnn(fam.jaxpr, self.opts.attention)
-      self.sched().warm(max_workers or (1 if one else None))
+      self.sched().warm(max_workers or (1 if self.runs_cudnn(fam) else None))
       futs = [self.schedule(fam, b, 0, warm=_traffic.at_startup(fam, b))
               for b in _traffic.warm_order(fam, todo, stored)]
       return {"buckets": todo, "pending": sum(not f.done() for f in futs), "seconds": 0.0}

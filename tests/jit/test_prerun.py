@@ -95,6 +95,38 @@ def test_off_gpu_by_default_and_off_by_config(monkeypatch):
   assert g.stats()["preruns"]["skipped"] == {"off": 4}
 
 
+def test_executables_that_call_cudnn_are_not_run_ahead(on_cpu_too, tmp_path):
+  # H200, bf16 BERT-base with attention="cudnn" (sessions 36-37): both SIGSEGV stacks had a
+  # worker in a prerun's device_put, and a cold process hung in its weights' upload as a
+  # prerun began.  Such functions' first runs are left to their first requests: warm-up,
+  # background builds and a restart's loads alike; a function without cuDNN still runs ahead.
+  from tests.jit.test_serving import _CUDNN
+
+  def model(params, x):  # the model's own cuDNN attention (a primitive named as jax's)
+    return jax.jit(_CUDNN.bind)(x @ params["w"] + params["b"])
+
+  p, x = _params(), jax.ShapeDtypeStruct((2, 5, 4), np.float32)
+  f = dynjax.jit(model, padding="trust", **KW)
+  f.warmup(SHAPES, x)
+  assert f.stats()["preruns"] == {"runs": 0, "seconds": 0.0, "skipped": {"cuDNN": 4}}
+  g = dynjax.jit(_rowwise, padding="trust", **KW)
+  g.warmup(SHAPES, x)
+  assert g.stats()["preruns"]["runs"] == 4
+  kw = dict(KW, padding="trust", serving=True, cache_dir=str(tmp_path))
+  kw["attention"] = "cudnn"  # named (on the CPU no site is rewritten)
+  h = dynjax.jit(model, **kw)
+  h.warmup(SHAPES, x, background=True)
+  assert h.wait(timeout=120)
+  r = dynjax.jit(model, **kw)  # a restart: its stored buckets load, none runs ahead
+  np.testing.assert_allclose(r(p, _x(7)), jax.jit(model)(p, _x(7)), rtol=1e-6, atol=1e-6)
+  assert r.wait(timeout=120)
+  assert h.stats()["preruns"] == {"runs": 0, "seconds": 0.0, "skipped": {"cuDNN": 4}}
+  s = r.stats()
+  assert (s["compiles"], s["loaded_from_store"]) == (0, 4)
+  # (as in the test above: the loads nobody waited for, 2 or 3 of the 4, would have run ahead)
+  assert s["preruns"]["runs"] == 0 and s["preruns"]["skipped"]["cuDNN"] in (2, 3), s["preruns"]
+
+
 def test_functions_with_effects_are_not_run_on_data_nobody_sent(on_cpu_too, capfd):
   def loud(params, x):
     jax.debug.print("ran {}", x.shape[1])
