@@ -58,6 +58,12 @@ class ExecutableCache:
     """The executable for ``key`` or None (hot path: one dict lookup, ~0.1 us)."""
     return self._entries.get(key)
 
+  def touch(self, key: Hashable) -> None:
+    """``key`` was used now (a call ran its executable): the last to be evicted."""
+    with self._lock:
+      if key in self._entries:
+        self._entries.move_to_end(key)
+
   def keys(self):
     return list(self._entries.keys())
 

@@ -52,7 +52,7 @@ class Executor:
                "single", "sync", "device", "return_padded", "timed", "check", "ctx", "n", "lock",
                "padded_elems", "true_elems", "larger", "bucket_id", "out_dynamic", "top",
                "plain_out", "casts", "fwd", "to_device", "numpy_out", "pad_sites", "cut_sites",
-               "reads", "as_is", "watch", "once")
+               "reads", "as_is", "watch", "once", "lru")
 
   def __init__(self, ctx, fam: Family, sizes, own, bkey, entry, shapes, device: bool,
                top: bool, dev_sizes, out_shapes, true_elems: int, all_leaves: bool):
@@ -145,12 +145,15 @@ class Executor:
     self.watch = fam.watch_items(sizes) if fam.watched_plan else None
     self.bucket_id = (fam.fid, bkey)
     self.once = False  # not kept (Dispatcher.resolve): its count folds in as its call ends
+    self.lru = ctx.lru  # max_executables: the cache whose recency each run renews
 
   def run(self, vals):
     """pad -> run -> unpad -> count.  ``vals``: the dynamic arguments (top-level path) or
     the flat leaves."""
     fam = self.fam
     taken = None
+    if self.lru is not None:  # (a lock and an OrderedDict move: 61 vs 59 us a tiny call, 2-core)
+      self.lru.touch(self.bucket_id)
     for p, n in self.watch if self.watch is not None and self.n else ():  # (1st: resolve's)
       p.observe(n)
     if self.shard is not None:  # placed with their shardings, straight from the host
@@ -287,9 +290,10 @@ class Dispatcher:
     self._fids = itertools.count()
     self._auto_state: dict = {}
     self._sizes_on_device: dict = {}
-    # Executors are kept only where no call decides anything (an LRU bound may evict) and
-    # where the bucket of a size moves only when the family is told (Family.keeps_executors).
-    self.keep_executors = opts.max_executables is None
+    # Executors are kept where the bucket of a size moves only when the family is told
+    # (Family.keeps_executors).  Under an LRU bound (max_executables) each run touches its
+    # bucket (Executor.lru) and an eviction moves the family's gen: kept executors go stale.
+    self.lru = self.cache if opts.max_executables is not None else None
 
   def note_fallback(self, reason: str) -> None:
     self.fallbacks.append(reason)
@@ -386,7 +390,12 @@ class Dispatcher:
                    else self.sizes_vector(fam, sizes))
     ex = Executor(self, fam, sizes, own, bkey, entry, shapes, device, top, dev_sizes,
                   out_shapes, true_elems, padded_in)
-    if self.keep_executors and fam.keeps_executors:
+    if fam.keeps_executors:
+      if fam.swept != fam.gen:  # once a gen: the replaced executors (and the executables they
+        # hold: a tier-0 one after its tier-up) go now, not when their key comes back
+        fam.swept = fam.gen
+        fam.executors = {k: e for k, e in list(fam.executors.items()) if e.gen == fam.gen}
+        self.counters.sweep()
       if len(fam.executors) > 4096:
         fam.executors.clear()
       fam.executors[key] = ex

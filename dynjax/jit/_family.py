@@ -168,6 +168,7 @@ class Family:
     self.buckets: dict[tuple, BucketEntry] = {}
     self.host_buffers = _placement.HostBuffers()  # padded numpy inputs, reused
     self.executors: dict[tuple, Any] = {}  # hot-path key -> dispatch.Executor
+    self.swept = 0  # the gen whose replaced executors Dispatcher.resolve let go
     self.tuple_hist: Counter = Counter()  # true size tuples seen (explain, compile values)
     self.per_sizes: dict[tuple, tuple] = {}  # sizes -> (bucket, output shapes, true elems)
     self.bucket_time: dict[tuple, float] = {}  # measured seconds per call, per bucket

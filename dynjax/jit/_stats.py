@@ -41,23 +41,31 @@ class Counters:
   # -- writes (each under the lock) ----------------------------------------------------------
   def register(self, ex) -> None:
     """An executor kept for later calls: its counts are summed on read.  Once the list has
-    doubled since the last sweep, the replaced ones (their family's ``gen`` moved on; all of
-    them past 4,096) are folded and let go, so that none keeps a replaced executable alive
-    (a tier-0 one after its tier-up); a call still running on one folds its own count as it
-    ends (``Executor.once``; before session 36 such late counts were lost)."""
+    doubled since the last sweep, the replaced ones are let go (:meth:`sweep`; all of them
+    past 4,096)."""
     with self.lock:
       if len(self.live) >= self._sweep_at:
-        full = len(self.live) >= 4096
-        keep = []
-        for old in self.live:
-          if full or old.gen != old.fam.gen:
-            self._fold(old)
-            old.once = True
-          else:
-            keep.append(old)
-        self.live = keep
-        self._sweep_at = max(64, 2 * len(keep))
+        self._sweep(full=len(self.live) >= 4096)
       self.live.append(ex)
+
+  def sweep(self) -> None:
+    """Folds and lets go the replaced executors (their family's ``gen`` moved on), so that
+    none keeps a replaced executable alive (a tier-0 one after its tier-up, an evicted one);
+    a call still running on one folds its own count as it ends (``Executor.once``; before
+    session 36 such late counts were lost).  ``Dispatcher.resolve`` sweeps once a ``gen``."""
+    with self.lock:
+      self._sweep(full=False)
+
+  def _sweep(self, full: bool) -> None:
+    keep = []
+    for old in self.live:
+      if full or old.gen != old.fam.gen:
+        self._fold(old)
+        old.once = True
+      else:
+        keep.append(old)
+    self.live = keep
+    self._sweep_at = max(64, 2 * len(keep))
 
   def fold(self, ex) -> None:
     """Moves a one-off executor's counts into the totals."""

@@ -260,6 +260,22 @@ def test_max_executables_evicts_lru(compiles):
   assert f.stats()["compiles"] == 8 and sorted(fam.buckets) == [(2,), (16,)]
 
 
+def test_max_executables_evicts_the_least_recently_run_bucket(compiles):
+  # Every run renews its bucket, a kept executor's too (before session 37 a call that found
+  # its bucket built did not: the bound evicted the oldest build, here t=1, used just now).
+  f = dynjax.jit(lambda x: x - 1, dims={"x": "t"}, padding="trust", max_executables=2,
+                 buckets={"t": dynjax.buckets.pow2(1, 1024)})
+  for t in [1, 2, 1, 1, 4]:
+    np.testing.assert_array_equal(f(np.ones(t, np.float32)), np.zeros(t))
+  fam = next(iter(f._dispatcher.families.values()))
+  assert sorted(fam.buckets) == [(1,), (4,)] and compiles() == 3
+  assert len(fam.executors) == 1  # kept; those of the evicted bucket went stale and were let go
+  for t in [2, 4, 1, 3]:  # 2: built again (evicts 1); 4 kept; 1 built again (evicts 2); 3 runs on 4
+    np.testing.assert_array_equal(f(np.ones(t, np.float32)), np.zeros(t))
+  assert compiles() == 5 and sorted(fam.buckets) == [(1,), (4,)]
+  assert f.stats()["calls"] == 9
+
+
 def test_an_lru_bound_keeps_memory_flat_over_many_shapes():
   # 12 buckets through a bound of 3: the executables of the 9 evicted ones are collected.
   import gc

@@ -556,7 +556,7 @@ def test_executors_are_kept_only_where_no_call_decides_something():
   p = _params()
   auto = dynjax.buckets.auto(max_compiles=3, max=64)
   for kw, kept in (({"check": True}, True), ({"return_padded": True}, True),
-                   ({"max_executables": 2}, False),
+                   ({"max_executables": 2}, True),  # (each run renews its bucket)
                    ({"buckets": {"b": [2], "t": auto}}, True),  # the plan tells (Auto.watch)
                    ({"buckets": {"b": [2], "t": _Learner()}}, False),  # nothing tells
                    ({"buckets": auto}, True)):  # b and t planned jointly (JointPlan.watch)
@@ -1216,7 +1216,9 @@ def test_replaced_executors_are_let_go_and_every_call_still_counts():
       f(p, _x(t))
       calls += 1
     fam = next(iter(f._dispatcher.families.values()))
-    if rnd == 0:
+    if rnd == 0:  # (built after the last new bucket: executors before it were let go)
+      f(p, _x(7))
+      calls += 1
       old = fam.executors[(((2, 7, 4),), False, False)]
     fam.plan_changed()  # every executor stale
   counters = f._dispatcher.counters
@@ -1225,6 +1227,34 @@ def test_replaced_executors_are_let_go_and_every_call_still_counts():
   old.run([p, _x(7)])  # a thread still holding it: its call counts all the same
   calls += 1
   assert f.stats()["calls"] == calls
+
+
+def test_a_replaced_executable_goes_with_its_executors_at_the_next_miss():
+  # A bucket replaced (a tier-up; here built again at tier 1 by hand) makes every executor
+  # of its family stale.  The first miss after that lets them all go, from the family and
+  # from the counters, so the replaced executable is freed then, not when each of their keys
+  # comes back (before session 37 one that never came back kept it for good).
+  import gc
+  import weakref
+
+  p = _params()
+  f = dynjax.jit(_model, dims={"x": "b, t, 4"}, buckets={"b": [2], "t": dynjax.buckets.pow2(4, 128)})
+  for t in [*range(1, 17)] * 2:  # (a new bucket moves the gen too: the second pass keeps)
+    f(p, _x(t))
+  d = f._dispatcher
+  fam = next(iter(d.families.values()))
+  assert len(fam.executors) == 16
+  old = weakref.ref(fam.buckets[(2, 16)].exe)
+  d.compiler.build_entry(fam, (2, 16), tier=1)
+  assert len(fam.executors) == 16  # stale, still held
+  np.testing.assert_allclose(f(p, _x(3)), EXACT(p, _x(3)), rtol=1e-6, atol=1e-6)
+  assert list(fam.executors) == [(((2, 3, 4),), False, False)]
+  assert all(ex.gen == fam.gen for ex in d.counters.live)
+  gc.collect()
+  assert old() is None
+  for t in range(1, 17):
+    np.testing.assert_allclose(f(p, _x(t)), EXACT(p, _x(t)), rtol=1e-6, atol=1e-6)
+  assert f.stats()["calls"] == 49
 
 
 def test_a_call_never_waits_on_a_covering_job_that_may_never_run(monkeypatch):
