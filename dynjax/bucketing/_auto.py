@@ -165,6 +165,12 @@ class Auto(BucketPolicy, Watched):
       self._set_table(tuple(sorted(set(self._table or ()) | {b})))
     return b
 
+  @property
+  def table(self) -> tuple[int, ...] | None:
+    """The planned buckets now; None where there is no max and nothing was observed (where
+    :meth:`sizes` raises)."""
+    return self._table
+
   def sizes(self) -> tuple[int, ...]:
     if self._table is None:
       raise PolicyError(f"{self!r} has no max and no observations: its buckets cannot be "

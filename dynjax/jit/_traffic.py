@@ -138,7 +138,7 @@ def restore(fam) -> bool:
   st["restored"] = bool(taken)
   if taken:
     logger.info("dynjax: %s plans from the traffic its cache_dir kept (%d calls): %s", fam.name,
-                taken, ", ".join(f"{fam.sig.var_order[i]} {p._table}" for i, p in keeps))
+                taken, ", ".join(f"{fam.sig.var_order[i]} {p.table}" for i, p in keeps))
   return bool(taken)
 
 
