@@ -1,13 +1,19 @@
 #!/usr/bin/env bash
-# Device call (~7 min, H200): session 37's last call.  1. The fast test tier on the GPU (after
-# sessions 36-37's changes; `gpu_run_suite.sh` with TT=190 NW=14).  2. Goal 3 of issue 18 in
-# more rounds: one dynjax cold process, then torch eager, its restart and its restart with the
-# kept-traffic buckets deferred to traffic (`_defer`), three rounds, each restart on a copy of
-# the cold cache.
+# Device call (~8 min, H200): session 37's last call.
+# 1. Six cold bf16 processes with attention="cudnn" (cuDNN executables no longer run ahead):
+#    every one must finish (before the change 2 of 7 such processes hung, sessions 36-37).
+# 2. The fast test tier on the GPU (`gpu_run_suite.sh`, TT=170 NW=14).
+# 3. Goal 3 of issue 18: a dynjax cold process, then torch eager, its restart and its restart
+#    with the kept-traffic buckets deferred to traffic (`_defer`), two rounds.
 source benchmarks/_gpu_head.sh
-TT=${TT:-190} NW=${NW:-14} bash benchmarks/gpu_run_suite.sh | tail -8
+export PATH=$PWD/.tools:$PATH
+C=dynjax_cudnn_auto16_warm
+timeout "${T16:-190}" python3 -m benchmarks.serve_fresh --out "$OUT" --dtype bfloat16 \
+  --modes "$C,$C,$C,$C,$C,$C" --timeout 40 > "$OUT/bf16.log" 2>&1
+echo "bf16 rc=$?"; grep -A9 "^| mode" "$OUT/bf16.log"; grep "ERROR" "$OUT/bf16.log" | cut -c1-200
+TT=${TT:-170} NW=${NW:-14} bash benchmarks/gpu_run_suite.sh | tail -6
 R="torch_eager,dynjax_auto16_warm_restart,dynjax_auto16_warm_defer_restart"
-timeout "${T32:-230}" python3 -m benchmarks.serve_fresh --out "$OUT" \
-  --modes "dynjax_auto16_warm,$R,$R,$R" --timeout 60 --pristine-restarts > "$OUT/fp32.log" 2>&1
+timeout "${T32:-150}" python3 -m benchmarks.serve_fresh --out "$OUT" \
+  --modes "dynjax_auto16_warm,$R,$R" --timeout 60 --pristine-restarts > "$OUT/fp32.log" 2>&1
 echo "fp32 rc=$?"
-grep -A14 "^| mode" "$OUT/fp32.log"; grep "ERROR" "$OUT/fp32.log" | cut -c1-300
+grep -A10 "^| mode" "$OUT/fp32.log"; grep "ERROR" "$OUT/fp32.log" | cut -c1-300
