@@ -86,9 +86,31 @@ _counter = CompileCounter()
 jax.monitoring.register_event_duration_secs_listener(_counter)
 
 
+@pytest.fixture(autouse=True)
+def _own_background_compiles():
+  """A test's background compiles end with it: the schedulers it started are closed (queued
+  jobs dropped) and their running jobs finish before the next test, so that no compile of
+  one test lands in another's count (a tier-up queued under a patched ``on_gpu`` ran in a
+  later test once its traffic gap had passed)."""
+  from dynjax.jit import _scheduler
+
+  before = set(_scheduler.LIVE)
+  yield
+  mine = [s for s in list(_scheduler.LIVE) if s not in before]
+  for sched in mine:
+    sched.close()
+  for sched in mine:
+    sched.wait_idle(timeout=60)
+
+
 @pytest.fixture
 def compiles():
-  """``compiles()`` returns the number of backend compiles since the test started."""
+  """``compiles()`` returns the number of backend compiles since the test started (after
+  the background compiles an earlier test left running have finished: they are not its)."""
+  from dynjax.jit import _scheduler
+
+  for sched in list(_scheduler.LIVE):
+    sched.wait_idle(timeout=60)
   start = _counter.count
   return lambda: _counter.count - start
 

@@ -27,6 +27,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future
 from typing import Any
@@ -62,6 +63,9 @@ WARM_AT_ONCE = 1
 # stays free for an urgent build (a call that needs a bucket waits for none of these).
 STARTUP_AT_ONCE = 2
 STARTUP_CORES = 8
+# Every scheduler alive (its workers hold it while they run): the tests wait for the ones an
+# earlier test left busy before they count compiles.
+LIVE: weakref.WeakSet = weakref.WeakSet()
 
 
 def startup_host() -> bool:
@@ -124,6 +128,7 @@ class CompileScheduler:
     self.busy_seconds = 0.0
     self.log: list[tuple[Hashable, float, float]] = []  # (key, start offset, seconds)
     self._t0 = time.perf_counter()
+    LIVE.add(self)
 
   def warm(self, max_workers: int | None) -> None:
     """A background warm-up starts: its jobs run ``max_workers`` at once, else
