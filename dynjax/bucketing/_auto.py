@@ -304,7 +304,9 @@ class Auto(BucketPolicy, Watched):
     """The fitted cost per call of a bucket (seconds; a prior scaled at ``max`` when nothing
     was measured)."""
     ref = self.max or (max(self._hist) if self._hist else self.min)
-    return _cost.fit([(b, t, n) for b, (t, n) in list(self._times.items())], t_ref=ref)
+    # (sorted: a fit that depends on the order the buckets were first timed in planned a
+    # restored policy differently from the one that saw the traffic, at near-ties)
+    return _cost.fit([(b, t, n) for b, (t, n) in sorted(list(self._times.items()))], t_ref=ref)
 
   def _cost_fn(self) -> _cost.CostModel:
     return self._model or self.cost_model()  # one fit per re-plan (~0.2 ms)
