@@ -48,8 +48,9 @@ Modes (``--modes``, in order; a ``*_restart`` mode reuses the cache of the mode 
   ``*pallas*``: with ``attention="pallas"`` (dynjax's Pallas flash attention; fp32 too).
   ``*_devout*``: ``host_outputs=False`` (outputs in device memory, the default before
   session 10; the default puts a numpy request's outputs in pinned host memory on GPU).
-  ``*_defer*`` (an experiment): a restart's new buckets (planned from the kept traffic, not
-  in its store) wait for its traffic instead of compiling at start-up on a big host.
+  ``*_startnew*`` (an experiment): a restart's new buckets (planned from the kept traffic, not
+  in its store) compile at start-up on a big host, as in sessions 35-36 (session 37's
+  ``*_defer*`` rows are today's default: they wait for traffic).
   ``*_nostore*``: no ``cache_dir`` (no executable store, no JAX cache: what the store's
   writes cost a cold start).  ``*_flat*``: ``DYNJAX_OUTLINE=0`` (the padding pass interprets
   and JAX lowers every layer, as before session 30; by default repeated layers are padded and
@@ -466,11 +467,12 @@ def _child_dynjax(args, clock, mode):
       return work(self)
 
     _scheduler.CompileScheduler._work = niced
-  if "_defer" in mode:  # experiment: a restart's new (kept-traffic) buckets wait for traffic
-    from dynjax.jit import _traffic
+  if "_startnew" in mode:  # experiment: a restart's new (kept-traffic) buckets compile before
+    # traffic on a big host (the default of sessions 35-36; session 37: they wait for traffic)
+    from dynjax.jit import _scheduler, _traffic
 
-    _traffic.at_startup = lambda fam, bkey: bkey not in _traffic._STATE.get(fam, {}).get(
-        "new", ())
+    _traffic.at_startup = lambda fam, bkey: _scheduler.startup_host() or bkey not in (
+        _traffic._STATE.get(fam, {}).get("new", ()))
   ladder = re.search(r"lad(\d+)", mode)  # experiment: a cold auto warm-up builds N buckets
   if ladder:
     from dynjax.bucketing import _auto
@@ -870,7 +872,8 @@ def cache_key(mode: str) -> tuple[bool, str]:
   what a process does at start-up only: ``X_warm_restart`` and ``X_restart`` restart on the
   cache of ``X`` or ``X_warm``, whichever ran last (every cold mode gets a fresh cache)."""
   m = (mode.removesuffix("_prof").replace("_again", "").replace("_noprerun", "")
-       .replace("_nostore", "").replace("_nokeep", "").replace("_defer", ""))
+       .replace("_nostore", "").replace("_nokeep", "").replace("_defer", "")
+       .replace("_startnew", ""))
   return m.endswith("_restart"), m.removesuffix("_restart").replace("_warm", "")
 
 

@@ -19,11 +19,11 @@ Restored (:func:`restore`, once a family, where a restart already looks at its s
 warm-up and the first call of a function with ``async_compile``/``serving``): each policy takes
 its record back (:meth:`~dynjax.bucketing._auto.Auto.restore`) and re-plans; the buckets that
 plan adds to the stored ones are built by ``warmup(background=True)`` in the order that saves
-the most first (:func:`warm_order`), as warm jobs on hosts of ``_scheduler.STARTUP_CORES``
-cores (:func:`at_startup`): before traffic they compile beside the server's own start-up.  At
-the first call (:func:`first_call`) those not yet started become value-ordered jobs: from then
-on they compile when the traffic the process sees makes them worth it (the contention rule),
-as any other bucket.
+the most first (:func:`warm_order`), as value-ordered jobs (:func:`at_startup`: not before
+traffic, where they slowed a server's own start-up): they compile when the traffic the process
+sees makes them worth it (the contention rule), as any other bucket.  Where they were queued
+as warm jobs (before session 37, on hosts of ``_scheduler.STARTUP_CORES`` cores), the first
+call (:func:`first_call`) demotes those not yet started.
 
 A record of another policy (its ``repr`` differs), of another fingerprint, or one that cannot
 be read is ignored (logged; the next save replaces it).  Joint plans (several ``auto`` dims)
@@ -42,7 +42,6 @@ import weakref
 
 from dynjax._config import config
 from dynjax.bucketing import _auto
-from dynjax.jit import _scheduler
 
 FILE = "traffic.json"
 _FORMAT = 1
@@ -167,11 +166,17 @@ def warm_order(fam, todo, stored) -> list[tuple]:
 
 def at_startup(fam, bkey) -> bool:
   """Whether a background warm-up builds ``bkey`` now, before traffic (a warm job): every
-  bucket it built before, and a restored plan's new ones where the host has
-  ``_scheduler.STARTUP_CORES`` (their compiles leave the server's own start-up its cores; on
-  a 2-core CPU box ten of them took 9 s more of a start-up building its requests).  Elsewhere
-  those wait for the traffic the process sees, as value-ordered jobs."""
-  return bkey not in _STATE.get(fam, {}).get("new", ()) or _scheduler.startup_host()
+  bucket it built before (stored) and the cold ladder, not the buckets a restored plan adds.
+  Those wait for the traffic the process sees, as value-ordered jobs, on every host.  Why:
+  H200 (jax 0.11.2, BERT-base fp32, serve_fresh, four paired rounds, session 37), restarts
+  that compiled the 4-5 new buckets before traffic (two at once, 16 cores) against restarts
+  that left them to traffic (none was worth building during the first 1,000 requests):
+  start to the 1,000th answer 16.3 / 21.2 / 18.0 / 19.1 s against 17.8 / 14.9 / 17.1 / 15.8,
+  the stream 3.88 / 3.40 / 3.78 / 3.83 s against 3.44 / 3.38 / 3.45 / 3.31; their lowering
+  and compiles slowed the server's own start-up, and the buckets they added did not pay for
+  it in the first 1,000 requests.  (On a 2-core CPU box, ten of them took 9 s more of a
+  start-up building its requests: session 35.)"""
+  return bkey not in _STATE.get(fam, {}).get("new", ())
 
 
 def first_call(fam, sched) -> int:

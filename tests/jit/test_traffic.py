@@ -141,11 +141,11 @@ def test_a_restart_without_warmup_plans_its_first_call_from_the_kept_traffic(
 
 
 @pytest.mark.parametrize("cores", [1, 10_000])
-def test_warm_jobs_of_the_restored_plan_turn_value_ordered_at_the_first_call(
+def test_the_restored_plans_new_buckets_wait_for_traffic_on_every_host(
     tmp_path, monkeypatch, one_tier, cores):
-  # cores: STARTUP_CORES; 1 (every host has spare cores): the restored plan's new buckets
-  # are warm jobs until the first call; 10,000 (none has): value-ordered jobs from the start.
-  # (One at a time: how many start at once is test_serving's.)
+  # cores: STARTUP_CORES; 1 (every host has spare cores) or 10,000 (none has): the restored
+  # plan's new buckets are value-ordered jobs from the start, not warm jobs built before
+  # traffic (session 37: on the H200 those slowed a restart's start-up by 2.2 s on average).
   monkeypatch.setattr(_scheduler, "STARTUP_CORES", cores)
   monkeypatch.setattr(_scheduler, "STARTUP_AT_ONCE", 1)
   f = _server(tmp_path)
@@ -166,14 +166,12 @@ def test_warm_jobs_of_the_restored_plan_turn_value_ordered_at_the_first_call(
   assert new
   sched = g._dispatcher.compiler.scheduler
   deadline = time.time() + 10
-  while time.time() < deadline and (  # the stored bucket loads, then one new one starts
-      (2, 64) not in _family(g).buckets or (cores == 1 and not sched.running_jobs())):
+  while time.time() < deadline and (2, 64) not in _family(g).buckets:  # the stored one loads
     time.sleep(0.01)
   time.sleep(0.05)
   queued = [j for j in sched.pending_jobs() if j.info[1] in new]
-  assert queued and all(j.warm == (cores == 1) for j in queued)
-  running = sched.running_jobs()
-  assert len(running) == (cores == 1) and all(j.info[1] in new for j in running)
+  assert queued and not any(j.warm for j in queued)
+  assert not sched.running_jobs()  # (none is worth a compile before traffic)
   np.testing.assert_allclose(g(P, _x(40)), EXACT(P, _x(40)), rtol=1e-6, atol=1e-6)
   assert not any(j.warm for j in sched.pending_jobs() if j.info[1] in new)
   assert sched.warm_at_once == _scheduler.WARM_AT_ONCE  # traffic: one at a time from here
