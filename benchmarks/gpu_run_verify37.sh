@@ -5,7 +5,9 @@
 #    session 36: SIGSEGVs with a worker in a prerun's device_put): three cold processes, each
 #    followed by a restart on its cache; every one must finish.
 # 2. fp32, goal 3 (start to the 1,000th answer): torch eager, dynjax cold, its restart, and a
-#    restart whose kept-traffic buckets wait for traffic (`_defer`), two rounds.
+#    restart that compiles its kept-traffic buckets before traffic (`_startnew`, the rule of
+#    sessions 35-36; session 37 ran this as `_restart` = that rule and `_defer_restart` = today's
+#    default), two rounds.
 # Hangs: Python stacks in the JSON (stderr_tail), the rest in $OUT/hang_*.txt (.tools/py-spy
 # on PATH when carried).
 source benchmarks/_gpu_head.sh
@@ -15,7 +17,7 @@ timeout "${T16:-200}" python3 -m benchmarks.serve_fresh --out "$OUT" --dtype bfl
   --modes "$C,${C}_restart,$C,${C}_restart,$C,${C}_restart" --timeout 40 --pristine-restarts \
   > "$OUT/bf16.log" 2>&1
 echo "bf16 rc=$?"
-R="torch_eager,dynjax_auto16_warm,dynjax_auto16_warm_restart,dynjax_auto16_warm_defer_restart"
+R="torch_eager,dynjax_auto16_warm,dynjax_auto16_warm_restart,dynjax_auto16_warm_startnew_restart"
 timeout "${T32:-300}" python3 -m benchmarks.serve_fresh --out "$OUT" \
   --modes "$R,$R" --timeout 60 --pristine-restarts > "$OUT/fp32.log" 2>&1
 echo "fp32 rc=$?"
