@@ -23,9 +23,9 @@ from dynjax._config import config
 from dynjax._errors import SpecError
 from dynjax.bucketing._policies import BucketPolicy
 from dynjax.jit import _args, _options, _stages, _stats
-from dynjax.jit._args import Binder, parameters, positional_names
+from dynjax.jit._args import Binder, is_signature_error, parameters, positional_names
 from dynjax.jit._cache import enable_compile_log
-from dynjax.jit._dispatch import Dispatcher, is_signature_error, top_key
+from dynjax.jit._dispatch import Dispatcher, top_key
 
 
 @overload

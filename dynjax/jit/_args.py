@@ -485,3 +485,10 @@ def auto_specs(state) -> list[str | None]:
     else:
       out.append(None)
   return out
+
+
+def is_signature_error(e: BaseException) -> bool:
+  """An executable rejected its arguments (new parameter shapes/dtypes/structure): retrace."""
+  msg = str(e)
+  return msg.startswith("Argument types differ") or msg.startswith(
+      "Function compiled with input pytree does not match")

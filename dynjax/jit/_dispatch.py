@@ -290,9 +290,8 @@ class Dispatcher:
     self._fids = itertools.count()
     self._auto_state: dict = {}
     self._sizes_on_device: dict = {}
-    # Executors are kept where the bucket of a size moves only when the family is told
-    # (Family.keeps_executors).  Under an LRU bound (max_executables) each run touches its
-    # bucket (Executor.lru) and an eviction moves the family's gen: kept executors go stale.
+    # Executors are kept where a size's bucket moves only when the family is told (Family.
+    # keeps_executors); under max_executables each run renews its bucket (Executor.lru).
     self.lru = self.cache if opts.max_executables is not None else None
 
   def note_fallback(self, reason: str) -> None:
@@ -312,7 +311,7 @@ class Dispatcher:
       try:
         return self.run(fam, run_leaves)
       except TypeError as e:
-        if not is_signature_error(e):
+        if not _args.is_signature_error(e):
           raise
     if any(map(is_padded, jax.tree_util.tree_leaves(dyn, is_leaf=is_padded))):
       self.padded_trees.add(tree_flatten(dyn)[1])
@@ -391,8 +390,7 @@ class Dispatcher:
     ex = Executor(self, fam, sizes, own, bkey, entry, shapes, device, top, dev_sizes,
                   out_shapes, true_elems, padded_in)
     if fam.keeps_executors:
-      if fam.swept != fam.gen:  # once a gen: the replaced executors (and the executables they
-        # hold: a tier-0 one after its tier-up) go now, not when their key comes back
+      if fam.swept != fam.gen:  # once a gen: replaced executors (and executables) go now
         fam.swept = fam.gen
         fam.executors = {k: e for k, e in list(fam.executors.items()) if e.gen == fam.gen}
         self.counters.sweep()
@@ -577,13 +575,6 @@ def top_key(fam: Family, dyn):
       return None
     shapes += (x.shape,)
   return shapes, device, padded_in
-
-
-def is_signature_error(e: BaseException) -> bool:
-  """An executable rejected its arguments (new parameter shapes/dtypes/structure): retrace."""
-  msg = str(e)
-  return msg.startswith("Argument types differ") or msg.startswith(
-      "Function compiled with input pytree does not match")
 
 
 def pad_leaf(x, shape, target):

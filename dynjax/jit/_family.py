@@ -354,9 +354,8 @@ class Family:
     self.mode = "exact"
     self.gen += 1
     self.ctx.note_fallback(reason)
-    warnings.warn(
-        f"dynjax.jit({self.name}): running unpadded, one compile per shape: {reason}",
-        stacklevel=user_stacklevel())
+    warnings.warn(f"dynjax.jit({self.name}): running unpadded, one compile per shape: "
+                  f"{reason}", stacklevel=user_stacklevel())
 
   def plan_changed(self) -> None:  # a policy's table moved (Auto.watch): executors are stale
     self.gen += 1

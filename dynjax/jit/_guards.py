@@ -9,6 +9,7 @@ call.  This module reads the comparison out of jax's error and writes the constr
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import math
 import operator
@@ -392,3 +393,28 @@ def outside_guards(fam, sizes) -> None:
     fam._warned_guards = True
     warnings.warn(f"{what}: such calls run unpadded, one compile per shape",
                   stacklevel=user_stacklevel())
+
+
+def plan_buckets(fam, bkey, limit: int) -> list[tuple]:
+  """Up to ``limit`` bucket tuples the policies plan now, for calls like one of bucket ``bkey``
+  (dims without a declared max keep ``bkey``'s size), largest first."""
+  if fam.joint is not None:
+    return []
+  axes = []
+  for p, b in zip(fam.policies, bkey, strict=True):
+    try:
+      sizes = (b,) if p.max is None else tuple(p.sizes())
+    except Exception:  # noqa: BLE001 - a policy that cannot list its sizes yet
+      sizes = (b,)
+    axes.append(sorted(sizes, reverse=True))
+  return list(itertools.islice(dict.fromkeys(  # each at most its guards' caps, once
+      capped_bucket(fam, b) for b in itertools.product(*axes)), limit))
+
+
+def top_bucket(fam, bkey) -> tuple:
+  """The bucket that covers every size of the declared ranges, for a call of bucket ``bkey``:
+  the largest bucket of each dim with a declared max, ``bkey``'s own size along a dim without
+  one (an undeclared batch dim ``b`` must not leave the sequence dim ``t`` uncovered: a server
+  whose first request is short would otherwise wait again for the first long one)."""
+  return capped_bucket(fam, tuple(b if p.max is None else max(b, p.sizes()[-1])
+                                 for p, b in zip(fam.policies, bkey, strict=True)))

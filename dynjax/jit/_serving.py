@@ -41,7 +41,7 @@ from dynjax._config import config
 from dynjax.bucketing import _attention, _cost
 from dynjax.jit import _prerun, _traffic
 from dynjax.jit._family import BucketEntry, Family
-from dynjax.jit._guards import capped_bucket
+from dynjax.jit._guards import capped_bucket, plan_buckets, top_bucket
 from dynjax.jit._scheduler import CompileScheduler
 from dynjax.jit._store import FirstRun
 
@@ -570,31 +570,6 @@ def lowering(fam: Family, bkey):
   """A lowering-lane job: ``fam.lower_bucket(bkey)`` with quick GIL switches."""
   with quick_switches():
     return fam.lower_bucket(bkey)
-
-
-def plan_buckets(fam: Family, bkey, limit: int) -> list[tuple]:
-  """Up to ``limit`` bucket tuples the policies plan now, for calls like one of bucket ``bkey``
-  (dims without a declared max keep ``bkey``'s size), largest first."""
-  if fam.joint is not None:
-    return []
-  axes = []
-  for p, b in zip(fam.policies, bkey, strict=True):
-    try:
-      sizes = (b,) if p.max is None else tuple(p.sizes())
-    except Exception:  # noqa: BLE001 - a policy that cannot list its sizes yet
-      sizes = (b,)
-    axes.append(sorted(sizes, reverse=True))
-  return list(itertools.islice(dict.fromkeys(  # each at most its guards' caps, once
-      capped_bucket(fam, b) for b in itertools.product(*axes)), limit))
-
-
-def top_bucket(fam: Family, bkey) -> tuple:
-  """The bucket that covers every size of the declared ranges, for a call of bucket ``bkey``:
-  the largest bucket of each dim with a declared max, ``bkey``'s own size along a dim without
-  one (an undeclared batch dim ``b`` must not leave the sequence dim ``t`` uncovered: a server
-  whose first request is short would otherwise wait again for the first long one)."""
-  return capped_bucket(fam, tuple(b if p.max is None else max(b, p.sizes()[-1])
-                                 for p, b in zip(fam.policies, bkey, strict=True)))
 
 
 def on_gpu() -> bool:
