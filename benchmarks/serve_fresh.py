@@ -748,8 +748,11 @@ def _hung_stacks(args, mode, proc) -> str | None:
   with open(path, "a") as fh:  # the GPU busy (a kernel spins) or idle (a host-side lock)?
     for cmd in (["nvidia-smi", "--query-gpu=utilization.gpu,memory.used", "--format=csv"],):
       if shutil.which(cmd[0]):
-        got = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
-        fh.write(f"== {' '.join(cmd)}\n{got.stdout}{got.stderr}\n")
+        try:
+          got = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+          fh.write(f"== {' '.join(cmd)}\n{got.stdout}{got.stderr}\n")
+        except (subprocess.TimeoutExpired, OSError) as e:
+          fh.write(f"== {cmd[0]}: {e}\n")
     fh.write("== threads (name, state, wchan)\n")
     for tid in sorted(os.listdir(f"/proc/{proc.pid}/task")):
       try:
