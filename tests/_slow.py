@@ -101,6 +101,7 @@ TESTS = {
   "tests/route/test_gmm_hopper.py::test_paired_tiles_need_a_spare_row_tile_and_lower[True]": 3.0,
   # session 31: the serve_fresh bytecode prefix (two fresh interpreters importing dynjax)
   "tests/benchmarks/test_serve_fresh.py::test_the_checkout_is_compiled_once_for_every_child": 7.9,
+  "tests/benchmarks/test_serve_fresh.py::test_a_hung_child_leaves_its_stacks_and_threads": 2.0,
   # session 30: repeated layers padded once (a Flax encoder, its training step, random layers)
   "tests/bucketing/test_outline.py::test_a_training_step_pads_forward_and_backward_layers_once": 5.9,
   "tests/bucketing/test_outline.py::test_layers_are_padded_once_and_match_jax_jit_and_the_flat_pass": 8.2,

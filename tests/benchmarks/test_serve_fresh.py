@@ -181,3 +181,27 @@ def test_the_checkout_is_compiled_once_for_every_child(tmp_path):
                           capture_output=True, text=True, check=True)
   assert int(fresh.stdout.split()[-1]) > 20  # dynjax's modules compiled from source
   assert int(cached.stdout.split()[-1]) == 0  # none: every one read from the prefix
+
+
+def test_a_hung_child_leaves_its_stacks_and_threads(tmp_path, monkeypatch):
+  # Session 37: a cold bf16 process hung on the H200 and was killed with nothing to show.  A
+  # child past --timeout now prints every thread's Python stack (its SIGUSR1 handler) and the
+  # parent writes its threads' wait channels (and native stacks where a tool is installed).
+  import subprocess
+  import sys
+
+  monkeypatch.setattr("shutil.which", lambda name: None)  # no nvidia-smi, py-spy, gdb: /proc
+  code = ("import faulthandler, signal, sys, time\n"
+          "faulthandler.register(signal.SIGUSR1, all_threads=True)\n"
+          "sys.stderr.write('ready\\n'); sys.stderr.flush()\n"
+          "def stuck_here():\n  time.sleep(60)\nstuck_here()\n")
+  proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
+  assert proc.stderr.readline() == "ready\n"
+  args = types.SimpleNamespace(out=str(tmp_path))
+  path = sf._hung_stacks(args, "dynjax_x", proc)
+  proc.kill()
+  err = proc.stderr.read()
+  assert "stuck_here" in err and "Current thread" in err
+  text = open(path).read()
+  assert path.startswith(str(tmp_path)) and "threads (name, state, wchan)" in text
+  assert f"{proc.pid} python" in text or str(proc.pid) in text
