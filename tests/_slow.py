@@ -17,6 +17,7 @@ MODULES = ("tests/bucketing/test_zoo.py",)  # 13 tests, 64 s, and a 9.5 s module
 TESTS = {
   "tests/benchmarks/test_probe_cost_curve.py::test_probe_times_each_size_and_each_request_path": 18.3,
   "tests/benchmarks/test_probe_cudnn_hang.py::test_each_variant_runs_its_rounds_in_its_own_process": 5.3,
+  "tests/jit/test_serving.py::test_at_exit_running_compiles_end_and_queued_ones_are_dropped": 2.3,
   # session 36: a hypothesis property over auto and joint plans (2.75 s alone)
   "tests/jit/test_serving.py::test_property_kept_executors_follow_the_plan_and_every_call_is_seen_once": 2.75,
   "tests/benchmarks/test_bench_moe_public.py::test_the_kernels_mode_runs_the_model_as_written_with_the_rewrite": 4.7,

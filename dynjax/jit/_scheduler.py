@@ -22,6 +22,7 @@ while its own code still runs) come before background jobs, in submission order,
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import sys
@@ -63,9 +64,29 @@ WARM_AT_ONCE = 1
 # stays free for an urgent build (a call that needs a bucket waits for none of these).
 STARTUP_AT_ONCE = 2
 STARTUP_CORES = 8
-# Every scheduler alive (its workers hold it while they run): the tests wait for the ones an
-# earlier test left busy before they count compiles.
+# Every scheduler alive (its workers hold it while they run): closed at exit (_at_exit); the
+# tests close the ones a test started.
 LIVE: weakref.WeakSet = weakref.WeakSet()
+# At exit, queued jobs are dropped and running ones are waited for up to this long: a compile
+# worker that comes back from XLA while the interpreter finalizes is ended by CPython inside
+# XLA's C++ frames ("FATAL: exception not rethrown", the process aborts; seen once on the
+# 2-core box, a script that ended during a restart's warm-up).
+EXIT_WAIT_S = 30.0
+
+
+def _at_exit() -> None:
+  running = [s for s in list(LIVE) if s.running()]
+  for sched in list(LIVE):
+    sched.close()
+  if running:
+    logger.info("dynjax: waiting up to %.0f s for %d running background compile(s) to end "
+                "before exit", EXIT_WAIT_S, sum(len(s.running()) for s in running))
+  deadline = time.perf_counter() + EXIT_WAIT_S
+  for sched in running:
+    sched.wait_idle(timeout=max(0.0, deadline - time.perf_counter()))
+
+
+atexit.register(_at_exit)
 
 
 def startup_host() -> bool:

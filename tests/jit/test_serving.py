@@ -1291,3 +1291,30 @@ def test_a_call_never_waits_on_a_covering_job_that_may_never_run(monkeypatch):
   np.testing.assert_allclose(got[0], EXACT(p, _x(5)), rtol=1e-6, atol=1e-6)
   assert len(looks) == 2 and f.stats()["per_bucket_calls"]["b=2, t=64"] == 2
   comp.scheduler.close()  # the job worth nothing stays queued: it must not run in a later test
+
+
+def test_at_exit_running_compiles_end_and_queued_ones_are_dropped(tmp_path):
+  # A compile worker that came back from XLA while the interpreter finalized was ended inside
+  # XLA's frames ("FATAL: exception not rethrown": the process aborted, once, 2-core box).  At
+  # exit the schedulers are closed: a running job ends first, a queued one never starts.
+  import subprocess
+  import sys
+
+  code = f"""
+import os, time
+from dynjax.jit import _scheduler
+s = _scheduler.CompileScheduler(1, lambda job: 1.0, name="t")
+def job(name, seconds):
+  def build():
+    time.sleep(seconds)
+    open(os.path.join({str(tmp_path)!r}, name), "w").close()
+  return build
+s.submit("a", job("running", 1.0))
+time.sleep(0.2)  # a runs
+s.submit("b", job("queued", 0.0))
+print("exit", flush=True)
+"""
+  got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": os.getcwd()})
+  assert got.returncode == 0, got.stderr[-2000:]
+  assert sorted(os.listdir(tmp_path)) == ["running"]
