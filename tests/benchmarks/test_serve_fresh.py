@@ -193,8 +193,10 @@ def test_a_hung_child_leaves_its_stacks_and_threads(tmp_path, monkeypatch):
   monkeypatch.setattr("shutil.which", lambda name: None)  # no nvidia-smi, py-spy, gdb: /proc
   code = ("import faulthandler, signal, sys, time\n"
           "faulthandler.register(signal.SIGUSR1, all_threads=True)\n"
-          "sys.stderr.write('ready\\n'); sys.stderr.flush()\n"
-          "def stuck_here():\n  time.sleep(60)\nstuck_here()\n")
+          "def stuck_here():\n"
+          "  sys.stderr.write('ready\\n'); sys.stderr.flush()\n"  # (inside the frame we look for)
+          "  time.sleep(60)\n"
+          "stuck_here()\n")
   proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
   assert proc.stderr.readline() == "ready\n"
   args = types.SimpleNamespace(out=str(tmp_path))
