@@ -293,9 +293,10 @@ CUDNN_PRIMITIVES = ("dot_product_attention", "cudnn_fusion")
 def runs_cudnn(jaxpr, attention: str | None) -> bool:
   """Whether a family's executables call cuDNN's kernels: ``attention="cudnn"``, or a
   primitive of :data:`CUDNN_PRIMITIVES` in its jaxpr (``jax.nn.dot_product_attention(...,
-  implementation="cudnn")`` written in the model), nested jaxprs included.  Why: two builds of
-  such executables at once crashed the process (SIGSEGV; ``jit/_serving.py`` builds them one
-  at a time)."""
+  implementation="cudnn")`` written in the model), nested jaxprs included.  Why: such a
+  function's warm-up builds one bucket at a time (two at once crashed the process, SIGSEGV),
+  and its executables are not run ahead on zeros (``jit/_prerun.py``: a prerun was in flight
+  in each crash and hang seen; ``jit/_serving.py``)."""
   if attention == "cudnn":
     return True
   todo = [jaxpr] if jaxpr is not None else []

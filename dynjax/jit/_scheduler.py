@@ -172,8 +172,13 @@ class CompileScheduler:
   def submit(self, key: Hashable, build: Callable[[], Any], urgent: bool = False,
              info: Any = None, warm: bool = False) -> Future:
     """Queues ``build`` under ``key`` (or returns the future of the job already queued or
-    running under it; ``urgent`` or ``warm`` raises a queued job's priority)."""
+    running under it; ``urgent`` or ``warm`` raises a queued job's priority).  Closed (at
+    exit): a cancelled future, so that whoever waits on it is told, not left waiting."""
     with self._cv:
+      if self._closed:
+        fut: Future = Future()
+        fut.cancel()
+        return fut
       job = self._pending.get(key) or self._running.get(key)
       if job is not None:
         job.waited_for = job.waited_for or urgent

@@ -181,7 +181,9 @@ def at_startup(fam, bkey) -> bool:
 
 def first_call(fam, sched) -> int:
   """The family's first call: the restored plan's buckets still queued as warm jobs become
-  value-ordered jobs (the contention rule decides them from here).  Returns how many."""
+  value-ordered jobs (the contention rule decides them from here).  Returns how many.  With
+  today's :func:`at_startup` none is queued warm (0); kept for a rule that queues them so,
+  as serve_fresh's ``_startnew`` experiment does (the rule of sessions 35-36)."""
   new = _STATE.get(fam, {}).get("new")
   if not new or sched is None:
     return 0

@@ -151,6 +151,8 @@ def test_scheduler_runs_the_most_valuable_job_first_and_urgent_jobs_alone():
   assert sched.wait_idle(2)
   sched.close()
   assert futs[3].cancelled()
+  late = sched.submit("late", lambda: "never")  # closed (at exit): told, not left waiting
+  assert late.cancelled()
 
 
 def test_gpu_tiers_quick_compile_first_then_full_options_replace_it(monkeypatch):
@@ -1290,7 +1292,6 @@ def test_a_call_never_waits_on_a_covering_job_that_may_never_run(monkeypatch):
   assert not caller.is_alive() and len(got) == 1, "the call waited on a job that never runs"
   np.testing.assert_allclose(got[0], EXACT(p, _x(5)), rtol=1e-6, atol=1e-6)
   assert len(looks) == 2 and f.stats()["per_bucket_calls"]["b=2, t=64"] == 2
-  comp.scheduler.close()  # the job worth nothing stays queued: it must not run in a later test
 
 
 def test_at_exit_running_compiles_end_and_queued_ones_are_dropped(tmp_path):
