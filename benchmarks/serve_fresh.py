@@ -387,8 +387,6 @@ def _hand_warmup(args, pol, built) -> None:
   """``hand_warm*``: what a JAX user would write for dynjax's start-up warmup: one thread
   lowers and compiles ``jax.jit(module.apply)`` at every pow2 bucket from shapes (largest
   first; JAX's persistent cache serves a restart) and publishes each executable."""
-  import threading
-
   import jax
   import numpy as np
 
@@ -414,16 +412,35 @@ def _policy(mode, args):
   return dynjax.buckets.pow2(16, args.max_len)
 
 
-def _warmup_from_shapes(args, build, clock, workers=None):
+def _warmup_from_shapes(args, build, clock, workers=None, mode=None):
   """``*warm*`` modes: right after the imports, before the requests or weights exist, the
   server builds its function and starts ``warmup(background=True)`` from abstract arguments
   (Flax's ``jax.eval_shape(module.init, ...)`` idiom): the first bucket compiles (a restart:
   the stored buckets load) while the process reads its weights.  ``workers``: buckets built
   at once (``waN`` tag: N, kept after the first call; default dynjax's: two at once on hosts
   of 12+ cores until the first call, since session 35; ``wa1`` = one at a time, as before)."""
+  if mode is not None and "_bgall" in mode:  # experiment: the whole start-up warm-up (Flax's
+    # abstract init included) in a thread of the server's: the main thread goes on at once
+    from examples import models
+
+    module = models.BertEncoder(_model_cfg(args))
+    f = build(module)
+
+    def run():
+      _, shapes, tokens, lengths = _abstract_model(args)
+      f.warmup(shapes, tokens, lengths, background=True, max_workers=workers)
+
+    threading.Thread(target=run, name="serve-warmup", daemon=True).start()
+    clock.mark("warmup_started")
+    return f
   module, shapes, tokens, lengths = _abstract_model(args)
+  clock.mark("abstract")
   f = build(module)
-  f.warmup(shapes, tokens, lengths, background=True, max_workers=workers)
+  if mode is not None and "_bgtrace" in mode:  # experiment: warmup (its trace) in a thread
+    threading.Thread(target=f.warmup, args=(shapes, tokens, lengths), name="serve-warmup",
+                     kwargs={"background": True, "max_workers": workers}, daemon=True).start()
+  else:
+    f.warmup(shapes, tokens, lengths, background=True, max_workers=workers)
   clock.mark("warmup_started")
   return f
 
@@ -435,6 +452,7 @@ def _child_dynjax(args, clock, mode):
   from dynjax import flax as dynjax_flax
   from dynjax.jit import _serving  # the experiment tags below set its module constants
 
+  clock.mark("imported")  # jax, Flax and dynjax (a warm mode's "imports" mark comes later)
   if "t0tune" in mode:  # experiment: tier 0 autotunes cuBLAS gemms (triton gemms still off)
     _serving.QUICK_GPU_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
   if "t0lvl1" in mode:  # experiment: tier 0 autotunes at level 1 (no buffer init or checks)
@@ -517,7 +535,7 @@ def _child_dynjax(args, clock, mode):
   f = None
   if "warm" in mode:  # a server's start-up: build (or load) in the background, from shapes
     wa = re.search(r"wa(\d+)", mode)  # experiment: the warm-up builds N buckets at once
-    f = _warmup_from_shapes(args, build, clock, int(wa.group(1)) if wa else None)
+    f = _warmup_from_shapes(args, build, clock, int(wa.group(1)) if wa else None, mode)
   module, variables, reqs = _jax_setup(args, clock)
   f = f or build(module)
 
