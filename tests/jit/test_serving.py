@@ -651,6 +651,36 @@ def test_background_lowering_switches_the_gil_quickly_and_restores_it():
   assert sys.getswitchinterval() == before
 
 
+def test_lowering_switches_the_gil_quickly_only_beside_traffic(monkeypatch):
+  # A warm-up's lowering before the first call keeps the interpreter's switch interval (the
+  # quick one saves no request and costs the start-up's Python); once the function has
+  # traffic, every lowering switches quickly, as does one whose scheduler came after it.
+  import contextlib
+
+  quick = []
+
+  @contextlib.contextmanager
+  def recorded():
+    quick.append(threading.current_thread().name)
+    yield
+
+  monkeypatch.setattr(serving_mod, "quick_switches", recorded)
+  p = _params()
+  f = _serving(compile_workers=2)
+  f.warmup(p, _x(5), background=True)
+  assert f.wait(60)
+  c = f._dispatcher.compiler
+  assert not quick and not c.has_traffic() and not c.scheduler._traffic
+  np.testing.assert_allclose(f(p, _x(5)), EXACT(p, _x(5)), rtol=1e-6, atol=1e-6)
+  assert c.has_traffic() and c.scheduler._traffic
+  g = _serving(compile_workers=2)  # no warm-up: the scheduler is made by the first call
+  np.testing.assert_allclose(g(p, _x(33)), EXACT(p, _x(33)), rtol=1e-6, atol=1e-6)
+  assert g.wait(60)
+  d = g._dispatcher.compiler
+  assert d.has_traffic() and d.scheduler._traffic
+  assert quick and all(n.startswith(d.lane_name) for n in quick)  # its bucket, its plan's
+
+
 def test_gpu_quick_tier_compiles_the_first_calls_own_bucket_alongside(monkeypatch):
   monkeypatch.setattr(serving_mod, "on_gpu", lambda: True)
   monkeypatch.setattr(serving_mod.os, "cpu_count", lambda: 16)
