@@ -204,6 +204,7 @@ def _jax_setup(args, clock, requests=True):
   ecfg = _model_cfg(args)
   module = models.BertEncoder(ecfg)
   raw = models.init_encoder_params(ecfg, seed=0)
+  clock.mark("host_weights")  # (the weights' upload: from here to "weights")
   dt = jax.numpy.dtype(args.dtype)  # float32 or bfloat16
   variables = jax.device_put({"params": jax.tree.map(lambda a: a.astype(dt), raw)})
   jax.block_until_ready(variables)
