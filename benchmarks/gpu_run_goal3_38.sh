@@ -4,7 +4,9 @@
 #    cache), the order alternating between rounds (torch first, then dynjax first), fp32.
 # 2. Where a cold dynjax process's threads hold the GIL in its first 17 s (imports to about
 #    its first answer): `py-spy record --gil --threads` of one `dynjax_auto16_warm` child
-#    (a py-spy binary carried in .tools/, gitignored; skipped without it).
+#    (a py-spy binary carried in .tools/, gitignored; skipped without it).  Session 38: its
+#    blocking samples slowed the child (warm-up started at 13.3 s against 7.8-9.9) and the 17 s
+#    ended before the request list: no usable profile (not kept); `--nonblocking` next time.
 source benchmarks/_gpu_head.sh
 export PATH=$PWD/.tools:$PATH
 A="torch_eager,dynjax_auto16_warm,dynjax_auto16_warm_restart"

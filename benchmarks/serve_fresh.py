@@ -51,6 +51,9 @@ Modes (``--modes``, in order; a ``*_restart`` mode reuses the cache of the mode 
   ``*_startnew*`` (an experiment): a restart's new buckets (planned from the kept traffic, not
   in its store) compile at start-up on a big host, as in sessions 35-36 (session 37's
   ``*_defer*`` rows are today's default: they wait for traffic).
+  ``*_bgtrace*`` / ``*_bgall*`` (experiments, session 38): a ``*warm*`` mode's
+  ``f.warmup(...)`` called from a thread (its trace off the main thread) / the whole warm-up
+  from shapes, Flax's abstract ``init`` included, on a thread; neither beat the default.
   ``*_nostore*``: no ``cache_dir`` (no executable store, no JAX cache: what the store's
   writes cost a cold start).  ``*_flat*``: ``DYNJAX_OUTLINE=0`` (the padding pass interprets
   and JAX lowers every layer, as before session 30; by default repeated layers are padded and
@@ -77,7 +80,11 @@ Modes (``--modes``, in order; a ``*_restart`` mode reuses the cache of the mode 
 Per mode: start -> 1,000th answer (s), the stream (first request to last answer, s), the mean
 latency over the second half of the requests per length bin (the request's padded length:
 <=64, 65-128, 129-256, 257-512), the mean over all requests of that half, and the child's
-phase timestamps (imports, backend, requests built, weights, first answer); with a ``lengths``
+phase timestamps (imports, backend, requests built, weights, first answer; dynjax's children
+also ``imported`` (jax, Flax, dynjax) and, in ``*warm*`` modes, ``abstract`` (Flax's abstract
+init done) and ``warmup_started``; JAX's ``host_weights``: the host arrays made, before their
+upload).  Before the first mode one throwaway process reads every runtime's libraries
+(``--no-prime``: not); with a ``lengths``
 record in the same run, "x exact": the traffic-weighted mean over the exact-shape AOT cost of
 the same requests (linear through the measured lengths; more lengths, a better curve).  JSON to
 ``<out>/serve_fresh_<dtype>.json``, a table on stdout.
@@ -123,6 +130,9 @@ def _parse(argv=None):
                       "do not reach the next restart)")
   p.add_argument("--profile_first", type=int, default=0,
                  help="dynjax modes: cProfile the first N calls (run before the timed stream)")
+  p.add_argument("--no-prime", dest="prime", action="store_false",
+                 help="no throwaway process reading every runtime's libraries before the "
+                      "first mode (the first mode then pays the cold disk reads alone)")
   p.add_argument("--child", default=None, help=argparse.SUPPRESS)
   p.add_argument("--cache", default=None, help=argparse.SUPPRESS)
   p.set_defaults(bytecode=None)
@@ -832,6 +842,8 @@ def main(argv=None) -> dict:
   # The request list reads the stdlib's sources: read them once here, so that the first mode's
   # process does not pay the disk reads the later ones find in the page cache (session 30).
   _requests(args)
+  if args.prime:
+    _prime(args)
   caches: dict[str, str] = {}
   results = []
   out = _write(args, results)
@@ -862,6 +874,39 @@ def main(argv=None) -> dict:
   print(table(results))
   shutil.rmtree(tmp, ignore_errors=True)
   return out
+
+
+_PRIME = """
+import importlib
+for name in ("jax", "flax.linen", "torch", "dynjax", "examples.models"):
+  try:
+    importlib.import_module(name)
+  except Exception:  # noqa: BLE001 - a runtime the run does not use (torch on a CPU box)
+    pass
+import jax
+jax.devices()
+try:
+  import torch
+  torch.zeros(1, device="cuda" if torch.cuda.is_available() else "cpu")
+except Exception:  # noqa: BLE001
+  pass
+"""
+
+
+def _prime(args) -> None:
+  """Before the first mode: one throwaway process imports every runtime and starts its
+  backend, so that the first mode's process does not alone read jaxlib's, torch's and CUDA's
+  libraries from disk (a fresh GPU machine each call; in 2 of session 38's 4 calls the first
+  process was the slowest of its mode to finish its imports, by 0.5-2.1 s; in the other two
+  it was the fastest: a precaution, not a measured fix)."""
+  env = dict(os.environ)
+  if args.bytecode:
+    env["PYTHONPYCACHEPREFIX"] = args.bytecode
+  try:
+    subprocess.run([sys.executable, "-c", _PRIME], env=env, timeout=args.timeout,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
+  except subprocess.TimeoutExpired:
+    pass
 
 
 def _compile_checkout(prefix: str) -> str | None:

@@ -82,8 +82,10 @@ def test_a_repeated_cold_mode_starts_on_a_fresh_cache_and_restarts_take_the_late
     return {"mode": mode, "error": "not run"}
 
   monkeypatch.setattr(sf, "_spawn", spawn)
+  monkeypatch.setattr(sf, "_prime", lambda args: seen.append(("prime", None)))
   modes = "torch_eager,dynjax_auto16_warm,dynjax_auto16_warm,dynjax_auto16_warm_restart"
   sf.main(["--modes", modes, "--out", str(tmp_path)])
+  assert seen.pop(0) == ("prime", None)  # the libraries read once before the first mode
   (_, none), (_, first), (_, second), (_, restart) = seen
   assert none is None
   assert first != second  # the second cold run must not find the first one's executables
@@ -140,7 +142,8 @@ def test_nocb_tag_runs_the_child_without_cuda_graphs_and_lengths_variants_keep_t
 
   monkeypatch.setattr(sf.subprocess, "Popen", Proc)
   monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
-  sf.main(["--modes", "lengths,lengths_nocb,dynjax_pow2_nocb", "--out", str(tmp_path)])
+  sf.main(["--modes", "lengths,lengths_nocb,dynjax_pow2_nocb", "--out", str(tmp_path),
+           "--no-prime"])
   flags = {mode: env.get("XLA_FLAGS") for mode, env in envs}
   assert flags["lengths"] == "--xla_dump_to=/tmp/x"  # the caller's flags, untouched
   assert flags["lengths_nocb"] == flags["dynjax_pow2_nocb"] == (
