@@ -130,6 +130,10 @@ def _parse(argv=None):
                       "do not reach the next restart)")
   p.add_argument("--profile_first", type=int, default=0,
                  help="dynjax modes: cProfile the first N calls (run before the timed stream)")
+  p.add_argument("--rounds", type=int, default=1,
+                 help="run --modes this many times, torch modes first in even rounds and last "
+                      "in odd ones; the table adds each mode's start->last difference to the "
+                      "same round's torch_eager (median, mean, range, rounds ahead)")
   p.add_argument("--no-prime", dest="prime", action="store_false",
                  help="no throwaway process reading every runtime's libraries before the "
                       "first mode (the first mode then pays the cold disk reads alone)")
@@ -836,7 +840,8 @@ def main(argv=None) -> dict:
 
   signal.signal(signal.SIGTERM, _kill_child)
   signal.signal(signal.SIGINT, _kill_child)
-  modes = [m for m in args.modes.split(",") if m]
+  one = [m for m in args.modes.split(",") if m]
+  runs = [(k, m) for k in range(args.rounds) for m in round_order(one, k)]
   tmp = tempfile.mkdtemp(prefix="serve_fresh_")
   args.bytecode = _compile_checkout(os.path.join(tmp, "pyc"))
   # The request list reads the stdlib's sources: read them once here, so that the first mode's
@@ -847,7 +852,7 @@ def main(argv=None) -> dict:
   caches: dict[str, str] = {}
   results = []
   out = _write(args, results)
-  for mode in modes:
+  for k, mode in runs:
     restart, base = cache_key(mode)
     cache = None
     if mode.startswith(("hand", "dynjax_")):
@@ -866,6 +871,8 @@ def main(argv=None) -> dict:
         # directory made its second run a restart); later restarts take the latest
         cache = caches[base] = os.path.join(tmp, f"{mode}-{len(results)}")
     rec = _spawn(args, mode, cache)
+    if args.rounds > 1:
+      rec["round"] = k
     if args.pristine_restarts and cache and not restart and os.path.isdir(cache):
       shutil.copytree(cache, cache + ".cold", symlinks=True)
     results.append(rec)
@@ -932,6 +939,35 @@ def _compile_checkout(prefix: str) -> str | None:
     return None
   finally:
     sys.pycache_prefix = saved
+
+
+def round_order(modes: list[str], k: int) -> list[str]:
+  """Round ``k``'s order of ``modes``: as given in even rounds; in odd ones the torch modes
+  move to the end (they may run first or last; a restart stays after its cold mode)."""
+  if k % 2 == 0:
+    return list(modes)
+  return ([m for m in modes if not m.startswith("torch")]
+          + [m for m in modes if m.startswith("torch")])
+
+
+def paired(results) -> dict:
+  """Per mode, over the rounds that ran it beside ``torch_eager``: its start->last answer
+  minus torch eager's of the same round (s) and its stream over torch's."""
+  torch = {r["round"]: r for r in results
+           if r.get("mode") == "torch_eager" and "round" in r and "error" not in r}
+  out: dict = {}
+  for r in results:
+    t = torch.get(r.get("round"))
+    if t is None or r is t or "error" in r or "start_to_last_s" not in r:
+      continue
+    d = out.setdefault(r["mode"], {"diff_s": [], "stream_x": []})
+    d["diff_s"].append(r["start_to_last_s"] - t["start_to_last_s"])
+    d["stream_x"].append(r["stream_s"] / t["stream_s"])
+  for d in out.values():
+    diffs = d["diff_s"]
+    d.update(n=len(diffs), median_s=statistics.median(diffs), mean_s=statistics.fmean(diffs),
+             ahead=sum(x < 0 for x in diffs))
+  return out
 
 
 def cache_key(mode: str) -> tuple[bool, str]:
@@ -1008,6 +1044,15 @@ def table(results) -> str:
       for t, row in rec["per_length_ms"].items():
         rows.append(f"| {t} | " + " | ".join(f"{v:.2f}" if isinstance(v, float) else str(v)
                                              for v in row.values()) + " |")
+  pairs = paired(results)
+  if pairs:
+    rows += ["\nagainst torch_eager in the same round (start->last answer, s; stream, x):",
+             "| mode | rounds | median | mean | range | rounds ahead | stream x |",
+             "|---|---|---|---|---|---|---|"]
+    for mode, d in pairs.items():
+      rows.append(f"| {mode} | {d['n']} | {d['median_s']:+.2f} | {d['mean_s']:+.2f} | "
+                  f"{min(d['diff_s']):+.2f} .. {max(d['diff_s']):+.2f} | {d['ahead']} of "
+                  f"{d['n']} | {min(d['stream_x']):.2f}-{max(d['stream_x']):.2f} |")
   return "\n".join(rows)
 
 

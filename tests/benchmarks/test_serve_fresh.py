@@ -5,6 +5,7 @@ from __future__ import annotations
 import types
 
 import numpy as np
+import pytest
 
 from benchmarks import serve_fresh as sf
 
@@ -210,3 +211,34 @@ def test_a_hung_child_leaves_its_stacks_and_threads(tmp_path, monkeypatch):
   text = open(path).read()
   assert path.startswith(str(tmp_path)) and "threads (name, state, wchan)" in text
   assert f"{proc.pid} python" in text or str(proc.pid) in text
+
+
+def test_rounds_alternate_torch_first_and_last_and_pair_each_mode_with_its_rounds_torch(
+    monkeypatch, tmp_path):
+  seen = []
+  t = {"torch_eager": [20.0, 18.0], "dynjax_auto16_warm": [19.0, 19.5],
+       "dynjax_auto16_warm_restart": [17.0, 18.5]}
+
+  def spawn(args, mode, cache):
+    seen.append((mode, cache))
+    k = sum(m == mode for m, _ in seen) - 1
+    return {"mode": mode, "start_to_last_s": t[mode][k], "stream_s": 4.0 if "torch" in mode
+            else 3.0, "bins_ms": {"all": 1.0}, "marks": {}}
+
+  monkeypatch.setattr(sf, "_spawn", spawn)
+  modes = "torch_eager,dynjax_auto16_warm,dynjax_auto16_warm_restart"
+  out = sf.main(["--modes", modes, "--rounds", "2", "--out", str(tmp_path), "--no-prime"])
+  assert [m for m, _ in seen] == ["torch_eager", "dynjax_auto16_warm",
+                                  "dynjax_auto16_warm_restart", "dynjax_auto16_warm",
+                                  "dynjax_auto16_warm_restart", "torch_eager"]
+  assert seen[2][1] == seen[1][1] and seen[4][1] == seen[3][1] != seen[1][1]  # own round's cache
+  assert [r["round"] for r in out["results"]] == [0, 0, 0, 1, 1, 1]
+  pairs = sf.paired(out["results"])
+  assert pairs["dynjax_auto16_warm"]["diff_s"] == [-1.0, 1.5]
+  assert pairs["dynjax_auto16_warm"]["ahead"] == 1
+  assert pairs["dynjax_auto16_warm_restart"]["median_s"] == pytest.approx(-1.25)
+  assert pairs["dynjax_auto16_warm_restart"]["stream_x"] == [0.75, 0.75]
+  assert "torch_eager" not in pairs
+  text = sf.table(out["results"])
+  assert "| dynjax_auto16_warm | 2 | +0.25 | +0.25 | -1.00 .. +1.50 | 1 of 2 | 0.75-0.75 |" in text
+  assert sf.paired([{k: v for k, v in r.items() if k != "round"} for r in out["results"]]) == {}
