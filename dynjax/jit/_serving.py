@@ -577,8 +577,8 @@ def _proven(fam: Family, entry, exe) -> None:
 
 
 def lowering(fam: Family, bkey, serving: Callable[[], bool] = lambda: True):
-  """A lowering-lane job: ``fam.lower_bucket(bkey)``, with quick GIL switches once
-  ``serving()`` (a request then waits <= 0.5 ms for the GIL).  Before traffic they save no
+  """A lowering-lane job: ``fam.lower_bucket(bkey)``, with quick GIL switches if ``serving()``
+  as it starts (a request then waits <= 0.5 ms for the GIL).  Before traffic they save no
   request and cost the start-up's own Python (2-core box: pure-Python work beside a GIL-bound
   thread took +17% CPU seconds at 0.5 ms switches, +5% at 5 ms)."""
   with quick_switches() if serving() else contextlib.nullcontext():
