@@ -576,7 +576,7 @@ def _proven(fam: Family, entry, exe) -> None:
   fam.gen += 1
 
 
-def lowering(fam: Family, bkey, serving: Callable[[], bool] = lambda: True):
+def lowering(fam: Family, bkey, serving: Callable[[], bool]):
   """A lowering-lane job: ``fam.lower_bucket(bkey)``, with quick GIL switches if ``serving()``
   as it starts (a request then waits <= 0.5 ms for the GIL).  Before traffic they save no
   request and cost the start-up's own Python (2-core box: pure-Python work beside a GIL-bound
