@@ -67,6 +67,19 @@ def no_persistent_cache_write():
     return contextlib.nullcontext()
 
 
+def array_impl() -> type:
+  """The concrete ``jax.Array`` class (exact type tests on the hot path), without starting a
+  backend: ``type(jax.device_put(x))`` at import time started the default backend inside
+  ``import dynjax`` (then ``jax.config.update("jax_num_cpu_devices", n)`` or
+  ``jax.distributed.initialize()`` after it raised).  Fallback: that old way."""
+  try:
+    from jax._src.array import ArrayImpl
+
+    return ArrayImpl
+  except Exception:  # pragma: no cover - private API moved: the backend starts at import
+    return type(jax.device_put(np.zeros((), np.float32)))
+
+
 def jaxlib_version() -> str:
   import jaxlib
 

@@ -15,6 +15,8 @@ when a run measures it at 1.5 s or more (seconds beside each id: that run, for r
 MODULES = ("tests/bucketing/test_zoo.py",)  # 13 tests, 64 s, and a 9.5 s module fixture
 
 TESTS = {
+  # session 39: a child process importing jax, Flax and dynjax (1.9 s)
+  "tests/test_import.py::test_importing_dynjax_starts_no_backend": 1.9,
   "tests/benchmarks/test_probe_cost_curve.py::test_probe_times_each_size_and_each_request_path": 18.3,
   "tests/benchmarks/test_probe_cudnn_hang.py::test_each_variant_runs_its_rounds_in_its_own_process": 5.3,
   "tests/jit/test_serving.py::test_at_exit_running_compiles_end_and_queued_ones_are_dropped": 2.3,

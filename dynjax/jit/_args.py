@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dynjax import _jax_private
 from dynjax._errors import SpecError
 from dynjax._padded import Padded
 
@@ -23,9 +24,9 @@ _VAR_KW = inspect.Parameter.VAR_KEYWORD
 tree_flatten = jax.tree_util.tree_flatten
 tree_unflatten = jax.tree_util.tree_unflatten
 LEAF_TREEDEF = jax.tree_util.tree_structure(0)
-# The concrete jax.Array class, for exact type tests (device_put compiles nothing; jnp.zeros
-# would compile a broadcast at import time).
-ARRAY_IMPL = _ARRAY_IMPL = type(jax.device_put(np.zeros((), np.float32)))
+# The concrete jax.Array class, for exact type tests (named, not made: making an array here
+# started the backend inside ``import dynjax``).
+ARRAY_IMPL = _ARRAY_IMPL = _jax_private.array_impl()
 
 
 def is_padded(x) -> bool:
