@@ -727,7 +727,9 @@ def child(args) -> dict:
 
 
 # -- the parent ------------------------------------------------------------------------------
-def _spawn(args, mode, cache) -> dict:
+def child_command(args, mode, cache) -> tuple[list[str], dict]:
+  """The command line and environment of ``mode``'s child process (``_spawn``; a probe that
+  watches a child, as ``probe_gil_holders.py``, starts the same process)."""
   cmd = [sys.executable, "-m", "benchmarks.serve_fresh", "--child", mode, "--dtype", args.dtype,
          "--size", args.size, "--requests", str(args.requests), "--batch", str(args.batch),
          "--max_len", str(args.max_len), "--lengths", args.lengths, "--reps", str(args.reps),
@@ -749,6 +751,11 @@ def _spawn(args, mode, cache) -> dict:
     env["DYNJAX_DIRECT_OUTPUTS"] = "0"
   if "_nokeep" in mode:  # the traffic kept in cache_dir is neither read nor written
     env["DYNJAX_KEEP_TRAFFIC"] = "0"
+  return cmd, env
+
+
+def _spawn(args, mode, cache) -> dict:
+  cmd, env = child_command(args, mode, cache)
   proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
   _CHILD[0] = proc
   try:
