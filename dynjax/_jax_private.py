@@ -36,12 +36,23 @@ def exclude_from_user_frames(path: str) -> None:
     pass
 
 
-def enable_persistent_cache(cache_dir: str) -> None:
-  """Points JAX's persistent compilation cache at ``cache_dir`` and persists everything.
+_CACHE_SET: list = []  # the directory dynjax last pointed JAX's compilation cache at
+
+
+def enable_persistent_cache(cache_dir: str) -> str | None:
+  """Points JAX's persistent compilation cache at ``cache_dir`` and persists everything,
+  unless the process chose its own: a ``jax_compilation_cache_dir`` that dynjax did not set
+  (``JAX_COMPILATION_CACHE_DIR``, ``jax.config.update``) stays as it is, thresholds included,
+  and is returned (None: JAX's cache is at ``cache_dir`` now).  Before, a ``cache_dir`` moved
+  every ``jax.jit`` of the process into it and made JAX persist each of their compiles.
 
   JAX initialises its cache on the first compile of the process; if that already happened
   with another directory, the cache is reset so the new directory takes effect.
   """
+  current = jax.config.jax_compilation_cache_dir
+  if current and (not _CACHE_SET or current != _CACHE_SET[-1]):
+    return current  # the user's own setting
+  _CACHE_SET[:] = [cache_dir]
   jax.config.update("jax_compilation_cache_dir", cache_dir)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
@@ -52,6 +63,7 @@ def enable_persistent_cache(cache_dir: str) -> None:
       cc.reset_cache()
   except Exception:  # pragma: no cover - private API moved: the config alone still works
     pass
+  return None
 
 
 def no_persistent_cache_write():

@@ -15,6 +15,7 @@ objects (``_stages.py``); ``stats()``/``explain()`` read the counters (``_stats.
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, overload
 
@@ -87,7 +88,9 @@ def jit(
     constraints: extra ``jax.export`` constraints (``"t <= 512"``); a policy with a ``max`` adds
       ``"t <= max"`` itself unless ``overflow="grow"``.
     max_executables: keep at most this many executables (least recently used evicted).
-    cache_dir: persistent compilation cache directory (or ``DYNJAX_CACHE_DIR``).
+    cache_dir: persistent compilation cache directory (or ``DYNJAX_CACHE_DIR``): dynjax's
+      store of compiled buckets, and JAX's own compilation cache unless the process set that
+      (``jax_compilation_cache_dir``), which then stays where it was.
     check: also run the exact-shape function (every ``DYNJAX_CHECK_EVERY``-th call) and raise
       :class:`dynjax.PaddingMismatchError` on a difference. Default ``DYNJAX_CHECK``.
     async_compile: when a call needs a bucket that is not compiled yet but a larger one is,
@@ -205,8 +208,11 @@ class Wrapped:
     dyn_names = tuple(n for n in param_names if n not in static)
     opts = _options.check(self.__name__, param_names, dyn_names, **options,
                           var_keyword=any(p.kind is p.VAR_KEYWORD for p in params))
-    if opts.cache_dir:
-      _jax_private.enable_persistent_cache(opts.cache_dir)
+    kept = opts.cache_dir and _jax_private.enable_persistent_cache(opts.cache_dir)
+    if kept:
+      logging.getLogger("dynjax").info(
+          "dynjax: %s stores its executables in %s; JAX's own compilation cache stays where "
+          "this process put it (%s)", self.__name__, opts.cache_dir, kept)
     if config.log_compiles:
       enable_compile_log()
     self._binder = Binder(fun, self.__name__, opts.static_argnames)

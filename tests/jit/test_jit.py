@@ -399,6 +399,51 @@ def test_persistent_cache_second_process_compiles_nothing(tmp_path):
                                     "0"], runs[1].stdout
 
 
+_JAX_CACHE = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+              "jax_persistent_cache_min_entry_size_bytes")
+
+
+@pytest.fixture
+def jax_cache_config(monkeypatch):
+  """JAX's compilation-cache settings as they were, after the test; dynjax's record of the
+  directory it set, empty during it."""
+  from dynjax import _jax_private
+
+  saved = {k: getattr(jax.config, k) for k in _JAX_CACHE}
+  monkeypatch.setattr(_jax_private, "_CACHE_SET", [])
+  yield
+  for k, v in saved.items():
+    jax.config.update(k, v)
+
+
+def test_cache_dir_leaves_the_jax_cache_a_process_chose_alone(tmp_path, jax_cache_config,
+                                                              caplog):
+  # A process that set JAX's compilation cache keeps it, thresholds included: dynjax's store
+  # still goes to its own cache_dir.  Before, every jax.jit of the process moved into
+  # dynjax's directory and persisted each compile.
+  mine = str(tmp_path / "mine")
+  jax.config.update("jax_compilation_cache_dir", mine)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 2.5)
+  with caplog.at_level("INFO", logger="dynjax"):
+    f = dynjax.jit(lambda x: x * 2, dims={"x": "t"}, padding="trust",
+                   cache_dir=str(tmp_path / "dj"))
+  assert jax.config.jax_compilation_cache_dir == mine
+  assert jax.config.jax_persistent_cache_min_compile_time_secs == 2.5
+  assert f"JAX's own compilation cache stays where this process put it ({mine})" in caplog.text
+  np.testing.assert_array_equal(f(np.ones(3, np.float32)), np.full(3, 2.0))
+  assert any((tmp_path / "dj").iterdir())  # the bucket went to dynjax's store
+
+
+def test_cache_dir_points_an_unset_jax_cache_at_itself(tmp_path, jax_cache_config):
+  jax.config.update("jax_compilation_cache_dir", None)
+  dynjax.jit(lambda x: x, dims={"x": "t"}, cache_dir=str(tmp_path / "a"))
+  assert jax.config.jax_compilation_cache_dir == str(tmp_path / "a")
+  assert jax.config.jax_persistent_cache_min_compile_time_secs == 0.0
+  # dynjax's own setting is dynjax's to move: a later function with another cache_dir
+  dynjax.jit(lambda x: x, dims={"x": "t"}, cache_dir=str(tmp_path / "b"))
+  assert jax.config.jax_compilation_cache_dir == str(tmp_path / "b")
+
+
 def test_async_compile_serves_on_a_larger_bucket_while_compiling(compiles):
   f = dynjax.jit(lambda x: x * 2, dims={"x": "t"}, padding="trust", async_compile=True,
                  buckets={"t": dynjax.buckets.pow2(4, 64)})
