@@ -75,14 +75,15 @@ print("RESULT " + json.dumps(phases))
 """
 
 
-def run_one(variant: str, profile: str, size: str) -> dict:
+def run_one(variant: str, profile: str, size: str, extra_env: dict | None = None) -> dict:
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""),
+             **(extra_env or {}))
   t = time.perf_counter()
   r = subprocess.run([sys.executable, "-c", _CHILD, variant, profile, size], capture_output=True,
                      text=True, env=env, timeout=300, cwd=root)
   wall = time.perf_counter() - t
-  rec: dict = {"variant": variant, "process_s": round(wall, 3)}
+  rec: dict = {"variant": variant, "env": extra_env or {}, "process_s": round(wall, 3)}
   for line in r.stdout.splitlines():
     if line.startswith("RESULT "):
       rec["phases"] = json.loads(line[7:])
@@ -100,14 +101,21 @@ def main(argv=None) -> dict:
   p.add_argument("--variants", default=",".join(VARIANTS))
   p.add_argument("--profile", default="", help="a phase's name to cProfile, e.g. backend")
   p.add_argument("--size", default="base")
+  p.add_argument("--envs", default="",
+                 help="';'-separated environments each variant also runs under, as "
+                      "KEY=VAL,KEY=VAL (an empty item: the process's own), e.g. "
+                      "';XLA_PYTHON_CLIENT_PREALLOCATE=false'")
   args = p.parse_args(argv)
+  envs = [dict(kv.split("=", 1) for kv in item.split(",") if kv)
+          for item in (args.envs.split(";") if args.envs else [""])]
   results = []
   for k in range(args.reps):
-    for v in args.variants.split(","):
-      rec = run_one(v, args.profile, args.size)
-      rec["rep"] = k
-      results.append(rec)
-      print(v, rec.get("process_s"), rec.get("phases") or rec.get("error"), flush=True)
+    for env in envs:
+      for v in args.variants.split(","):
+        rec = run_one(v, args.profile, args.size, env)
+        rec["rep"] = k
+        results.append(rec)
+        print(v, env, rec.get("process_s"), rec.get("phases") or rec.get("error"), flush=True)
   out = {"python": sys.version.split()[0], "results": results}
   if args.out:
     os.makedirs(args.out, exist_ok=True)

@@ -751,6 +751,9 @@ def child_command(args, mode, cache) -> tuple[list[str], dict]:
     env["DYNJAX_DIRECT_OUTPUTS"] = "0"
   if "_nokeep" in mode:  # the traffic kept in cache_dir is neither read nor written
     env["DYNJAX_KEEP_TRAFFIC"] = "0"
+  if "_noprealloc" in mode:  # JAX's GPU allocator grows on demand (JAX's documented switch):
+    # the default reserves 75% of the GPU at the process's first transfer (session 39, H200)
+    env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
   return cmd, env
 
 
