@@ -94,7 +94,9 @@ def child(mode: str, size: str) -> dict:
   cpu = b["main_cpu_s"] - a["main_cpu_s"]
   return {"mode": mode, "setup_s": round(setup_s, 3), "list_wall_s": round(wall, 3),
           "list_main_cpu_s": round(cpu, 3), "list_wait_s": round(wall - cpu, 3),
-          "list_gc_s": round(b["gc_s"] - a["gc_s"], 3), **info}
+          "list_gc_s": round(b["gc_s"] - a["gc_s"], 3),
+          "list_other_threads_cpu_s": round(b["process_cpu_s"] - a["process_cpu_s"] - cpu, 3),
+          "busiest_threads": b["busiest_threads"], **info}
 
 
 def main(argv=None) -> dict:

@@ -158,6 +158,7 @@ class _Clock:
     self._gc = {"seconds": 0.0, "full": 0, "main_seconds": 0.0}
     self._gc_start: dict[int, float] = {}
     self._main = threading.get_ident()
+    self._threads: dict = {}
     import gc
 
     gc.callbacks.append(self._on_gc)
@@ -183,10 +184,40 @@ class _Clock:
     # The heap's size as pymalloc's allocated blocks: ``len(gc.get_objects())`` here raced a
     # warm-up thread building a tuple (CPython's "tupleobject.c: bad argument to internal
     # function" SystemError in JAX's tracing: the H100 run 35 lost a bucket to it).
+    threads = _thread_cpu()
+    busy = sorted(((round((t - self._threads.get(k, (0, ""))[0]) / _TICKS, 3), name)
+                   for k, (t, name) in threads.items()), reverse=True)[:4]
+    self._threads = threads
     self.work[name] = {"main_cpu_s": round(time.thread_time(), 4),
+                       "process_cpu_s": round(time.process_time(), 4),
                        "gc_s": round(self._gc["seconds"], 4),
                        "gc_main_s": round(self._gc["main_seconds"], 4),
-                       "gc_full": self._gc["full"], "allocated_blocks": sys.getallocatedblocks()}
+                       "gc_full": self._gc["full"], "allocated_blocks": sys.getallocatedblocks(),
+                       # the threads that used the most CPU since the mark before (s, name)
+                       "busiest_threads": busy}
+
+
+_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _thread_cpu() -> dict:
+  """``{tid: (CPU ticks, name)}`` of this process's threads (Linux ``/proc``; {} elsewhere):
+  a thread the runtime starts that keeps a core busy (a driver thread polling) shows here."""
+  out = {}
+  try:
+    tids = os.listdir("/proc/self/task")
+  except OSError:
+    return out
+  for tid in tids:
+    try:
+      with open(f"/proc/self/task/{tid}/stat") as fh:
+        stat = fh.read()
+    except OSError:
+      continue
+    name = stat[stat.find("(") + 1:stat.rfind(")")]
+    fields = stat[stat.rfind(")") + 2:].split()
+    out[tid] = (int(fields[11]) + int(fields[12]), f"{name}/{tid}")  # utime + stime
+  return out
 
 
 def _requests(args):
