@@ -24,6 +24,8 @@ import subprocess
 import sys
 import time
 
+from benchmarks._report import write_json
+
 VARIANTS = ("import_then_backend", "backend_first", "put_in_import")
 
 _CHILD = r"""
@@ -117,10 +119,7 @@ def main(argv=None) -> dict:
         results.append(rec)
         print(v, env, rec.get("process_s"), rec.get("phases") or rec.get("error"), flush=True)
   out = {"python": sys.version.split()[0], "results": results}
-  if args.out:
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "probe_backend_start.json"), "w") as fh:
-      json.dump(out, fh, indent=1)
+  write_json(args.out, "probe_backend_start.json", out)
   return out
 
 

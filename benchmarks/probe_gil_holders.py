@@ -31,6 +31,7 @@ import threading
 import time
 
 from benchmarks import serve_fresh
+from benchmarks._report import write_json
 
 _LINE = re.compile(r"^thread \((\w+)\): (.*) (\d+)$")
 
@@ -204,10 +205,7 @@ def main(argv=None) -> dict:
       for where, n in g.get("other_threads_by_dynjax_frame", [])[:6]:
         print(f"    {n:6d}  {where}", flush=True)
   out = {"python": sys.version.split()[0], "results": results}
-  if ours.out:
-    os.makedirs(ours.out, exist_ok=True)
-    with open(os.path.join(ours.out, "probe_gil_holders.json"), "w") as fh:
-      json.dump(out, fh, indent=1)
+  write_json(ours.out, "probe_gil_holders.json", out)
   shutil.rmtree(tmp, ignore_errors=True)
   return out
 

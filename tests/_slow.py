@@ -16,6 +16,7 @@ MODULES = ("tests/bucketing/test_zoo.py",)  # 13 tests, 64 s, and a 9.5 s module
 
 TESTS = {
   # session 39: a child process importing jax, Flax and dynjax (1.9 s)
+  "tests/benchmarks/test_probe_backend_start.py::test_a_variant_times_its_phases_in_its_order_under_the_given_environment": 3.4,
   "tests/test_import.py::test_importing_dynjax_starts_no_backend": 1.9,
   "tests/benchmarks/test_probe_cost_curve.py::test_probe_times_each_size_and_each_request_path": 18.3,
   "tests/benchmarks/test_probe_cudnn_hang.py::test_each_variant_runs_its_rounds_in_its_own_process": 5.3,

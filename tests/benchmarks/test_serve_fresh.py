@@ -125,6 +125,40 @@ def test_clock_marks_record_main_thread_cpu_and_collector_time():
   assert b["allocated_blocks"] > 0 and set(clock.marks) >= {"a", "b"}
 
 
+def test_clock_marks_name_the_threads_that_kept_a_core_busy():
+  import sys
+  import threading
+
+  if not sys.platform.startswith("linux"):
+    pytest.skip("reads /proc")
+  clock = sf._Clock()
+  try:
+    clock.mark("a")
+    stop = threading.Event()
+
+    def spin():  # a thread that keeps a core busy beside the main thread's own work
+      while not stop.is_set():
+        sum(range(1000))
+
+    t = threading.Thread(target=spin, name="spinner")
+    t.start()
+    import time
+
+    time.sleep(0.5)  # the main thread waits: the spinner's CPU is the process's, not main's
+    clock.mark("b")  # (while the spinner lives: a thread that ended has left /proc)
+    stop.set()
+    t.join()
+  finally:
+    import gc
+
+    gc.callbacks.remove(clock._on_gc)
+  a, b = clock.work["a"], clock.work["b"]
+  other = (b["process_cpu_s"] - a["process_cpu_s"]) - (b["main_cpu_s"] - a["main_cpu_s"])
+  assert other > 0.2
+  seconds, name = b["busiest_threads"][0]  # (s, "<OS name>/<tid>"), the busiest first
+  assert seconds > 0.2 and name.endswith(f"/{t.native_id}"), b["busiest_threads"]
+
+
 def test_nocb_tag_runs_the_child_without_cuda_graphs_and_lengths_variants_keep_their_name(
     monkeypatch, tmp_path):
   envs = []
