@@ -177,26 +177,18 @@ def main(argv=None) -> dict:
   tmp = tempfile.mkdtemp(prefix="gil_holders_")
   args.bytecode = serve_fresh._compile_checkout(os.path.join(tmp, "pyc"))
   serve_fresh._requests(args)  # the stdlib's sources in the page cache, as serve_fresh does
-  results = []
+  results: list = []
+  caches: dict = {}
   for k in range(ours.rounds):
-    cold = None
     for mode in serve_fresh.round_order([m for m in ours.modes.split(",") if m], k):
-      restart, _ = serve_fresh.cache_key(mode)
-      cache = None
-      if mode.startswith("dynjax_"):
-        if restart:
-          if cold is None:
-            continue
-          cache = os.path.join(tmp, f"restart-{k}-{len(results)}")
-          shutil.copytree(cold, cache, symlinks=True)
-        else:
-          cold = cache = os.path.join(tmp, f"cold-{k}-{len(results)}")
+      cache, why = serve_fresh.mode_cache(mode, caches, tmp, len(results), pristine=True)
+      if why is not None:
+        results.append({"mode": mode, "round": k, "error": why})
+        continue
       t = time.time()
       rec = _watch(args, mode, cache, pyspy, tmp)
       rec["round"], rec["wall_s"] = k, round(time.time() - t, 2)
-      if cache and not restart and os.path.isdir(cache):  # what the restarts start from
-        shutil.copytree(cache, cache + ".cold", symlinks=True)
-        cold = cache + ".cold"
+      serve_fresh.keep_cold(mode, cache)  # what the restarts start from
       results.append(rec)
       g = rec.get("gil_probe", {})
       print(f"{mode} round {k}: start->last {rec.get('start_to_last_s')}, window "

@@ -894,34 +894,53 @@ def main(argv=None) -> dict:
   results = []
   out = _write(args, results)
   for k, mode in runs:
-    restart, base = cache_key(mode)
-    cache = None
-    if mode.startswith(("hand", "dynjax_")):
-      if restart and base not in caches:
-        results.append({"mode": mode, "error": f"needs {base} earlier in --modes"})
-        continue
-      if restart:
-        cache = caches[base]
-        if args.pristine_restarts:  # this restart's copy of what the cold process left
-          pristine, cache = cache + ".cold", os.path.join(tmp, f"{mode}-{len(results)}")
-          if not os.path.isdir(pristine):
-            results.append({"mode": mode, "error": f"{base} left no cache to restart on"})
-            continue
-          shutil.copytree(pristine, cache, symlinks=True)
-      else:  # a cold mode always starts on a fresh cache (a repeated mode too: the same
-        # directory made its second run a restart); later restarts take the latest
-        cache = caches[base] = os.path.join(tmp, f"{mode}-{len(results)}")
+    cache, why = mode_cache(mode, caches, tmp, len(results), args.pristine_restarts)
+    if why is not None:
+      results.append({"mode": mode, "error": why})
+      continue
     rec = _spawn(args, mode, cache)
     if args.rounds > 1:
       rec["round"] = k
-    if args.pristine_restarts and cache and not restart and os.path.isdir(cache):
-      shutil.copytree(cache, cache + ".cold", symlinks=True)
+    if args.pristine_restarts:
+      keep_cold(mode, cache)
     results.append(rec)
     print(_line(rec), flush=True)
     out = _write(args, results)  # after every mode: a run cut short keeps what it measured
   print(table(results))
   shutil.rmtree(tmp, ignore_errors=True)
   return out
+
+
+def mode_cache(mode: str, caches: dict, tmp: str, n: int,
+               pristine: bool) -> tuple[str | None, str | None]:
+  """``(cache directory, None)`` that ``mode``'s child runs on (None: no cache, a torch or
+  ``lengths`` mode), or ``(None, why it cannot run)``.  A cold mode always starts on a fresh
+  directory under ``tmp`` (``n`` keeps names apart; a repeated mode too: the same directory
+  made its second run a restart) and ``caches`` keeps it for the restarts after it; a restart
+  takes the latest, or with ``pristine`` a copy of it as its cold process left it
+  (:func:`keep_cold`)."""
+  if not mode.startswith(("hand", "dynjax_")):
+    return None, None
+  restart, base = cache_key(mode)
+  if not restart:
+    caches[base] = os.path.join(tmp, f"{mode}-{n}")
+    return caches[base], None
+  if base not in caches:
+    return None, f"needs {base} earlier in --modes"
+  if not pristine:
+    return caches[base], None
+  cold, cache = caches[base] + ".cold", os.path.join(tmp, f"{mode}-{n}")
+  if not os.path.isdir(cold):
+    return None, f"{base} left no cache to restart on"
+  shutil.copytree(cold, cache, symlinks=True)
+  return cache, None
+
+
+def keep_cold(mode: str, cache: str | None) -> None:
+  """After a cold mode's child: a copy of its cache as it left it, for the pristine restarts
+  (:func:`mode_cache`)."""
+  if cache and not cache_key(mode)[0] and os.path.isdir(cache):
+    shutil.copytree(cache, cache + ".cold", symlinks=True)
 
 
 _PRIME = """

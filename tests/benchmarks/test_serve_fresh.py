@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import types
 
 import numpy as np
@@ -276,3 +277,30 @@ def test_rounds_alternate_torch_first_and_last_and_pair_each_mode_with_its_round
   text = sf.table(out["results"])
   assert "| dynjax_auto16_warm | 2 | +0.25 | +0.25 | -1.00 .. +1.50 | 1 of 2 | 0.75-0.75 |" in text
   assert sf.paired([{k: v for k, v in r.items() if k != "round"} for r in out["results"]]) == {}
+
+
+def test_restarts_run_on_their_cold_modes_cache_or_a_pristine_copy_of_it(tmp_path):
+  caches: dict = {}
+  tmp = str(tmp_path)
+  assert sf.mode_cache("torch_eager", caches, tmp, 0, True) == (None, None)
+  assert sf.mode_cache("dynjax_auto_warm_restart", caches, tmp, 0, True) == (
+      None, "needs dynjax_auto earlier in --modes")
+  cold, why = sf.mode_cache("dynjax_auto_warm", caches, tmp, 1, True)
+  assert why is None and cold == str(tmp_path / "dynjax_auto_warm-1")
+  os.makedirs(cold)
+  with open(os.path.join(cold, "exe"), "w") as fh:
+    fh.write("cold")
+  # no copy kept yet: a pristine restart has nothing to start from
+  assert sf.mode_cache("dynjax_auto_warm_restart", caches, tmp, 2, True) == (
+      None, "dynjax_auto left no cache to restart on")
+  sf.keep_cold("dynjax_auto_warm", cold)
+  with open(os.path.join(cold, "exe"), "w") as fh:  # what the cold process's later run left
+    fh.write("later")
+  copy, why = sf.mode_cache("dynjax_auto_warm_restart", caches, tmp, 3, True)
+  assert why is None and copy == str(tmp_path / "dynjax_auto_warm_restart-3")
+  with open(os.path.join(copy, "exe")) as fh:
+    assert fh.read() == "cold"  # the cache as the cold process left it
+  sf.keep_cold("dynjax_auto_warm_restart", copy)  # a restart keeps no copy of its own
+  assert not os.path.exists(copy + ".cold")
+  # without pristine restarts a restart shares the cold mode's directory
+  assert sf.mode_cache("dynjax_auto_warm_restart", caches, tmp, 4, False) == (cold, None)
