@@ -8,8 +8,5 @@ source benchmarks/_gpu_head.sh
 timeout "${TG:-240}" python3 -m benchmarks.probe_gil_holders --out "$OUT" \
   --py-spy "$PWD/.tools/py-spy" --rounds "${ROUNDS:-2}" > "$OUT/gil.log" 2>&1
 echo "gil rc=$?"; cat "$OUT/gil.log"
-timeout "${T32:-150}" python3 -m benchmarks.serve_fresh --out "$OUT" --rounds 1 \
-  --modes torch_eager,dynjax_auto16_warm,dynjax_auto16_warm_restart \
-  --timeout 60 --pristine-restarts > "$OUT/fp32.log" 2>&1
-echo "fp32 rc=$?"
-grep -A8 "^| mode" "$OUT/fp32.log"; grep "ERROR" "$OUT/fp32.log" | cut -c1-300
+serve_fresh_call fp32 "${T32:-150}" --rounds 1 \
+  --modes torch_eager,dynjax_auto16_warm,dynjax_auto16_warm_restart --timeout 60 --pristine-restarts

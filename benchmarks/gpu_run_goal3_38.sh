@@ -11,10 +11,7 @@ source benchmarks/_gpu_head.sh
 export PATH=$PWD/.tools:$PATH
 A="torch_eager,dynjax_auto16_warm,dynjax_auto16_warm_restart"
 B="dynjax_auto16_warm,dynjax_auto16_warm_restart,torch_eager"
-timeout "${T32:-340}" python3 -m benchmarks.serve_fresh --out "$OUT" \
-  --modes "$A,$B,$A,$B" --timeout 60 --pristine-restarts > "$OUT/fp32.log" 2>&1
-echo "fp32 rc=$?"
-grep -A14 "^| mode" "$OUT/fp32.log"; grep "ERROR" "$OUT/fp32.log" | cut -c1-300
+serve_fresh_call fp32 "${T32:-340}" --modes "$A,$B,$A,$B" --timeout 60 --pristine-restarts
 if command -v py-spy > /dev/null; then
   rm -rf /tmp/gil_cache
   SERVE_FRESH_T0=$(python3 -c "import time; print(time.time())") timeout 60 py-spy record \

@@ -5,7 +5,4 @@
 source benchmarks/_gpu_head.sh
 A="torch_eager,dynjax_auto16_warm,dynjax_auto16_warm_restart"
 B="dynjax_auto16_warm,dynjax_auto16_warm_restart,torch_eager"
-timeout "${T32:-300}" python3 -m benchmarks.serve_fresh --out "$OUT" \
-  --modes "$B,$A,$B" --timeout 60 --pristine-restarts > "$OUT/fp32.log" 2>&1
-echo "fp32 rc=$?"
-grep -A11 "^| mode" "$OUT/fp32.log"; grep "ERROR" "$OUT/fp32.log" | cut -c1-300
+serve_fresh_call fp32 "${T32:-300}" --modes "$B,$A,$B" --timeout 60 --pristine-restarts

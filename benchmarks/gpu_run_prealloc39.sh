@@ -12,8 +12,6 @@ timeout 120 python3 -m benchmarks.probe_backend_start --out "$OUT" --reps 2 \
   > "$OUT/phases.log" 2>&1
 echo "phases rc=$?"; cat "$OUT/phases.log"
 M=dynjax_auto16_warm
-timeout "${T32:-330}" python3 -m benchmarks.serve_fresh --out "$OUT" --rounds "${ROUNDS:-2}" \
+serve_fresh_call fp32 "${T32:-330}" --rounds "${ROUNDS:-2}" \
   --modes "torch_eager,$M,${M}_restart,${M}_noprealloc,${M}_noprealloc_restart" \
-  --timeout 60 --pristine-restarts > "$OUT/fp32.log" 2>&1
-echo "fp32 rc=$?"
-grep -A30 "^| mode" "$OUT/fp32.log"; grep "ERROR" "$OUT/fp32.log" | cut -c1-300
+  --timeout 60 --pristine-restarts

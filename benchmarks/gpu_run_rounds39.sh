@@ -7,8 +7,6 @@
 # and last in turn; the table ends with each mode against torch eager of its round.
 source benchmarks/_gpu_head.sh
 M=dynjax_auto16_warm
-timeout "${T32:-540}" python3 -m benchmarks.serve_fresh --out "$OUT" --rounds "${ROUNDS:-4}" \
+serve_fresh_call fp32 "${T32:-540}" --rounds "${ROUNDS:-4}" \
   --modes "torch_eager,$M,${M}_restart,${M}_noprealloc,${M}_noprealloc_restart" \
-  --timeout 60 --pristine-restarts > "$OUT/fp32.log" 2>&1
-echo "fp32 rc=$?"
-grep -A40 "^| mode" "$OUT/fp32.log"; grep "ERROR" "$OUT/fp32.log" | cut -c1-300
+  --timeout 60 --pristine-restarts

@@ -9,9 +9,7 @@
 #    fixes were not re-run there.
 source benchmarks/_gpu_head.sh
 R="torch_eager,dynjax_auto16_warm,dynjax_auto16_warm_bgtrace,dynjax_auto16_warm_bgall"
-timeout "${T32:-300}" python3 -m benchmarks.serve_fresh --out "$OUT" \
+serve_fresh_call fp32 "${T32:-300}" \
   --modes "$R,$R,$R,dynjax_auto16_warm_restart,dynjax_auto16_warm_bgtrace_restart" \
-  --timeout 60 --pristine-restarts > "$OUT/fp32.log" 2>&1
-echo "fp32 rc=$?"
-grep -A16 "^| mode" "$OUT/fp32.log"; grep "ERROR" "$OUT/fp32.log" | cut -c1-300
+  --timeout 60 --pristine-restarts
 TT=${TT:-170} NW=${NW:-14} bash benchmarks/gpu_run_suite.sh | tail -8

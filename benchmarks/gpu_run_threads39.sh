@@ -9,11 +9,8 @@ source benchmarks/_gpu_head.sh
 timeout 150 python3 benchmarks/probe_list_cpu.py --modes bare,torch,jax --rounds 2 \
   --out "$OUT" > "$OUT/list.log" 2>&1
 echo "list rc=$?"; grep median "$OUT/list.log"
-timeout "${T32:-300}" python3 -m benchmarks.serve_fresh --out "$OUT" --rounds 2 \
-  --modes torch_eager,dynjax_auto16_warm,dynjax_auto16_warm_restart \
-  --timeout 60 --pristine-restarts > "$OUT/fp32.log" 2>&1
-echo "fp32 rc=$?"
-grep -A20 "^| mode" "$OUT/fp32.log"; grep "ERROR" "$OUT/fp32.log" | cut -c1-300
+serve_fresh_call fp32 "${T32:-300}" --rounds 2 \
+  --modes torch_eager,dynjax_auto16_warm,dynjax_auto16_warm_restart --timeout 60 --pristine-restarts
 python3 - "$OUT/serve_fresh_float32.json" "$OUT/probe_list_cpu.json" <<'PY'
 import json, sys
 for r in json.load(open(sys.argv[1]))["results"]:

@@ -9,11 +9,6 @@
 source benchmarks/_gpu_head.sh
 A="torch_eager,dynjax_auto16_warm,dynjax_auto16_warm_nostore,dynjax_auto16_warm_t0lvl0"
 A="$A,dynjax_auto16_warm_noprerun"
-timeout "${T32:-300}" python3 -m benchmarks.serve_fresh --out "$OUT" \
-  --modes "$A,$A" --timeout 60 > "$OUT/fp32.log" 2>&1
-echo "fp32 rc=$?"
-grep -A12 "^| mode" "$OUT/fp32.log"; grep "ERROR" "$OUT/fp32.log" | cut -c1-300
+serve_fresh_call fp32 "${T32:-300}" --modes "$A,$A" --timeout 60
 C=dynjax_cudnn_auto16_warm
-timeout "${T16:-90}" python3 -m benchmarks.serve_fresh --out "$OUT" --dtype bfloat16 \
-  --modes "$C,$C" --timeout 40 > "$OUT/bf16.log" 2>&1
-echo "bf16 rc=$?"; grep -A4 "^| mode" "$OUT/bf16.log"; grep "ERROR" "$OUT/bf16.log" | cut -c1-200
+serve_fresh_call bf16 "${T16:-90}" --dtype bfloat16 --modes "$C,$C" --timeout 40
